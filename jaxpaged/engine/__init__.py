@@ -1,0 +1,1 @@
+"""The engine core: requests, KV page management, scheduling and the step loop."""

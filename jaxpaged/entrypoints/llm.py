@@ -1,0 +1,88 @@
+"""`LLM`: the offline Python API (vLLM's ``LLM`` class)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs
+from jaxpaged.engine.engine import Engine, Prompt
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate text for batches of prompts with continuous batching.
+
+    Args:
+        model: Hugging Face model directory (default: the bundled stories260K).
+        **engine_args: any :class:`EngineArgs` field (``block_size``, ``max_num_seqs``, ...).
+
+    Raises:
+        TypeError: an unknown engine argument. Model-loading errors as in :class:`Engine`.
+
+    Example::
+
+        llm = LLM()
+        out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=60))
+        print(out[0].outputs[0].text)
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args):
+        self.engine = Engine(EngineArgs(model=model, **engine_args))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        """The engine's Hugging Face tokenizer."""
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion.
+
+        Args:
+            prompts: a string, a list of token ids, a TokensPrompt/TextPrompt dict, or a list
+                of any of these (a list of ints is one prompt).
+            sampling_params: one for all prompts, or one per prompt (default ``SamplingParams()``).
+            use_tqdm: show a progress bar.
+
+        Returns:
+            The final ``RequestOutput`` of each prompt, in input order.
+
+        Raises:
+            ValueError / TypeError: a bad prompt or a params list of the wrong length; no
+                request of this call is left queued then.
+        """
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(self._counter)
+                self._counter += 1
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.update(1)
+        return [final[i] for i in ids]

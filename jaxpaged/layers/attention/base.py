@@ -1,0 +1,141 @@
+"""The attention backend interface and the KV page pool layout.
+
+KV page pool layout (the one place it is defined)
+-------------------------------------------------
+For each of the model's layers the pool holds one pair ``(k_pages, v_pages)``, each
+
+    [num_pages, page_size, num_kv_heads, head_dim]   in the KV dtype (the model dtype).
+
+A token at position ``p`` of a request whose page table is ``page_table`` lives in page
+``page_table[p // page_size]`` at row ``p % page_size``; its flat *slot* is
+``page * page_size + row``. Page 0 is the *null page*: it is never handed to a request,
+padding tokens write their K/V there and padding page-table entries point at it (vLLM v1
+reserves its block 0 the same way). The whole pool is preallocated once and passed to the
+jitted step as a donated argument, so every update happens in place.
+
+A backend turns one step's host-side batch description (:class:`BatchLayout`) into device
+metadata once per step (:meth:`AttentionBackend.build_metadata`), then, inside the jitted
+step and once per layer, writes the step's new K/V rows into the pool and computes causal
+attention for every query token (:meth:`AttentionBackend.forward`). Prefill chunks and
+decodes of different requests share one call.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: Index of the page reserved for padding writes; never allocated to a request.
+NULL_PAGE = 0
+
+KVPages = tuple[jax.Array, jax.Array]
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Host-side description of one step's ragged batch (numpy, already padded).
+
+    Shapes use T = padded token count, B = padded sequence count, P = padded pages per
+    sequence. Sequences ``[num_seqs, B)`` and tokens ``[num_tokens, T)`` are padding.
+
+    Attributes:
+        query_start_loc: [B + 1] int32; tokens of sequence i are
+            ``[query_start_loc[i], query_start_loc[i+1])`` (padding sequences are empty).
+        seq_lens: [B] int32; each sequence's KV length after this step (0 for padding).
+        positions: [T] int32; absolute position of every token (0 for padding).
+        slot_mapping: [T] int32; flat pool slot each new token's K/V is written to
+            (slots of the null page for padding).
+        page_table: [B, P] int32; page ids of every sequence (NULL_PAGE for padding).
+        num_seqs: real sequence count; num_tokens: real token count.
+    """
+
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    page_table: np.ndarray
+    num_seqs: int
+    num_tokens: int
+
+    @property
+    def is_decode_only(self) -> bool:
+        """True when every real sequence has exactly one new token."""
+        return self.num_tokens == self.num_seqs
+
+
+class AttentionBackend(abc.ABC):
+    """Paged attention over the KV page pool (see the module docstring for the layout).
+
+    Implementations must be hashable and immutable: they are static parts of the jitted
+    step. ``build_metadata`` runs on the host without JAX; ``forward`` runs inside jit.
+    """
+
+    #: The name used by ``--attention-backend``.
+    name: str
+
+    @abc.abstractmethod
+    def build_metadata(self, layout: BatchLayout) -> dict[str, np.ndarray]:
+        """Host arrays this backend needs each step, derived from ``layout``.
+
+        Every value must have a shape that depends only on the padded sizes (T, B, P),
+        so that the jitted step compiles once per bucket.
+        """
+
+    @abc.abstractmethod
+    def forward(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_pages: KVPages,
+                metadata: dict[str, jax.Array], *, scale: float) -> tuple[jax.Array, KVPages]:
+        """Write this step's K/V into the pool, then attend.
+
+        Args:
+            q: [T, num_heads, head_dim] queries (RoPE applied).
+            k, v: [T, num_kv_heads, head_dim] this step's keys and values.
+            kv_pages: the layer's ``(k_pages, v_pages)``, each
+                [num_pages, page_size, num_kv_heads, head_dim].
+            metadata: device copies of ``build_metadata``'s arrays plus the common
+                ``slot_mapping``, ``page_table``, ``seq_lens``, ``query_start_loc``, ``positions``.
+            scale: softmax scale, normally ``head_dim ** -0.5``.
+
+        Returns:
+            ([T, num_heads, head_dim] attention output in q's dtype, updated kv_pages).
+            Rows of padding tokens are unspecified.
+        """
+
+
+def write_kv(kv_pages: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVPages:
+    """Scatter new K/V rows into their slots (in place when the pool is donated).
+
+    Args:
+        kv_pages: ``(k_pages, v_pages)``, each [num_pages, page_size, KVH, D].
+        k, v: [T, KVH, D] new rows.
+        slot_mapping: [T] int32 flat slots (``page * page_size + row``).
+
+    Returns:
+        The updated ``(k_pages, v_pages)``.
+    """
+    k_pages, v_pages = kv_pages
+    num_pages, page_size = k_pages.shape[:2]
+
+    def scatter(pages, rows):
+        flat = pages.reshape(num_pages * page_size, *pages.shape[2:])
+        flat = flat.at[slot_mapping].set(rows.astype(pages.dtype))
+        return flat.reshape(pages.shape)
+
+    return scatter(k_pages, k), scatter(v_pages, v)
+
+
+def allocate_kv_pool(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                     head_dim: int, dtype) -> list[KVPages]:
+    """Preallocate the zero-filled pool: ``num_layers`` pairs of
+    [num_pages, page_size, num_kv_heads, head_dim] arrays of ``dtype``."""
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
+
+
+def kv_bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                      dtype) -> int:
+    """Bytes one page occupies across all layers, K and V together."""
+    return 2 * num_layers * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize

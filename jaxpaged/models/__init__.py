@@ -1,0 +1,1 @@
+"""Model families (Flax NNX) and checkpoint loading."""

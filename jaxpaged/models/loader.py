@@ -1,0 +1,134 @@
+"""Load a Hugging Face model directory (or dummy weights) into a Flax NNX model.
+
+A parameter at NNX path ``a.b.c.<leaf>`` comes from the safetensors tensor ``a.b.c.weight``
+(or ``.bias``): ``nnx.Linear`` kernels are stored transposed ([in, out]) relative to torch's
+``[out, in]``; embeddings and norm scales are taken as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before safetensors reads it)
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from jaxpaged.config import ModelConfig, UnsupportedModelError
+from jaxpaged.layers.attention import AttentionBackend
+from jaxpaged.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+class MissingWeightsError(ValueError):
+    """The checkpoint lacks tensors the model needs, or holds them with the wrong shape."""
+
+
+def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: AttentionBackend,
+               load_format: str = "auto", seed: int = 0) -> nnx.Module:
+    """Build the model for ``config`` and fill its parameters.
+
+    Args:
+        model_dir: Hugging Face directory with ``model.safetensors`` or
+            ``model.safetensors.index.json`` plus shards (ignored for ``dummy``).
+        config: parsed ``config.json``.
+        dtype: parameter dtype; checkpoint tensors are cast to it.
+        backend: attention backend the model's layers call.
+        load_format: ``auto``/``safetensors`` read the checkpoint; ``dummy`` draws random
+            weights (normal, std 0.02; norms at 1) from ``seed``, as vLLM's ``--load-format dummy``.
+
+    Raises:
+        UnsupportedModelError: no model class for the architecture.
+        ValueError: unknown ``load_format``.
+        FileNotFoundError: no safetensors files in ``model_dir``.
+        MissingWeightsError: tensors missing or of the wrong shape (all are named).
+    """
+    cls = _MODEL_CLASSES.get(config.architecture)
+    if cls is None:
+        raise UnsupportedModelError(f"no model class for architecture {config.architecture!r}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; choose from {list(LOAD_FORMATS)}")
+    if load_format == "dummy":
+        return _dummy_model(cls, config, backend, dtype, seed)
+
+    abstract = nnx.eval_shape(lambda: cls(config, backend, dtype, nnx.Rngs(seed)))
+    graphdef, abstract_state = nnx.split(abstract)
+    flat = nnx.to_flat_state(abstract_state)
+    reader = _SafetensorsReader(model_dir)
+    missing, bad_shapes = [], []
+    for path, var in flat:
+        name, transpose = _hf_name(path)
+        arr = reader.get(name)
+        if arr is None:
+            missing.append(name)
+            continue
+        if transpose:
+            arr = arr.T
+        if arr.shape != var.shape:
+            bad_shapes.append(f"{name}: checkpoint {arr.shape} != expected {var.shape}")
+            continue
+        var.set_value(jnp.asarray(arr, dtype=dtype))
+    if missing or bad_shapes:
+        raise MissingWeightsError(
+            f"checkpoint {model_dir!r} does not match the {config.architecture} config: "
+            + (f"missing tensors {missing}" if missing else "")
+            + ("; " if missing and bad_shapes else "")
+            + (f"wrong shapes {bad_shapes}" if bad_shapes else ""))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _dummy_model(cls, config, backend, dtype, seed):
+    @jax.jit
+    def init():
+        return nnx.split(cls(config, backend, dtype, nnx.Rngs(seed)))[1]
+
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(config, backend, dtype, nnx.Rngs(seed))))
+    return nnx.merge(graphdef, init())
+
+
+def _hf_name(path: tuple) -> tuple[str, bool]:
+    """NNX parameter path -> (safetensors tensor name, whether to transpose)."""
+    *prefix, leaf = (str(p) for p in path)
+    base = ".".join(prefix)
+    if leaf == "kernel":
+        return f"{base}.weight", True
+    if leaf == "bias":
+        return f"{base}.bias", False
+    return f"{base}.weight", False   # "embedding" (nnx.Embed) and "weight" (RMSNorm)
+
+
+class _SafetensorsReader:
+    """Tensors of a single-file or sharded safetensors checkpoint, read lazily by name."""
+
+    def __init__(self, model_dir: str):
+        index = os.path.join(model_dir, "model.safetensors.index.json")
+        single = os.path.join(model_dir, "model.safetensors")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            self._where = {k: os.path.join(model_dir, v) for k, v in weight_map.items()}
+        elif os.path.isfile(single):
+            with safe_open(single, framework="numpy") as f:
+                self._where = {k: single for k in f.keys()}
+        else:
+            raise FileNotFoundError(
+                f"no model.safetensors or model.safetensors.index.json in {model_dir!r}")
+        self._open: dict[str, object] = {}
+
+    def get(self, name: str) -> np.ndarray | None:
+        path = self._where.get(name)
+        if path is None:
+            return None
+        if path not in self._open:
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"checkpoint shard {path!r} (holding {name}) is missing")
+            self._open[path] = safe_open(path, framework="numpy")
+        return self._open[path].get_tensor(name)

@@ -1,0 +1,1 @@
+"""Host batch -> device arrays -> one jitted model step."""

@@ -1,0 +1,98 @@
+"""Batched on-device token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Order of the transforms follows vLLM's sampler (``vllm/v1/sample/sampler.py``): logits are
+divided by the temperature, then top-k and top-p (Holtzman et al., "The Curious Case of Neural
+Text Degeneration", ICLR 2020, section 3.1) truncate the distribution, then min-p, then a
+token is drawn. Every request carries its own PRNG key derived from its seed and the position
+of the token being sampled, so its draw never depends on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplingMetadata:
+    """Per-request sampling parameters for one step, each [B] (B = padded sequence count).
+
+    Attributes:
+        temperature: float32; ignored where ``greedy``.
+        top_k: int32; 0 keeps the whole vocabulary.
+        top_p: float32 in (0, 1].
+        min_p: float32 in [0, 1].
+        greedy: bool; argmax decoding.
+        seed_lo, seed_hi: uint32 halves of each request's 64-bit seed.
+        position: int32; position of the token being sampled (its index in prompt + output).
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    greedy: jax.Array
+    seed_lo: jax.Array
+    seed_hi: jax.Array
+    position: jax.Array
+
+    @classmethod
+    def from_host(cls, rows: list[tuple[float, int, float, float, bool, int, int]],
+                  padded: int) -> "SamplingMetadata":
+        """Pack ``(temperature, top_k, top_p, min_p, greedy, seed, position)`` rows into
+        numpy arrays of length ``padded`` (padding rows are greedy)."""
+        temperature = np.ones(padded, np.float32)
+        top_k = np.zeros(padded, np.int32)
+        top_p = np.ones(padded, np.float32)
+        min_p = np.zeros(padded, np.float32)
+        greedy = np.ones(padded, bool)
+        seed = np.zeros(padded, np.uint64)
+        position = np.zeros(padded, np.int32)
+        for i, (t, k, p, mp, g, s, pos) in enumerate(rows):
+            temperature[i], top_k[i], top_p[i], min_p[i], greedy[i] = t, k, p, mp, g
+            seed[i], position[i] = s & 0xFFFFFFFFFFFFFFFF, pos
+        return cls(temperature, top_k, top_p, min_p, greedy,
+                   (seed & 0xFFFFFFFF).astype(np.uint32), (seed >> 32).astype(np.uint32),
+                   position)
+
+
+def sample(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """Draw one token per row.
+
+    Args:
+        logits: [B, V] float32.
+        meta: the rows' sampling parameters.
+
+    Returns:
+        [B] int32 token ids.
+    """
+    vocab = logits.shape[-1]
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    temperature = jnp.where(meta.greedy, 1.0, meta.temperature)
+    scaled = logits / temperature[:, None]
+
+    # top-k then top-p on the sorted distribution; the threshold is a logit value per row.
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(meta.top_k > 0, jnp.minimum(meta.top_k, vocab), vocab)
+    rank = jnp.arange(vocab)[None, :]
+    sorted_desc = jnp.where(rank < k[:, None], sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < meta.top_p[:, None]) & (rank < k[:, None])
+    num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
+    threshold = jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
+    # min-p: p >= min_p * p_max  <=>  logit >= max_logit + log(min_p).
+    min_p_threshold = sorted_desc[:, :1] + jnp.log(jnp.maximum(meta.min_p, 1e-30))[:, None]
+    threshold = jnp.maximum(threshold, jnp.where(meta.min_p[:, None] > 0, min_p_threshold, -jnp.inf))
+    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+    def draw(lo, hi, pos, row):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(lo), hi), pos)
+        return jax.random.categorical(key, row)
+
+    sampled = jax.vmap(draw)(meta.seed_lo, meta.seed_hi, meta.position, masked).astype(jnp.int32)
+    return jnp.where(meta.greedy, greedy_tokens, sampled)
