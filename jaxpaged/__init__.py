@@ -1,16 +1,27 @@
 """jaxpaged: a JAX/Pallas LLM inference and serving engine in the spirit of vLLM.
 
 Public API: :class:`LLM`, :class:`SamplingParams`, :class:`EngineArgs`, :class:`Engine`,
-:class:`RequestOutput`, :class:`CompletionOutput`.
+:class:`RequestOutput`, :class:`CompletionOutput`. They are imported on first use, so that
+``import jaxpaged`` (and the command line's argument parsing) stays cheap.
 """
 
-from jaxpaged.engine.arg_utils import EngineArgs
-from jaxpaged.engine.engine import Engine
-from jaxpaged.entrypoints.llm import LLM
-from jaxpaged.outputs import CompletionOutput, RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "CompletionOutput", "Engine", "EngineArgs", "RequestOutput", "SamplingParams",
-           "__version__"]
+_EXPORTS = {
+    "LLM": "jaxpaged.entrypoints.llm",
+    "Engine": "jaxpaged.engine.engine",
+    "EngineArgs": "jaxpaged.engine.arg_utils",
+    "SamplingParams": "jaxpaged.sampling_params",
+    "RequestOutput": "jaxpaged.outputs",
+    "CompletionOutput": "jaxpaged.outputs",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'jaxpaged' has no attribute {name!r}")

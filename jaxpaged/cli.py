@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from jaxpaged.engine.arg_utils import EngineArgs
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # transformers announces at import that torch is absent; jaxpaged never needs torch.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from jaxpaged import LLM, SamplingParams  # heavy imports after argument errors
 
     try:

@@ -1,0 +1,26 @@
+"""Shared fixtures: paths of the bundled model and the committed reference checkpoints."""
+
+import os
+
+import pytest
+
+from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+STORIES = DEFAULT_MODEL
+STORIES_REFERENCE = os.path.join(STORIES, "reference")
+TOKENIZERS = os.path.join(FIXTURES, "tokenizers")
+
+
+def read_reference_ids(name: str) -> list[int]:
+    """Token ids of a whitespace-separated reference file of the bundled model."""
+    with open(os.path.join(STORIES_REFERENCE, name)) as f:
+        return [int(x) for x in f.read().split()]
+
+
+@pytest.fixture(scope="session")
+def stories_llm():
+    """One engine on the bundled model, shared by tests that do not depend on engine limits."""
+    from jaxpaged import LLM
+
+    return LLM(max_num_seqs=32, max_num_batched_tokens=512)

@@ -1,0 +1,104 @@
+"""Bad input raises clear errors and leaves other requests unaffected."""
+
+import pytest
+
+from jaxpaged import EngineArgs, LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(max_model_len=64, max_num_seqs=8)
+
+
+@pytest.mark.parametrize("prompt, error, match", [
+    ([1] + [5] * 64, ValueError, r"length 65\) is longer than the maximum model length of 64"),
+    ([], ValueError, "empty"),
+    ([1, 5, 512], ValueError, r"\[512\] are outside the vocabulary \[0, 512\)"),
+    ([1, -3], ValueError, "outside the vocabulary"),
+    ("", ValueError, None),  # the tokenizer adds BOS: not empty, so this one is accepted
+    (3.5, TypeError, "prompt must be"),
+    ([1, "a"], TypeError, "list of integers"),
+    ({"text": "x"}, ValueError, "prompt_token_ids"),
+])
+def test_bad_prompt_rejected_and_engine_keeps_serving(llm, prompt, error, match):
+    engine = llm.engine
+    engine.add_request("good", [1, 403, 407], GREEDY)
+    engine.step()  # "good" is now running
+    if prompt == "":
+        engine.add_request("bad", prompt, GREEDY)  # accepted: [BOS]
+        engine.abort_request("bad")
+    else:
+        with pytest.raises(error, match=match):
+            engine.add_request("bad", prompt, GREEDY)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    solo = llm.generate([[1, 403, 407]], GREEDY, use_tqdm=False)[0]
+    assert set(outs) == {"good"}
+    assert outs["good"].outputs[0].token_ids == solo.outputs[0].token_ids
+    kv = engine.kv_cache_manager
+    assert kv.num_free_pages == kv.num_usable_pages
+
+
+def test_duplicate_request_id(llm):
+    llm.engine.add_request("dup", [1, 5], GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        llm.engine.add_request("dup", [1, 6], GREEDY)
+    llm.engine.abort_request("dup")
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_generate_with_one_bad_prompt_queues_nothing(llm):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 5], [1, 9999]], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
+        llm.generate([[1, 5]], [GREEDY, GREEDY], use_tqdm=False)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -0.1), ("temperature", "hot"), ("top_p", 0.0), ("top_p", 1.5),
+    ("top_k", -2), ("top_k", 1.5), ("min_p", -0.1), ("min_p", 1.1), ("seed", 1.5),
+    ("max_tokens", 0), ("max_tokens", -1), ("stop", [""]), ("stop", [3]),
+    ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]),
+])
+def test_sampling_params_out_of_range(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} "):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_vllm_defaults():
+    p = SamplingParams()
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.seed) == (1.0, 1.0, 0, 0.0, 16, None)
+    assert (p.ignore_eos, p.include_stop_str_in_output, p.skip_special_tokens) == (False, False, True)
+    assert SamplingParams(top_k=-1).top_k == 0
+    greedy = SamplingParams(temperature=0, top_p=0.5, top_k=3)
+    assert greedy.is_greedy and (greedy.top_p, greedy.top_k) == (1.0, 0)
+    assert SamplingParams(stop="x").stop_strings == ("x",)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("block_size", 0), ("block_size", 12), ("max_num_seqs", 0), ("max_model_len", -5),
+    ("kv_cache_memory_bytes", 0), ("dtype", "float16"),
+])
+def test_engine_args_out_of_range(field, value):
+    with pytest.raises(ValueError, match=rf"EngineArgs\.{field} "):
+        EngineArgs(**{field: value})
+
+
+def test_pool_too_small_for_max_model_len():
+    with pytest.raises(ValueError, match="cannot hold one request of max_model_len=64"):
+        LLM(max_model_len=64, block_size=16, num_gpu_blocks_override=4)
+
+
+def test_max_model_len_beyond_trained_context():
+    with pytest.raises(ValueError, match="max_position_embeddings=512"):
+        LLM(max_model_len=1024)
+
+
+def test_prompt_at_max_model_len_finishes_with_length(llm):
+    out = llm.generate([[1] * 64], GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"

@@ -1,0 +1,90 @@
+"""Model loading: config parsing, checkpoint errors, dummy weights."""
+
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxpaged.config import ModelConfig, UnsupportedModelError
+from jaxpaged.layers.attention import get_attention_backend
+from jaxpaged.models.loader import MissingWeightsError, load_model
+from tests.conftest import FIXTURES, STORIES
+
+XLA = get_attention_backend("xla")
+
+
+def _config(**overrides):
+    with open(os.path.join(STORIES, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(overrides)
+    return cfg
+
+
+def test_rope_theta_from_either_layout():
+    assert ModelConfig.from_dict(_config(rope_theta=12345.0)).rope_theta == 12345.0
+    cfg = _config(rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+    del cfg["rope_theta"]
+    assert ModelConfig.from_dict(cfg).rope_theta == 500000.0
+    fixture = ModelConfig.from_pretrained(os.path.join(FIXTURES, "llama_gqa_untied"))
+    assert (fixture.rope_theta, fixture.head_dim, fixture.num_kv_heads) == (500000.0, 16, 2)
+
+
+def test_unknown_architecture_is_named():
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        ModelConfig.from_dict(_config(architectures=["GPT2LMHeadModel"]))
+
+
+def test_unsupported_rope_scaling_is_named():
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        ModelConfig.from_dict(_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+
+
+def test_missing_tensor_is_named(tmp_path):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(STORIES, name), tmp_path)
+    tensors = load_file(os.path.join(STORIES, "model.safetensors"))
+    del tensors["model.layers.3.mlp.up_proj.weight"]
+    save_file(tensors, os.path.join(tmp_path, "model.safetensors"))
+    cfg = ModelConfig.from_pretrained(str(tmp_path))
+    with pytest.raises(MissingWeightsError, match=r"model\.layers\.3\.mlp\.up_proj\.weight"):
+        load_model(str(tmp_path), cfg, dtype=jnp.float32, backend=XLA)
+
+
+def test_missing_checkpoint_files(tmp_path):
+    shutil.copy(os.path.join(STORIES, "config.json"), tmp_path)
+    cfg = ModelConfig.from_pretrained(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_model(str(tmp_path), cfg, dtype=jnp.float32, backend=XLA)
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ModelConfig.from_pretrained(str(tmp_path))
+
+
+def test_dummy_weights_from_config_alone(tmp_path):
+    shutil.copy(os.path.join(FIXTURES, "llama_gqa_untied", "config.json"), tmp_path)
+    cfg = ModelConfig.from_pretrained(str(tmp_path))
+    model = load_model(str(tmp_path), cfg, dtype=jnp.bfloat16, backend=XLA, load_format="dummy")
+    kernel = model.lm_head.kernel[...]
+    assert kernel.shape == (96, 320) and kernel.dtype == jnp.bfloat16
+    assert 0.01 < float(jnp.std(kernel.astype(jnp.float32))) < 0.05
+    np.testing.assert_array_equal(np.asarray(model.model.norm.weight[...], np.float32), 1.0)
+
+
+def test_bfloat16_checkpoint_loads(tmp_path):
+    import ml_dtypes
+
+    for name in ("config.json",):
+        shutil.copy(os.path.join(STORIES, name), tmp_path)
+    tensors = {k: v.astype(ml_dtypes.bfloat16)
+               for k, v in load_file(os.path.join(STORIES, "model.safetensors")).items()}
+    save_file(tensors, os.path.join(tmp_path, "model.safetensors"))
+    cfg = ModelConfig.from_pretrained(str(tmp_path))
+    model = load_model(str(tmp_path), cfg, dtype=jnp.float32, backend=XLA)
+    emb = np.asarray(model.model.embed_tokens.embedding[...])
+    np.testing.assert_array_equal(emb, tensors["model.embed_tokens.weight"].astype(np.float32))

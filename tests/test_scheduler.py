@@ -1,0 +1,83 @@
+"""The scheduler's decisions, checked token by token without a model."""
+
+from jaxpaged.engine.kv_cache_manager import KVCacheManager
+from jaxpaged.engine.request import Request, RequestStatus
+from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.sampling_params import SamplingParams
+
+
+def make(rid, n_prompt):
+    return Request(rid, None, list(range(1, n_prompt + 1)), SamplingParams(), seed=0, max_tokens=100)
+
+
+def run_step(sched, out, token=7):
+    """What the engine does after the model step: advance and append sampled tokens."""
+    for s in out.scheduled:
+        s.request.num_computed_tokens += s.num_new_tokens
+        if s.samples:
+            s.request.output_token_ids.append(token)
+
+
+def plan(out):
+    return [(s.request.request_id, s.start, s.num_new_tokens) for s in out.scheduled]
+
+
+def test_token_budget_chunks_prefill_and_decodes_go_first():
+    kv = KVCacheManager(num_pages=64, page_size=4)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, max_model_len=64), kv)
+    a, b = make("a", 6), make("b", 12)
+    s.add_request(a), s.add_request(b)
+    out = s.schedule()
+    assert plan(out) == [("a", 0, 6), ("b", 0, 4)]
+    assert [x.samples for x in out.scheduled] == [True, False]
+    run_step(s, out)
+    out = s.schedule()
+    assert plan(out) == [("a", 6, 1), ("b", 4, 8)]   # decode first, then the rest of b
+    run_step(s, out)
+    out = s.schedule()
+    assert plan(out) == [("a", 7, 1), ("b", 12, 1)]
+    c = make("c", 3)
+    s.add_request(c)                                 # joins at the next step
+    run_step(s, out)
+    out = s.schedule()
+    assert plan(out) == [("a", 8, 1), ("b", 13, 1), ("c", 0, 3)]
+    s.finish_request(a)
+    assert a.status is RequestStatus.FINISHED and kv.page_table("a") == []
+
+
+def test_max_num_seqs_limits_running():
+    kv = KVCacheManager(num_pages=64, page_size=4)
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_model_len=64), kv)
+    for i in range(3):
+        s.add_request(make(f"r{i}", 2))
+    assert plan(s.schedule()) == [("r0", 0, 2), ("r1", 0, 2)]
+    assert [r.request_id for r in s.waiting] == ["r2"]
+
+
+def test_preempts_newest_and_requeues_at_front():
+    kv = KVCacheManager(num_pages=5, page_size=2)      # 4 usable pages = 8 tokens
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=8), kv)
+    a, b = make("a", 4), make("b", 4)
+    s.add_request(a), s.add_request(b)
+    out = s.schedule()
+    assert plan(out) == [("a", 0, 4), ("b", 0, 4)] and kv.num_free_pages == 0
+    run_step(s, out)
+    out = s.schedule()            # a needs a 3rd page: b (newest) is preempted
+    assert plan(out) == [("a", 4, 1)]
+    assert out.preempted == [b] and s.num_preemptions == 1
+    assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
+    assert b.output_token_ids == [7] and list(s.waiting) == [b]
+    run_step(s, out)
+    s.finish_request(a)
+    out = s.schedule()            # b resumes by recomputing prompt + its generated token
+    assert plan(out) == [("b", 0, 5)] and out.scheduled[0].samples
+
+
+def test_request_preempting_itself_when_alone():
+    kv = KVCacheManager(num_pages=3, page_size=2)      # 2 usable pages
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=4), kv)
+    a = make("a", 4)
+    s.add_request(a)
+    run_step(s, s.schedule())
+    out = s.schedule()            # needs a 3rd page; the only victim is itself
+    assert out.scheduled == [] and out.preempted == [a]
