@@ -1,0 +1,41 @@
+"""The model runner: KV pool sizing, in-place (donated) pool updates, bounded compilation."""
+
+import jax.numpy as jnp
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.layers.attention import kv_bytes_per_page
+from jaxpaged.runner.model_runner import bucket_sizes, pick_bucket
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(16, 2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert bucket_sizes(8, 12) == [8, 12]
+    assert pick_bucket([8, 12], 9) == 12 and pick_bucket([8, 12], 8) == 8
+
+
+def test_kv_cache_memory_bytes_sets_the_page_count():
+    # stories260K: 5 layers * 2 (K, V) * 16 tokens * 4 KV heads * 8 dims * 4 bytes
+    per_page = kv_bytes_per_page(5, 16, 4, 8, jnp.float32)
+    assert per_page == 20480
+    llm = LLM(kv_cache_memory_bytes=100 * per_page + 7, max_model_len=256)
+    kv = llm.engine.kv_cache_manager
+    assert kv.num_pages == 100 and kv.num_usable_pages == 99
+    k_pages, _ = llm.engine.runner._kv_caches[0]
+    assert k_pages.shape == (100, 16, 4, 8)
+
+
+def test_pool_is_donated_and_compilations_are_bounded():
+    llm = LLM(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
+    runner = llm.engine.runner
+    before = runner._kv_caches[0][0]
+    llm.generate([[1, 5, 6]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert before.is_deleted()  # the step consumed the old buffer: updated in place
+    prompts = [[1] + [7 + i] * (3 + 9 * i) for i in range(8)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                 use_tqdm=False)
+    compiled = runner._step._cache_size()
+    # T in {16, 32, 64}, B in {8}, P in {4, 8}, decode-only or not: at most 12 shapes.
+    assert compiled <= 12
+    llm.generate(prompts[::-1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                 use_tqdm=False)
+    assert runner._step._cache_size() == compiled  # same buckets: no recompilation
