@@ -17,6 +17,8 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "model_
                              "stories260K")
 
 DTYPES = ("auto", "float32", "bfloat16")
+#: ``--attention-backend`` choices (see ``jaxpaged.layers.attention.selection``).
+ATTENTION_BACKENDS = ("auto", "xla", "pallas")
 
 
 @dataclass
@@ -36,6 +38,8 @@ class EngineArgs:
         max_num_batched_tokens: most tokens in one step (longer prompts are chunked).
         num_gpu_blocks_override: exact KV page count (null page included); overrides budgets.
         kv_cache_memory_bytes: KV pool budget in bytes (sets the page count).
+        attention_backend: ``xla``, ``pallas`` or ``auto`` (pallas on a GPU after a
+            self-check, else xla).
     """
 
     model: str = DEFAULT_MODEL
@@ -49,6 +53,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         def positive(name):
@@ -63,6 +68,9 @@ class EngineArgs:
             raise ValueError(f"EngineArgs.block_size must be a power of two, got {self.block_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineArgs.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"EngineArgs.attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -84,6 +92,9 @@ class EngineArgs:
                        help="exact number of KV pages (overrides the memory budget)")
         g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                        help="KV pool size in bytes")
+        g.add_argument("--attention-backend", default=d.attention_backend,
+                       choices=ATTENTION_BACKENDS,
+                       help="auto: pallas on a GPU after a self-check, else xla")
         return parser
 
     @classmethod

@@ -72,7 +72,9 @@ class Engine:
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         self.eos_token_ids = _eos_token_ids(args.model, cfg, self.tokenizer)
 
-        backend = get_attention_backend("xla")
+        backend = get_attention_backend(
+            args.attention_backend, num_kv_heads=cfg.num_kv_heads, num_heads=cfg.num_heads,
+            head_dim=cfg.head_dim, page_size=args.block_size, dtype=self.dtype)
         model = load_model(args.model, cfg, dtype=self.dtype, backend=backend,
                            load_format=args.load_format, seed=args.seed)
         page_size = args.block_size
@@ -94,9 +96,9 @@ class Engine:
             args.max_num_batched_tokens, args.max_num_seqs, pages_per_seq))
         self._requests: dict[str, _Tracked] = {}
         self._seed_rng = np.random.default_rng(args.seed)
-        logger.info("model %s (%s, %d layers), dtype %s, max_model_len %d",
+        logger.info("model %s (%s, %d layers), dtype %s, max_model_len %d, attention %s",
                     args.model, cfg.architecture, cfg.num_layers, jnp.dtype(self.dtype).name,
-                    self.max_model_len)
+                    self.max_model_len, backend.name)
 
     def _num_pages(self, bytes_per_page: int, pages_per_seq: int) -> int:
         args = self.args

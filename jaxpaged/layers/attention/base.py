@@ -105,28 +105,6 @@ class AttentionBackend(abc.ABC):
         """
 
 
-def write_kv(kv_pages: KVPages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVPages:
-    """Scatter new K/V rows into their slots (in place when the pool is donated).
-
-    Args:
-        kv_pages: ``(k_pages, v_pages)``, each [num_pages, page_size, KVH, D].
-        k, v: [T, KVH, D] new rows.
-        slot_mapping: [T] int32 flat slots (``page * page_size + row``).
-
-    Returns:
-        The updated ``(k_pages, v_pages)``.
-    """
-    k_pages, v_pages = kv_pages
-    num_pages, page_size = k_pages.shape[:2]
-
-    def scatter(pages, rows):
-        flat = pages.reshape(num_pages * page_size, *pages.shape[2:])
-        flat = flat.at[slot_mapping].set(rows.astype(pages.dtype))
-        return flat.reshape(pages.shape)
-
-    return scatter(k_pages, k), scatter(v_pages, v)
-
-
 def allocate_kv_pool(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                      head_dim: int, dtype) -> list[KVPages]:
     """Preallocate the zero-filled pool: ``num_layers`` pairs of

@@ -1,0 +1,91 @@
+"""Query blocks: the work unit shared by the ``xla`` and ``pallas`` backends.
+
+Query tokens are grouped into blocks of ``block_q`` consecutive tokens of one sequence
+(``block_q = 1`` for decode-only steps, so each block is one sequence's single token;
+otherwise ``block_q = 16`` and a prefill chunk spans several blocks). A block knows its
+sequence (a row of the page table) and its tokens' positions, which is all a paged attention
+computation needs. The number of blocks is padded to depend only on the bucket sizes, so the
+jitted step compiles once per bucket. Memory and work then scale with the blocks, however
+prefill and decode tokens are mixed.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.layers.attention.base import AttentionBackend, BatchLayout, KVPages
+
+#: Query tokens per block when a step holds prefill chunks.
+PREFILL_BLOCK_Q = 16
+
+
+def num_query_blocks(num_tokens_padded: int, num_seqs_padded: int, decode_only: bool) -> int:
+    """Padded block count for a bucket: one per sequence when decoding, else enough for any
+    split of T tokens over B sequences (each sequence wastes at most one partial block)."""
+    if decode_only:
+        return num_seqs_padded
+    return -(-num_tokens_padded // PREFILL_BLOCK_Q) + num_seqs_padded
+
+
+class QueryBlockBackend(AttentionBackend):
+    """Builds query blocks on the host; ``forward`` writes K/V, gathers the queries into
+    blocks, calls :meth:`attend` and scatters the result back to token order."""
+
+    def build_metadata(self, layout: BatchLayout) -> dict[str, np.ndarray]:
+        """Query-block arrays for ``layout``.
+
+        Returns:
+            ``block_tokens`` [NB, Bq] int32 token index of each block row (T for padding),
+            ``block_seq`` [NB] int32 the block's sequence (row of the page table),
+            ``block_positions`` [NB, Bq] int32 query positions (-1 for padding).
+        """
+        t_pad = layout.positions.shape[0]
+        b_pad = layout.seq_lens.shape[0]
+        decode_only = layout.is_decode_only
+        block_q = 1 if decode_only else PREFILL_BLOCK_Q
+        nb = num_query_blocks(t_pad, b_pad, decode_only)
+        block_tokens = np.full((nb, block_q), t_pad, np.int32)
+        block_seq = np.zeros((nb,), np.int32)
+        block_positions = np.full((nb, block_q), -1, np.int32)
+        qsl = layout.query_start_loc
+        if decode_only:
+            n = layout.num_seqs
+            block_tokens[:n, 0] = qsl[:n]
+            block_seq[:n] = np.arange(n)
+            block_positions[:n, 0] = layout.positions[qsl[:n]]
+        else:
+            b = 0
+            for i in range(layout.num_seqs):
+                for s in range(int(qsl[i]), int(qsl[i + 1]), block_q):
+                    e = min(s + block_q, int(qsl[i + 1]))
+                    block_tokens[b, : e - s] = np.arange(s, e)
+                    block_positions[b, : e - s] = layout.positions[s:e]
+                    block_seq[b] = i
+                    b += 1
+        return {"block_tokens": block_tokens, "block_seq": block_seq,
+                "block_positions": block_positions}
+
+    def forward(self, q, k, v, kv_pages: KVPages, metadata, *, scale: float):
+        """See :meth:`AttentionBackend.forward`."""
+        kv_pages = self.write_kv(kv_pages, k, v, metadata["slot_mapping"])
+        t, num_heads, head_dim = q.shape
+        block_tokens = metadata["block_tokens"]
+        q_padded = jnp.concatenate([q, jnp.zeros((1, num_heads, head_dim), q.dtype)])
+        out = self.attend(q_padded[block_tokens], kv_pages, metadata["page_table"],
+                          metadata["block_seq"], metadata["block_positions"], scale=scale)
+        result = jnp.zeros((t + 1, num_heads, head_dim), q.dtype).at[block_tokens].set(out)
+        return result[:t], kv_pages
+
+    @abc.abstractmethod
+    def write_kv(self, kv_pages: KVPages, k: jax.Array, v: jax.Array,
+                 slot_mapping: jax.Array) -> KVPages:
+        """Scatter [T, KVH, D] rows into the pool at ``slot_mapping`` [T]."""
+
+    @abc.abstractmethod
+    def attend(self, q_blocks: jax.Array, kv_pages: KVPages, page_table: jax.Array,
+               block_seq: jax.Array, block_positions: jax.Array, *, scale: float) -> jax.Array:
+        """[NB, Bq, num_heads, D] queries -> [NB, Bq, num_heads, D] attention outputs."""

@@ -1,0 +1,79 @@
+"""Every kernel cross-lowers for an NVIDIA H200 (abstract CUDA device) at production shapes.
+
+Lowering runs the Pallas -> Triton translation, so a kernel that Triton cannot take (e.g. a
+non-power-of-two tile) fails here, on the CPU-only CI machine.
+"""
+
+import functools
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.kv_write import write_kv
+from pallas_kernels.lowering import lower_for_cuda
+from pallas_kernels.paged_attention import paged_attention
+
+# Llama-3-8B attention: 32 query heads, 8 KV heads, head_dim 128, page 16, bf16.
+QH, KVH = 32, 8
+POOL_PAGES = 8192
+
+
+def lowered_text(fn, *args):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the Triton backend's notice
+        return lower_for_cuda(fn, *args).as_text()
+
+
+def sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def triton_calls(text):
+    return len(re.findall(r"__gpu\$xla\.gpu\.triton", text))
+
+
+@pytest.mark.parametrize("batch, context, block_q", [
+    (1, 8192, 1), (64, 4096, 1), (256, 512, 1),    # decode (split-K picked for small batches)
+    (33, 2048, 16),                                # mixed prefill chunks + decodes
+])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_paged_attention_lowers_for_h200(batch, context, block_q, dtype):
+    head_dim, page_size = 128, 16
+    pages = context // page_size
+    args = (sds((batch, block_q, QH, head_dim), dtype),
+            sds((POOL_PAGES, page_size, KVH, head_dim), dtype),
+            sds((POOL_PAGES, page_size, KVH, head_dim), dtype),
+            sds((batch, pages), jnp.int32), sds((batch,), jnp.int32),
+            sds((batch, block_q), jnp.int32))
+    fn = functools.partial(paged_attention, scale=head_dim ** -0.5, interpret=False)
+    text = lowered_text(fn, *args)
+    assert triton_calls(text) == 1
+    assert "num_warps = 4" in text
+
+
+@pytest.mark.parametrize("head_dim, page_size, sliding_window, soft_cap", [
+    (64, 32, None, None), (128, 64, 4096, None), (128, 128, None, 50.0),
+])
+def test_paged_attention_variants_lower(head_dim, page_size, sliding_window, soft_cap):
+    args = (sds((16, 16, QH, head_dim), jnp.bfloat16),
+            sds((1024, page_size, KVH, head_dim), jnp.bfloat16),
+            sds((1024, page_size, KVH, head_dim), jnp.bfloat16),
+            sds((4, 64), jnp.int32), sds((16,), jnp.int32), sds((16, 16), jnp.int32))
+    fn = functools.partial(paged_attention, scale=0.1, sliding_window=sliding_window,
+                           soft_cap=soft_cap, num_splits=2, interpret=False)
+    assert triton_calls(lowered_text(fn, *args)) == 1
+
+
+@pytest.mark.parametrize("dtype, num_kv_heads, head_dim", [
+    (jnp.bfloat16, 8, 128), (jnp.float32, 12, 64),
+])
+def test_kv_write_lowers_for_h200(dtype, num_kv_heads, head_dim):
+    pool = sds((POOL_PAGES, 16, num_kv_heads, head_dim), dtype)
+    rows = sds((2048, num_kv_heads, head_dim), dtype)
+    text = lowered_text(functools.partial(write_kv, interpret=False), pool, pool, rows, rows,
+                        sds((2048,), jnp.int32))
+    assert triton_calls(text) == 1
+    assert "output_operand_aliases" in text  # the pool is aliased, not copied

@@ -1,0 +1,132 @@
+"""Pallas ragged paged attention (interpret mode) against the jnp reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged.layers.attention.pallas import PallasAttentionBackend
+from jaxpaged.layers.attention.xla import XlaAttentionBackend
+from pallas_kernels.paged_attention import choose_num_splits, paged_attention
+from pallas_kernels.reference import paged_attention_reference
+from tests.kernels.ragged_batches import device_metadata, make_batch
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def random_seqs(rng, n, page_size, max_ctx=90):
+    """A mix of decodes, first prefill chunks and mid-sequence chunks; last pages mostly
+    partial."""
+    seqs = []
+    for i in range(n):
+        kind = i % 3
+        ctx = int(rng.integers(1, max_ctx))
+        if kind == 0:
+            seqs.append((ctx, 1))                                  # decode
+        elif kind == 1:
+            seqs.append((0, int(rng.integers(1, 40))))             # first prefill chunk
+        else:
+            seqs.append((ctx, int(rng.integers(2, 30))))           # chunk starting mid-sequence
+    return seqs
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim, page_size", [(8, 16), (64, 16), (128, 32)])
+def test_ragged_batch_matches_reference(dtype, group, head_dim, page_size):
+    rng = np.random.default_rng(group * 1000 + head_dim + page_size)
+    num_kv_heads = 2
+    batch = make_batch(rng, num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, page_size=page_size, dtype=dtype,
+                       seqs=random_seqs(rng, 5, page_size))
+    results = []
+    for backend in (XlaAttentionBackend(), PallasAttentionBackend(interpret=True)):
+        meta = device_metadata(backend, batch.layout)
+        out, (kp, vp) = jax.jit(backend.forward, static_argnames="scale")(
+            batch.q, batch.k, batch.v, (batch.k_pages, batch.v_pages), meta,
+            scale=head_dim ** -0.5)
+        results.append((np.asarray(out, np.float32), np.asarray(kp, np.float32),
+                        np.asarray(vp, np.float32)))
+    (ref_out, ref_k, ref_v), (out, k, v) = results
+    n = batch.layout.num_tokens
+    assert np.abs(out[:n] - ref_out[:n]).max() <= TOL[dtype]
+    np.testing.assert_array_equal(k[1:], ref_k[1:])  # page 0 = null page: padding writes
+    np.testing.assert_array_equal(v[1:], ref_v[1:])
+
+
+def test_decode_only_batch():
+    rng = np.random.default_rng(7)
+    batch = make_batch(rng, num_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                       dtype=jnp.float32, seqs=[(int(c), 1) for c in rng.integers(1, 200, 6)],
+                       pad_tokens=2, pad_seqs=2)
+    assert batch.layout.is_decode_only
+    outs = []
+    for backend in (XlaAttentionBackend(), PallasAttentionBackend(interpret=True)):
+        meta = device_metadata(backend, batch.layout)
+        out, _ = backend.forward(batch.q, batch.k, batch.v, (batch.k_pages, batch.v_pages),
+                                 meta, scale=0.125)
+        outs.append(np.asarray(out)[:6])
+    assert np.abs(outs[0] - outs[1]).max() <= 1e-5
+
+
+def block_inputs(rng, *, nb, block_q, group, head_dim=64, page_size=16, dtype=jnp.float32):
+    num_kv_heads = 2
+    pages = 12
+    pool = lambda: jnp.asarray(rng.normal(size=(40, page_size, num_kv_heads, head_dim)), dtype)
+    page_table = jnp.asarray(rng.permutation(np.arange(1, 40))[:3 * pages].reshape(3, pages),
+                             jnp.int32)
+    positions = np.full((nb, block_q), -1, np.int32)
+    for b in range(nb):
+        start = int(rng.integers(0, pages * page_size - block_q))
+        n = int(rng.integers(1, block_q + 1))
+        positions[b, :n] = np.arange(start, start + n)
+    q = jnp.asarray(rng.normal(size=(nb, block_q, num_kv_heads * group, head_dim)), dtype)
+    block_seq = jnp.asarray(rng.integers(0, 3, nb), jnp.int32)
+    return (q, pool(), pool(), page_table, block_seq, jnp.asarray(positions)), positions >= 0
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_split_k_matches_reference(num_splits):
+    rng = np.random.default_rng(num_splits)
+    args, valid = block_inputs(rng, nb=4, block_q=1, group=4)
+    ref = np.asarray(paged_attention_reference(*args, scale=0.125))
+    out = np.asarray(paged_attention(*args, scale=0.125, num_splits=num_splits, interpret=True))
+    assert np.abs(out - ref)[valid].max() <= 1e-5
+
+
+@pytest.mark.parametrize("sliding_window, soft_cap", [(24, None), (None, 3.0), (5, 10.0)])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_sliding_window_and_soft_cap(sliding_window, soft_cap, num_splits):
+    rng = np.random.default_rng(11)
+    args, valid = block_inputs(rng, nb=5, block_q=16, group=2)
+    kw = dict(scale=0.125, sliding_window=sliding_window, soft_cap=soft_cap)
+    ref = np.asarray(paged_attention_reference(*args, **kw))
+    out = np.asarray(paged_attention(*args, **kw, num_splits=num_splits, interpret=True))
+    assert np.abs(out - ref)[valid].max() <= 1e-5
+
+
+@pytest.mark.parametrize("page_size", [64, 128])
+def test_large_pages_bfloat16(page_size):
+    rng = np.random.default_rng(page_size)
+    args, valid = block_inputs(rng, nb=3, block_q=16, group=4, head_dim=128,
+                               page_size=page_size, dtype=jnp.bfloat16)
+    ref = np.asarray(paged_attention_reference(*args, scale=128 ** -0.5), np.float32)
+    out = np.asarray(paged_attention(*args, scale=128 ** -0.5, interpret=True), np.float32)
+    assert np.abs(out - ref)[valid].max() <= 2e-2
+
+
+def test_rejects_mismatched_inputs():
+    rng = np.random.default_rng(0)
+    (q, k, v, pt, bs, bp), _ = block_inputs(rng, nb=2, block_q=1, group=2)
+    with pytest.raises(ValueError, match="share a dtype"):
+        paged_attention(q, k.astype(jnp.bfloat16), v, pt, bs, bp, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="not a multiple"):
+        paged_attention(q[:, :, :3], k, v, pt, bs, bp, scale=1.0, interpret=True)
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(num_blocks=256, num_kv_heads=8, max_pages=512) == 1
+    assert choose_num_splits(num_blocks=1, num_kv_heads=8, max_pages=512) == 16
+    assert choose_num_splits(num_blocks=4, num_kv_heads=8, max_pages=512) == 16
+    assert choose_num_splits(num_blocks=4, num_kv_heads=8, max_pages=32) == 4
+    assert choose_num_splits(num_blocks=1, num_kv_heads=8, max_pages=4) == 1

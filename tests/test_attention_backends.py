@@ -1,0 +1,58 @@
+"""Backend selection and the engine on the Pallas backend (interpret mode on CPU)."""
+
+import logging
+import os
+
+import jax.numpy as jnp
+import pytest
+
+from jaxpaged import LLM, EngineArgs, SamplingParams
+from jaxpaged.layers.attention import get_attention_backend
+from jaxpaged.layers.attention import selection
+from jaxpaged.layers.attention.pallas import PallasAttentionBackend
+from tests.conftest import STORIES_REFERENCE, read_reference_ids
+
+
+def test_engine_on_pallas_reproduces_reference_greedy_outputs():
+    llm = LLM(attention_backend="pallas", max_num_seqs=8)
+    assert llm.engine.runner._backend.name == "pallas"
+    bos = llm.generate([[1]], SamplingParams(temperature=0, max_tokens=256), use_tqdm=False)[0]
+    assert bos.outputs[0].token_ids == read_reference_ids("expected_greedy_t0_n256.token_ids.txt")
+    once = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=60),
+                        use_tqdm=False)[0]
+    with open(os.path.join(STORIES_REFERENCE, "expected_greedy_prompt_OnceUponATime_n64.txt")) as f:
+        assert "Once upon a time" + once.outputs[0].text + "\n" == f.read()
+
+
+def test_auto_is_xla_on_cpu():
+    assert get_attention_backend("auto").name == "xla"
+    assert get_attention_backend("xla").name == "xla"
+    assert get_attention_backend("pallas").name == "pallas"
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        get_attention_backend("flash")
+    with pytest.raises(ValueError, match="EngineArgs.attention_backend"):
+        EngineArgs(attention_backend="flash")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_self_check_passes_in_interpret_mode(dtype):
+    err = selection.self_check(PallasAttentionBackend(interpret=True), 2, 8, 64, 16, dtype)
+    assert err <= (1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+def test_auto_falls_back_to_xla_when_kernels_fail(monkeypatch, caplog):
+    """Pretend to be on a GPU: the kernels then try the real (non-interpret) lowering, which
+    cannot run on this CPU, so the self-check fails and auto must fall back with a warning."""
+    monkeypatch.setattr(selection.jax, "default_backend", lambda: "gpu")
+    with caplog.at_level(logging.WARNING, logger=selection.__name__):
+        backend = get_attention_backend("auto", num_kv_heads=2, num_heads=4, head_dim=64)
+    assert backend.name == "xla"
+    assert "self-check" in caplog.text
+
+
+def test_auto_picks_pallas_when_self_check_passes(monkeypatch):
+    monkeypatch.setattr(selection.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(selection, "self_check", lambda *a: 1e-6)
+    assert get_attention_backend("auto").name == "pallas"
+    monkeypatch.setattr(selection, "self_check", lambda *a: 0.5)
+    assert get_attention_backend("auto").name == "xla"
