@@ -1,4 +1,4 @@
-"""The Pallas KV-write kernel (interpret mode): exact rows, in place."""
+"""Pallas KV-write kernel vs the reference (interpret on CPU, compiled on GPU): exact, in place."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +20,7 @@ def test_rows_land_in_their_slots(dtype, num_tokens, num_kv_heads, tokens_per_pr
     slots = jnp.asarray(rng.permutation(12 * 16)[:num_tokens], jnp.int32)
     ref_k, ref_v = (np.asarray(a, np.float32) for a in write_kv_reference(k_pages, v_pages, k, v, slots))
     got_k, got_v = write_kv(k_pages, v_pages, k, v, slots,
-                            tokens_per_program=tokens_per_program, interpret=True)
+                            tokens_per_program=tokens_per_program)
     np.testing.assert_array_equal(np.asarray(got_k, np.float32), ref_k)
     np.testing.assert_array_equal(np.asarray(got_v, np.float32), ref_v)
     assert k_pages.is_deleted() and v_pages.is_deleted()  # donated: updated in place

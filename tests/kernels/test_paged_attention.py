@@ -1,4 +1,4 @@
-"""Pallas ragged paged attention (interpret mode) against the jnp reference."""
+"""Pallas ragged paged attention against the jnp reference (interpret mode on CPU, compiled on a GPU)."""
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,7 @@ def test_ragged_batch_matches_reference(dtype, group, head_dim, page_size):
                        head_dim=head_dim, page_size=page_size, dtype=dtype,
                        seqs=random_seqs(rng, 5, page_size))
     results = []
-    for backend in (XlaAttentionBackend(), PallasAttentionBackend(interpret=True)):
+    for backend in (XlaAttentionBackend(), PallasAttentionBackend()):
         meta = device_metadata(backend, batch.layout)
         out, (kp, vp) = jax.jit(backend.forward, static_argnames="scale")(
             batch.q, batch.k, batch.v, (batch.k_pages, batch.v_pages), meta,
@@ -61,7 +61,7 @@ def test_decode_only_batch():
                        pad_tokens=2, pad_seqs=2)
     assert batch.layout.is_decode_only
     outs = []
-    for backend in (XlaAttentionBackend(), PallasAttentionBackend(interpret=True)):
+    for backend in (XlaAttentionBackend(), PallasAttentionBackend()):
         meta = device_metadata(backend, batch.layout)
         out, _ = backend.forward(batch.q, batch.k, batch.v, (batch.k_pages, batch.v_pages),
                                  meta, scale=0.125)
@@ -90,7 +90,7 @@ def test_split_k_matches_reference(num_splits):
     rng = np.random.default_rng(num_splits)
     args, valid = block_inputs(rng, nb=4, block_q=1, group=4)
     ref = np.asarray(paged_attention_reference(*args, scale=0.125))
-    out = np.asarray(paged_attention(*args, scale=0.125, num_splits=num_splits, interpret=True))
+    out = np.asarray(paged_attention(*args, scale=0.125, num_splits=num_splits))
     assert np.abs(out - ref)[valid].max() <= 1e-5
 
 
@@ -101,7 +101,7 @@ def test_sliding_window_and_soft_cap(sliding_window, soft_cap, num_splits):
     args, valid = block_inputs(rng, nb=5, block_q=16, group=2)
     kw = dict(scale=0.125, sliding_window=sliding_window, soft_cap=soft_cap)
     ref = np.asarray(paged_attention_reference(*args, **kw))
-    out = np.asarray(paged_attention(*args, **kw, num_splits=num_splits, interpret=True))
+    out = np.asarray(paged_attention(*args, **kw, num_splits=num_splits))
     assert np.abs(out - ref)[valid].max() <= 1e-5
 
 
@@ -111,7 +111,7 @@ def test_large_pages_bfloat16(page_size):
     args, valid = block_inputs(rng, nb=3, block_q=16, group=4, head_dim=128,
                                page_size=page_size, dtype=jnp.bfloat16)
     ref = np.asarray(paged_attention_reference(*args, scale=128 ** -0.5), np.float32)
-    out = np.asarray(paged_attention(*args, scale=128 ** -0.5, interpret=True), np.float32)
+    out = np.asarray(paged_attention(*args, scale=128 ** -0.5), np.float32)
     assert np.abs(out - ref)[valid].max() <= 2e-2
 
 
@@ -119,9 +119,9 @@ def test_rejects_mismatched_inputs():
     rng = np.random.default_rng(0)
     (q, k, v, pt, bs, bp), _ = block_inputs(rng, nb=2, block_q=1, group=2)
     with pytest.raises(ValueError, match="share a dtype"):
-        paged_attention(q, k.astype(jnp.bfloat16), v, pt, bs, bp, scale=1.0, interpret=True)
+        paged_attention(q, k.astype(jnp.bfloat16), v, pt, bs, bp, scale=1.0)
     with pytest.raises(ValueError, match="not a multiple"):
-        paged_attention(q[:, :, :3], k, v, pt, bs, bp, scale=1.0, interpret=True)
+        paged_attention(q[:, :, :3], k, v, pt, bs, bp, scale=1.0)
 
 
 def test_choose_num_splits():
