@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k,
                                 stop=args.stop, ignore_eos=args.ignore_eos)
-        llm = LLM(**vars(EngineArgs.from_cli_args(args)))
+        llm = LLM(**vars(EngineArgs.from_cli_args(args, enforce_eager_default=True)))
         outputs = llm.generate(args.prompts, params, use_tqdm=False)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"jaxpaged: error: {e}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Request outputs, with vLLM's class and field names (``vllm/outputs.py``)."""
+"""Request outputs, with vLLM's class and field names (``vllm/outputs.py``, ``vllm/logprobs.py``)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,31 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability.
+
+    Attributes:
+        logprob: natural-log probability under the raw model distribution.
+        rank: 1 for the most likely token of the vocabulary.
+        decoded_token: the token's text.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence of a request.
 
     Attributes:
-        index: the sequence's index within the request (0 while ``n`` is 1).
+        index: the sequence's index within the request (0 .. n-1).
         text: the generated text so far (the prompt is not included).
         token_ids: the generated token ids so far.
+        cumulative_logprob: sum of the sampled tokens' logprobs (None unless ``logprobs`` was set).
+        logprobs: per generated token, ``{token_id: Logprob}`` for the sampled token and the
+            ``logprobs`` most likely ones (None unless ``logprobs`` was set).
         finish_reason: None while running, then ``"stop"`` (EOS, stop token or stop string),
             ``"length"`` (``max_tokens`` or ``max_model_len``) or ``"abort"``.
         stop_reason: the stop string or stop token id that ended it; None for EOS or length.
@@ -21,6 +39,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -37,9 +57,10 @@ class RequestOutput:
         request_id: the id given to ``Engine.add_request``.
         prompt: the prompt text (None if the request was given as token ids only).
         prompt_token_ids: the prompt's token ids, BOS included when the tokenizer adds it.
-        outputs: the request's sequences.
+        outputs: the request's sequences, by index.
         finished: True when every sequence has finished.
-        num_preemptions: how often the request was preempted (its KV recomputed).
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        num_preemptions: how often the request's sequences were preempted, in total.
     """
 
     request_id: str
@@ -47,4 +68,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    num_cached_tokens: int = 0
     num_preemptions: int = 0

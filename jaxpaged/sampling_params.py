@@ -17,6 +17,7 @@ class SamplingParams:
     """Decoding parameters of one request.
 
     Attributes:
+        n: sequences to generate for the prompt (they share the prompt's KV pages).
         temperature: softmax temperature, >= 0; below 1e-5 the request is decoded greedily.
         top_p: nucleus sampling mass in (0, 1]; 1 keeps every token.
         top_k: keep the k most likely tokens; 0 or -1 turns it off.
@@ -30,11 +31,14 @@ class SamplingParams:
         ignore_eos: keep generating past the model's EOS tokens.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         skip_special_tokens: drop special tokens (BOS, EOS, ...) from the output text.
+        logprobs: return the log-probability of each sampled token and of the ``logprobs``
+            most likely tokens (0 to 20), from the raw model distribution; None for none.
 
     Raises:
         ValueError: on construction, for any value out of range; the message names the field.
     """
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -47,11 +51,15 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
     # Normalised forms, filled in __post_init__.
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
     _stop_token_ids: tuple[int, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+               "logprobs", f"must be an integer in [0, 20] or None, got {self.logprobs!r}")
         _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
                "temperature", f"must be a number >= 0, got {self.temperature!r}")
         _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,

@@ -23,4 +23,4 @@ def stories_llm():
     """One engine on the bundled model, shared by tests that do not depend on engine limits."""
     from jaxpaged import LLM
 
-    return LLM(max_num_seqs=32, max_num_batched_tokens=512)
+    return LLM(enforce_eager=True, max_num_seqs=32, max_num_batched_tokens=512)

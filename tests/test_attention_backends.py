@@ -14,7 +14,7 @@ from tests.conftest import STORIES_REFERENCE, read_reference_ids
 
 
 def test_engine_on_pallas_reproduces_reference_greedy_outputs():
-    llm = LLM(attention_backend="pallas", max_num_seqs=8)
+    llm = LLM(enforce_eager=True, attention_backend="pallas", max_num_seqs=8)
     assert llm.engine.runner._backend.name == "pallas"
     bos = llm.generate([[1]], SamplingParams(temperature=0, max_tokens=256), use_tqdm=False)[0]
     assert bos.outputs[0].token_ids == read_reference_ids("expected_greedy_t0_n256.token_ids.txt")

@@ -9,7 +9,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_model_len=64, max_num_seqs=8)
+    return LLM(enforce_eager=True, max_model_len=64, max_num_seqs=8)
 
 
 @pytest.mark.parametrize("prompt, error, match", [
@@ -91,12 +91,12 @@ def test_engine_args_out_of_range(field, value):
 
 def test_pool_too_small_for_max_model_len():
     with pytest.raises(ValueError, match="cannot hold one request of max_model_len=64"):
-        LLM(max_model_len=64, block_size=16, num_gpu_blocks_override=4)
+        LLM(enforce_eager=True, max_model_len=64, block_size=16, num_gpu_blocks_override=4)
 
 
 def test_max_model_len_beyond_trained_context():
     with pytest.raises(ValueError, match="max_position_embeddings=512"):
-        LLM(max_model_len=1024)
+        LLM(enforce_eager=True, max_model_len=1024)
 
 
 def test_prompt_at_max_model_len_finishes_with_length(llm):

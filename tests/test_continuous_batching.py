@@ -59,9 +59,9 @@ def test_requests_added_between_steps(stories_llm):
 
 def test_chunked_prefill_matches_whole_prefill():
     prompts = random_prompts(4, 512, seed=2, max_len=200)
-    whole = LLM(max_num_batched_tokens=512, max_num_seqs=8).generate(prompts, GREEDY_32,
+    whole = LLM(enforce_eager=True, max_num_batched_tokens=512, max_num_seqs=8).generate(prompts, GREEDY_32,
                                                                       use_tqdm=False)
-    chunked = LLM(max_num_batched_tokens=32, max_num_seqs=8).generate(prompts, GREEDY_32,
+    chunked = LLM(enforce_eager=True, max_num_batched_tokens=32, max_num_seqs=8).generate(prompts, GREEDY_32,
                                                                       use_tqdm=False)
     assert [o.outputs[0].token_ids for o in whole] == [o.outputs[0].token_ids for o in chunked]
 
@@ -69,7 +69,7 @@ def test_chunked_prefill_matches_whole_prefill():
 def test_transformers_greedy_tokens_through_engine():
     """32 greedy steps of the GQA fixture equal transformers' argmax loop."""
     d = os.path.join(FIXTURES, "llama_gqa_untied")
-    llm = LLM(model=d, tokenizer=DEFAULT_MODEL, max_num_seqs=8, block_size=8)
+    llm = LLM(enforce_eager=True, model=d, tokenizer=DEFAULT_MODEL, max_num_seqs=8, block_size=8)
     prompt = np.load(os.path.join(d, "greedy_prompt.npy")).tolist()
     expected = np.load(os.path.join(d, "greedy_tokens.npy")).tolist()
     out = llm.generate([prompt], GREEDY_32, use_tqdm=False)[0]

@@ -84,9 +84,9 @@ def test_engine_stop_string_stop_token_and_eos(stories_llm):
     assert out.text == stories_llm.get_tokenizer().decode(ref_ids[:first])
 
     engine = stories_llm.engine
-    saved = engine.eos_token_ids
+    saved = engine.output_processor.eos_token_ids
     try:
-        engine.eos_token_ids = frozenset({stop_id})
+        engine.output_processor.eos_token_ids = frozenset({stop_id})
         out = stories_llm.generate(["Once upon a time"], SamplingParams(**greedy),
                                    use_tqdm=False)[0].outputs[0]
         assert out.token_ids == ref_ids[:first + 1]
@@ -95,8 +95,8 @@ def test_engine_stop_string_stop_token_and_eos(stories_llm):
                                    use_tqdm=False)[0].outputs[0]
         assert out.token_ids == ref_ids and out.finish_reason == "length"
     finally:
-        engine.eos_token_ids = saved
+        engine.output_processor.eos_token_ids = saved
 
 
 def test_eos_ids_from_config_generation_config_and_tokenizer(stories_llm):
-    assert stories_llm.engine.eos_token_ids == frozenset({2})
+    assert stories_llm.engine.output_processor.eos_token_ids == frozenset({2})

@@ -25,7 +25,7 @@ def test_growth_one_page_at_a_time_and_free():
     kv.free("a")
     assert kv.num_free_pages == 2
     assert kv.allocate_slots("c", 8)
-    assert kv.page_table("c") == [1, 2]
+    assert kv.page_table("c") == [2, 1]       # freed tail first: the tail is reused first
     kv.free("b"), kv.free("c"), kv.free("unknown")
     assert kv.num_free_pages == 5
     assert NULL_PAGE not in kv.page_table("c")

@@ -9,12 +9,12 @@ def test_small_pool_preempts_and_matches_large_pool():
     params = [SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
               SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=48, ignore_eos=True)]
     params = [params[i % 2] for i in range(len(prompts))]
-    large = LLM(max_num_seqs=16, max_model_len=128, block_size=8)
+    large = LLM(enforce_eager=True, max_num_seqs=16, max_model_len=128, block_size=8)
     expected = large.generate(prompts, params, use_tqdm=False)
     assert large.engine.num_preemptions == 0
 
     # 20 usable pages of 8 tokens = 160 tokens for 16 requests of up to ~90 tokens each.
-    small = LLM(max_num_seqs=16, max_model_len=128, block_size=8, num_gpu_blocks_override=21)
+    small = LLM(enforce_eager=True, max_num_seqs=16, max_model_len=128, block_size=8, num_gpu_blocks_override=21)
     got = small.generate(prompts, params, use_tqdm=False)
     assert small.engine.num_preemptions > 0
     assert sum(o.num_preemptions for o in got) == small.engine.num_preemptions

@@ -15,7 +15,7 @@ def run_step(sched, out, token=7):
     for s in out.scheduled:
         s.request.num_computed_tokens += s.num_new_tokens
         if s.samples:
-            s.request.output_token_ids.append(token)
+            s.request.all_token_ids.append(token)
 
 
 def plan(out):
@@ -23,7 +23,7 @@ def plan(out):
 
 
 def test_token_budget_chunks_prefill_and_decodes_go_first():
-    kv = KVCacheManager(num_pages=64, page_size=4)
+    kv = KVCacheManager(num_pages=64, page_size=4, enable_prefix_caching=False)
     s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, max_model_len=64), kv)
     a, b = make("a", 6), make("b", 12)
     s.add_request(a), s.add_request(b)
@@ -46,7 +46,7 @@ def test_token_budget_chunks_prefill_and_decodes_go_first():
 
 
 def test_max_num_seqs_limits_running():
-    kv = KVCacheManager(num_pages=64, page_size=4)
+    kv = KVCacheManager(num_pages=64, page_size=4, enable_prefix_caching=False)
     s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_model_len=64), kv)
     for i in range(3):
         s.add_request(make(f"r{i}", 2))
@@ -55,7 +55,7 @@ def test_max_num_seqs_limits_running():
 
 
 def test_preempts_newest_and_requeues_at_front():
-    kv = KVCacheManager(num_pages=5, page_size=2)      # 4 usable pages = 8 tokens
+    kv = KVCacheManager(num_pages=5, page_size=2, enable_prefix_caching=False)      # 4 usable pages = 8 tokens
     s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=8), kv)
     a, b = make("a", 4), make("b", 4)
     s.add_request(a), s.add_request(b)
@@ -74,7 +74,7 @@ def test_preempts_newest_and_requeues_at_front():
 
 
 def test_request_preempting_itself_when_alone():
-    kv = KVCacheManager(num_pages=3, page_size=2)      # 2 usable pages
+    kv = KVCacheManager(num_pages=3, page_size=2, enable_prefix_caching=False)      # 2 usable pages
     s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=4), kv)
     a = make("a", 4)
     s.add_request(a)

@@ -19,6 +19,8 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "model_
 DTYPES = ("auto", "float32", "bfloat16")
 #: ``--attention-backend`` choices (see ``jaxpaged.layers.attention.selection``).
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+#: ``--scheduling-policy`` choices.
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -40,6 +42,15 @@ class EngineArgs:
         kv_cache_memory_bytes: KV pool budget in bytes (sets the page count).
         attention_backend: ``xla``, ``pallas`` or ``auto`` (pallas on a GPU after a
             self-check, else xla).
+        enable_prefix_caching: reuse KV pages of earlier requests with the same prefix.
+        max_num_partial_prefills: most prompts mid-prefill (chunked) at once.
+        long_prefill_token_threshold: most prompt tokens one request prefills per step
+            (0: no cap beyond the step budget).
+        scheduling_policy: ``fcfs`` or ``priority`` (lower ``priority`` first; preemption
+            takes the lowest-priority, newest request).
+        gpu_memory_utilization: fraction of GPU memory for weights, activations and KV pool.
+        enforce_eager: skip the start-up precompile of every step shape (compile lazily).
+        compilation_cache_dir: directory of JAX's persistent compilation cache (off if None).
     """
 
     model: str = DEFAULT_MODEL
@@ -54,6 +65,13 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
+    max_num_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    gpu_memory_utilization: float = 0.92
+    enforce_eager: bool = False
+    compilation_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         def positive(name):
@@ -62,12 +80,24 @@ class EngineArgs:
                 raise ValueError(f"EngineArgs.{name} must be a positive integer, got {value!r}")
 
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                     "num_gpu_blocks_override", "kv_cache_memory_bytes"):
+                     "num_gpu_blocks_override", "kv_cache_memory_bytes",
+                     "max_num_partial_prefills"):
             positive(name)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"EngineArgs.block_size must be a power of two, got {self.block_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineArgs.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.long_prefill_token_threshold, int) or \
+                self.long_prefill_token_threshold < 0:
+            raise ValueError("EngineArgs.long_prefill_token_threshold must be an integer >= 0, "
+                             f"got {self.long_prefill_token_threshold!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"EngineArgs.scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
+        if not (isinstance(self.gpu_memory_utilization, (int, float))
+                and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError("EngineArgs.gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"EngineArgs.attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
@@ -95,9 +125,28 @@ class EngineArgs:
         g.add_argument("--attention-backend", default=d.attention_backend,
                        choices=ATTENTION_BACKENDS,
                        help="auto: pallas on a GPU after a self-check, else xla")
+        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=d.enable_prefix_caching, help="automatic prefix caching")
+        g.add_argument("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills)
+        g.add_argument("--long-prefill-token-threshold", type=int,
+                       default=d.long_prefill_token_threshold)
+        g.add_argument("--scheduling-policy", default=d.scheduling_policy,
+                       choices=SCHEDULING_POLICIES)
+        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+        g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                       help="skip the start-up precompile of every step shape and compile "
+                            "lazily (default: on for generate, which runs one batch; off for "
+                            "serve)")
+        g.add_argument("--compilation-cache-dir", default=None,
+                       help="persistent compilation cache directory")
         return parser
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
-        """Build from a namespace parsed with :meth:`add_cli_args`' flags."""
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    def from_cli_args(cls, args: argparse.Namespace, enforce_eager_default: bool = False
+                      ) -> "EngineArgs":
+        """Build from a namespace parsed with :meth:`add_cli_args`' flags; an unset
+        ``--[no-]enforce-eager`` takes the command's default."""
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        if values["enforce_eager"] is None:
+            values["enforce_eager"] = enforce_eager_default
+        return cls(**values)

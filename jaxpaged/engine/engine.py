@@ -1,9 +1,9 @@
 """`Engine`: requests in, `RequestOutput`s out, one scheduled model step at a time.
 
-``step()`` = schedule (scheduler + KV cache manager) -> execute (model runner) -> append each
-sampled token, detokenize it, check stop conditions, free the pages of finished requests.
-Callers drive it themselves (``add_request`` / ``step`` / ``abort_request``) or through
-:class:`jaxpaged.LLM`.
+``step()`` = schedule (scheduler + KV cache manager) -> execute (model runner) -> for each
+sampled token: fork parallel-sampling requests after their prompt, append, detokenize, check
+stop rules, free the pages of finished sequences (output processor). Callers drive it
+themselves (``add_request`` / ``step`` / ``abort_request``) or through :class:`jaxpaged.LLM`.
 """
 
 from __future__ import annotations
@@ -19,33 +19,46 @@ import numpy as np
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.engine.arg_utils import EngineArgs
-from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
-from jaxpaged.engine.request import Request, RequestStatus
+from jaxpaged.engine.kv_sizing import num_kv_pages
+from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup, SequenceState
+from jaxpaged.engine.request import Request
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.layers.attention import allocate_kv_pool, get_attention_backend, kv_bytes_per_page
 from jaxpaged.models.loader import load_model
-from jaxpaged.outputs import CompletionOutput, RequestOutput
+from jaxpaged.outputs import RequestOutput
 from jaxpaged.runner.model_runner import ModelRunner, RunnerLimits
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-#: KV pool budget when neither a page count nor a byte budget is given and the device is
-#: not a GPU (vLLM's CPU backend defaults to 4 GiB as well). The pool is further capped at
-#: what ``max_num_seqs`` requests of ``max_model_len`` tokens can use.
-DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
-#: Fraction of a GPU's free memory the KV pool takes by default.
-DEFAULT_GPU_KV_FRACTION = 0.9
-
 Prompt = str | list[int] | dict
+#: Separates a request id from a parallel-sampling sequence index in internal sequence ids.
+_SEQ_SEP = "\x1f"
 
 
 @dataclass
-class _Tracked:
-    request: Request
-    detokenizer: IncrementalDetokenizer
+class EngineStats:
+    """Counters since start-up (vLLM's metric names where they exist).
+
+    Attributes:
+        num_preemptions: sequences preempted (``vllm:num_preemptions``).
+        num_compilations: model-step shapes compiled (a rise while serving = a recompile).
+        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up / found in the prefix
+            cache (``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``).
+        num_running, num_waiting: sequences now running / waiting.
+        num_free_pages, num_pages: free and total KV pages (null page excluded).
+    """
+
+    num_preemptions: int
+    num_compilations: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_running: int
+    num_waiting: int
+    num_free_pages: int
+    num_pages: int
 
 
 class Engine:
@@ -62,15 +75,17 @@ class Engine:
 
     def __init__(self, args: EngineArgs):
         self.args = args
-        self.model_config = ModelConfig.from_pretrained(args.model)
-        cfg = self.model_config
+        if args.compilation_cache_dir:
+            _enable_compilation_cache(args.compilation_cache_dir)
+        self.model_config = cfg = ModelConfig.from_pretrained(args.model)
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         self.dtype = _resolve_dtype(args.dtype, cfg.checkpoint_dtype)
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
-        self.eos_token_ids = _eos_token_ids(args.model, cfg, self.tokenizer)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, _eos_token_ids(args.model, cfg, self.tokenizer), self.max_model_len)
 
         backend = get_attention_backend(
             args.attention_backend, num_kv_heads=cfg.num_kv_heads, num_heads=cfg.num_heads,
@@ -79,57 +94,58 @@ class Engine:
                            load_format=args.load_format, seed=args.seed)
         page_size = args.block_size
         pages_per_seq = -(-self.max_model_len // page_size)
-        num_pages = self._num_pages(kv_bytes_per_page(cfg.num_layers, page_size, cfg.num_kv_heads,
-                                                      cfg.head_dim, self.dtype), pages_per_seq)
-        self.kv_cache_manager = KVCacheManager(num_pages, page_size)
+        limits = RunnerLimits(args.max_num_batched_tokens, args.max_num_seqs, pages_per_seq)
+        pool = lambda n: allocate_kv_pool(cfg.num_layers, n, page_size, cfg.num_kv_heads,
+                                          cfg.head_dim, self.dtype)
+        bytes_per_page = kv_bytes_per_page(cfg.num_layers, page_size, cfg.num_kv_heads,
+                                           cfg.head_dim, self.dtype)
+        num_pages = num_kv_pages(
+            bytes_per_page=bytes_per_page, pages_per_seq=pages_per_seq,
+            max_num_seqs=args.max_num_seqs, num_gpu_blocks_override=args.num_gpu_blocks_override,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            profile_peak_bytes=lambda: ModelRunner(model, pool(2), backend, page_size,
+                                                   limits).profile_peak_bytes())
+        self.kv_cache_manager = KVCacheManager(num_pages, page_size, args.enable_prefix_caching)
         if self.kv_cache_manager.num_usable_pages < pages_per_seq:
             raise ValueError(
                 f"the KV pool ({self.kv_cache_manager.num_usable_pages} usable pages of "
                 f"{page_size} tokens) cannot hold one request of max_model_len="
                 f"{self.max_model_len} tokens; give more KV memory or lower max_model_len")
-        self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len),
-            self.kv_cache_manager)
-        kv_caches = allocate_kv_pool(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads,
-                                     cfg.head_dim, self.dtype)
-        self.runner = ModelRunner(model, kv_caches, backend, page_size, RunnerLimits(
-            args.max_num_batched_tokens, args.max_num_seqs, pages_per_seq))
-        self._requests: dict[str, _Tracked] = {}
+        logger.info("KV cache: %d pages of %d tokens, %d bytes per page (%.1f MiB in all); "
+                    "maximum concurrency for %d-token requests: %.2fx", num_pages, page_size,
+                    bytes_per_page, num_pages * bytes_per_page / 2**20, self.max_model_len,
+                    (num_pages - 1) / pages_per_seq)
+        self.scheduler = Scheduler(SchedulerConfig(
+            args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
+            args.max_num_partial_prefills, args.long_prefill_token_threshold,
+            args.scheduling_policy), self.kv_cache_manager)
+        self.runner = ModelRunner(model, pool(num_pages), backend, page_size, limits)
+        if not args.enforce_eager:
+            seconds = self.runner.precompile()
+            logger.info("precompiled %d step shapes in %.1f s", self.runner.num_compilations,
+                        seconds)
+        self._groups: dict[str, RequestGroup] = {}
+        self._seqs: dict[str, SequenceState] = {}
+        self._arrivals = 0
         self._seed_rng = np.random.default_rng(args.seed)
         logger.info("model %s (%s, %d layers), dtype %s, max_model_len %d, attention %s",
                     args.model, cfg.architecture, cfg.num_layers, jnp.dtype(self.dtype).name,
                     self.max_model_len, backend.name)
 
-    def _num_pages(self, bytes_per_page: int, pages_per_seq: int) -> int:
-        args = self.args
-        if args.num_gpu_blocks_override is not None:
-            num_pages = args.num_gpu_blocks_override
-        elif args.kv_cache_memory_bytes is not None:
-            num_pages = args.kv_cache_memory_bytes // bytes_per_page
-        elif jax.default_backend() == "gpu":
-            stats = jax.devices()[0].memory_stats() or {}
-            free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-            num_pages = int(free * DEFAULT_GPU_KV_FRACTION) // bytes_per_page
-        else:
-            num_pages = min(DEFAULT_CPU_KV_CACHE_BYTES // bytes_per_page,
-                            args.max_num_seqs * pages_per_seq + 1)
-        logger.info("KV cache: %d pages of %d tokens, %d bytes per page (%.1f MiB in all); "
-                    "maximum concurrency for %d-token requests: %.2fx",
-                    num_pages, args.block_size, bytes_per_page, num_pages * bytes_per_page / 2**20,
-                    self.max_model_len, (num_pages - 1) / pages_per_seq)
-        return num_pages
-
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Prompt,
-                    params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
         """Queue a request; it runs from the next :meth:`step`.
 
         Args:
             request_id: unique among unfinished requests.
             prompt: text, a list of token ids, or ``{"prompt_token_ids": [...]}`` /
-                ``{"prompt": "..."}`` (vLLM's TokensPrompt / TextPrompt).
+                ``{"prompt": "..."}`` (vLLM's TokensPrompt / TextPrompt), optionally with a
+                ``"cache_salt"`` that isolates its prefix-cache entries.
             params: sampling parameters (default ``SamplingParams()``).
+            priority: lower runs first under ``--scheduling-policy priority``.
 
         Raises:
             ValueError: duplicate id, empty prompt, token ids outside the vocabulary, or a
@@ -137,17 +153,23 @@ class Engine:
             TypeError: a prompt of another type.
         """
         params = params or SamplingParams()
-        if request_id in self._requests:
+        if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an integer, got {priority!r}")
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         text, ids = self._tokenize(prompt)
-        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**63))
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**62))
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
-        req = Request(request_id, text, ids, params, seed=seed, max_tokens=max(max_tokens, 1))
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
-                                       params.stop_strings, params.include_stop_str_in_output)
-        self._requests[request_id] = _Tracked(req, detok)
+        req = Request(request_id, text, ids, params, seed=seed, max_tokens=max(max_tokens, 1),
+                      arrival=self._arrivals, priority=priority, cache_salt=cache_salt,
+                      n_samples=params.n)
+        self._arrivals += 1
+        group = RequestGroup(request_id, [self.output_processor.new_sequence(req)])
+        self._groups[request_id] = group
+        self._seqs[request_id] = group.seqs[0]
         self.scheduler.add_request(req)
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -181,17 +203,21 @@ class Engine:
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests now and free their pages; unknown ids are ignored."""
         for rid in [request_id] if isinstance(request_id, str) else request_id:
-            tracked = self._requests.pop(rid, None)
-            if tracked is not None:
-                tracked.request.finish_reason = "abort"
-                self.scheduler.finish_request(tracked.request)
+            group = self._groups.pop(rid, None)
+            if group is None:
+                continue
+            for seq in group.seqs:
+                self._seqs.pop(seq.request.request_id, None)
+                if not seq.request.is_finished:
+                    seq.request.finish_reason = "abort"
+                    self.scheduler.finish_request(seq.request)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
-        return bool(self._requests)
+        return bool(self._groups)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._requests)
+        return len(self._groups)
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -205,54 +231,79 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        tokens = self.runner.execute(sched, self.kv_cache_manager)
-        outputs = []
-        for s, token in zip(sched.scheduled, tokens):
+        results = self.runner.execute(sched, self.kv_cache_manager)
+        touched: dict[str, RequestGroup] = {}
+        for s, result in zip(sched.scheduled, results):
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
-            if not s.samples:
+            if not result.token_ids:
                 continue
-            tracked = self._requests[req.request_id]
-            self._append_token(tracked, token)
-            if req.finish_reason is not None:
-                self.scheduler.finish_request(req)
-                del self._requests[req.request_id]
-            outputs.append(self._output(tracked))
+            group = self._groups[req.group_id]
+            seqs = [self._seqs[req.request_id]] + self._fork(req, len(result.token_ids) - 1)
+            for j, seq in enumerate(seqs):
+                lp = result.logprobs
+                self.output_processor.append_token(
+                    seq, result.token_ids[j], lp and lp[j], lp and result.ranks[j],
+                    lp and result.top_ids[j], lp and result.top_logprobs[j])
+                if seq.request.finish_reason is not None:
+                    self.scheduler.finish_request(seq.request)
+            touched[group.request_id] = group
+        outputs = []
+        for rid, group in touched.items():
+            outputs.append(self.output_processor.make_output(group))
+            if group.finished:
+                del self._groups[rid]
+                for seq in group.seqs:
+                    self._seqs.pop(seq.request.request_id, None)
         return outputs
 
-    def _append_token(self, tracked: _Tracked, token: int) -> None:
-        """Record a sampled token and apply vLLM's stop rules (EOS, stop ids, stop strings,
-        then length)."""
-        req = tracked.request
-        req.output_token_ids.append(token)
-        p = req.params
-        if not p.ignore_eos and token in self.eos_token_ids:
-            req.finish_reason = "stop"
-        elif token in p.stop_token_id_set:
-            req.finish_reason, req.stop_reason = "stop", token
-        else:
-            stop = tracked.detokenizer.add_token(token)
-            if stop is not None:
-                req.finish_reason, req.stop_reason = "stop", stop
-        if req.finish_reason is None and (len(req.output_token_ids) >= req.max_tokens
-                                          or req.num_tokens >= self.max_model_len):
-            req.finish_reason = "length"
-
-    @staticmethod
-    def _output(tracked: _Tracked) -> RequestOutput:
-        req = tracked.request
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=[CompletionOutput(0, tracked.detokenizer.text, list(req.output_token_ids),
-                                      req.finish_reason, req.stop_reason)],
-            finished=req.status is RequestStatus.FINISHED, num_preemptions=req.num_preemptions)
+    def _fork(self, leader: Request, count: int) -> list[SequenceState]:
+        """Split a parallel-sampling request after its prompt into ``count`` more sequences
+        that share the leader's pages (copy-on-write for the partly filled last page)."""
+        group = self._groups[leader.group_id]
+        children, after = [], leader
+        for j in range(1, count + 1):
+            child = Request(f"{leader.group_id}{_SEQ_SEP}{j}", leader.prompt,
+                            leader.prompt_token_ids, leader.params, seed=leader.seed + j,
+                            max_tokens=leader.max_tokens, arrival=leader.arrival,
+                            group_id=leader.group_id, index=j, priority=leader.priority,
+                            cache_salt=leader.cache_salt, all_token_ids=list(leader.all_token_ids),
+                            num_computed_tokens=leader.num_computed_tokens,
+                            num_cached_tokens=leader.num_cached_tokens)
+            self.kv_cache_manager.fork(leader.request_id, child.request_id)
+            self.scheduler.add_running(child, after=after)
+            seq = self.output_processor.new_sequence(child)
+            group.seqs.append(seq)
+            self._seqs[child.request_id] = seq
+            children.append(seq)
+            after = child
+        leader.n_samples = 1
+        return children
 
     # ---- stats ----------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """The engine's counters and gauges now."""
+        kv = self.kv_cache_manager
+        return EngineStats(
+            num_preemptions=self.scheduler.num_preemptions,
+            num_compilations=self.runner.num_compilations,
+            prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_free_pages=kv.num_free_pages, num_pages=kv.num_usable_pages)
 
     @property
     def num_preemptions(self) -> int:
         """Preemptions since start-up."""
         return self.scheduler.num_preemptions
+
+
+def _enable_compilation_cache(path: str) -> None:
+    """Persist compiled steps under ``path`` so later start-ups load instead of compiling."""
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _resolve_dtype(name: str, checkpoint_dtype: str):

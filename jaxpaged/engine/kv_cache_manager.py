@@ -1,45 +1,102 @@
 """`KVCacheManager`: host-side ownership of the preallocated KV page pool.
 
-Pure Python, no JAX. It hands out page ids from a free list, keeps each request's page table,
-grows it one page at a time as tokens are appended, and returns pages on finish, abort or
-preemption. The device pool itself (layout in ``jaxpaged.layers.attention.base``) is only ever
-indexed through these page ids. Page 0 (``NULL_PAGE``) is reserved and never allocated.
+Pure Python, no JAX. It hands out page ids, keeps each request's page table, grows it one page
+at a time as tokens are appended, and releases pages on finish, abort or preemption. The device
+pool (layout in ``jaxpaged.layers.attention.base``) is only ever indexed through these ids.
+Page 0 (``NULL_PAGE``) is reserved and never allocated.
 
-Reference: Kwon et al., "Efficient Memory Management for Large Language Model Serving with
-PagedAttention" (SOSP 2023), section 4.2 (block tables and on-demand allocation).
+Automatic prefix caching: every *full* page of a request gets a hash chained on its parent
+page's hash, its token ids and extra keys (e.g. a ``cache_salt``). A new request reuses the
+longest chain of cached pages; a hit is confirmed by comparing the page's token ids and parent
+page, so a hash collision falls back to recomputation. Released pages keep their contents and
+join an LRU free queue (a request's pages are queued tail first, so its tail is evicted
+first); a cached page is dropped from the cache only when the queue hands it out again.
+
+Pages are shared by reference count: between requests with a common prefix, and between the
+``n`` sequences of a parallel-sampling request (:meth:`fork`). A write into a shared page
+copies it first (copy-on-write); the copies are collected for the runner to perform on the
+device before the step.
+
+References: Kwon et al., "Efficient Memory Management for Large Language Model Serving with
+PagedAttention" (SOSP 2023), sections 4.2-4.4 (block tables, on-demand allocation, sharing and
+copy-on-write); vLLM v1's ``KVCacheManager``/``BlockPool`` (hash chains, LRU free queue).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+import pickle
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from jaxpaged.layers.attention.base import NULL_PAGE
 
 
+def hash_page(parent_hash: bytes | None, token_ids: tuple[int, ...], extra_keys: tuple) -> bytes:
+    """SHA-256 of (parent hash, the page's token ids, extra keys)."""
+    return hashlib.sha256(pickle.dumps((parent_hash, token_ids, extra_keys), protocol=5)).digest()
+
+
+@dataclass(eq=False)
+class _Page:
+    page_id: int
+    ref_cnt: int = 0
+    page_hash: bytes | None = None      # set once the page is full and cached
+    token_ids: tuple[int, ...] = ()     # the cached page's tokens (hit confirmation)
+    parent: int | None = None           # the cached page's parent page id
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache counters since start-up: tokens of admitted requests looked up and found
+    (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, counted by the scheduler), and
+    evictions of cached pages."""
+
+    queries: int = 0
+    hits: int = 0
+    evictions: int = 0
+
+
+@dataclass
+class _Table:
+    pages: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)   # hashes of the request's full pages
+    num_cached_pages: int = 0                            # leading pages registered in the cache
+
+
 class KVCacheManager:
-    """Free list and page tables over ``num_pages`` pages of ``page_size`` tokens.
+    """Free queue, page tables and the prefix cache over ``num_pages`` pages.
 
     Args:
         num_pages: pages in the pool, the null page included (so ``num_pages - 1`` usable).
         page_size: tokens per page (``--block-size``).
+        enable_prefix_caching: reuse cached full pages across requests.
 
     Raises:
         ValueError: fewer than 2 pages or a non-positive page size.
     """
 
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (1 is reserved), got {num_pages}")
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free: deque[int] = deque(p for p in range(num_pages) if p != NULL_PAGE)
-        self._page_tables: dict[str, list[int]] = {}
+        self.enable_prefix_caching = enable_prefix_caching
+        self._pages = [_Page(i) for i in range(num_pages)]
+        self._free: OrderedDict[int, None] = OrderedDict(
+            (p, None) for p in range(num_pages) if p != NULL_PAGE)
+        self._cached: dict[bytes, int] = {}
+        self._tables: dict[str, _Table] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+        self.stats = PrefixCacheStats()
+
+    # ---- queries ---------------------------------------------------------------------------
 
     @property
     def num_free_pages(self) -> int:
-        """Pages not held by any request."""
+        """Pages not held by any request (cached-but-unused pages count as free)."""
         return len(self._free)
 
     @property
@@ -47,37 +104,158 @@ class KVCacheManager:
         """Pages that can ever be allocated (all but the null page)."""
         return self.num_pages - 1
 
+    @property
+    def num_used_pages(self) -> int:
+        """Pages held by at least one request."""
+        return self.num_usable_pages - len(self._free)
+
     def pages_needed(self, num_tokens: int) -> int:
         """Pages that hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.page_size)
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
-        """Grow ``request_id``'s page table to hold ``num_tokens`` tokens in total.
-
-        Returns:
-            False, changing nothing, if the free list is too short.
-        """
-        table = self._page_tables.setdefault(request_id, [])
-        need = self.pages_needed(num_tokens) - len(table)
-        if need > len(self._free):
-            if not table:
-                del self._page_tables[request_id]
-            return False
-        for _ in range(need):
-            table.append(self._free.popleft())
-        return True
-
-    def free(self, request_id: str) -> None:
-        """Return every page of ``request_id`` to the free list (no-op if it holds none)."""
-        for page in self._page_tables.pop(request_id, []):
-            self._free.append(page)
-
     def page_table(self, request_id: str) -> list[int]:
         """The request's page ids in token order (empty if it holds none)."""
-        return self._page_tables.get(request_id, [])
+        table = self._tables.get(request_id)
+        return table.pages if table else []
 
     def slots(self, request_id: str, start: int, end: int) -> list[int]:
         """Flat pool slots (``page * page_size + row``) of positions ``[start, end)``."""
-        table = self._page_tables[request_id]
+        pages = self._tables[request_id].pages
         s = self.page_size
-        return [table[p // s] * s + p % s for p in range(start, end)]
+        return [pages[p // s] * s + p % s for p in range(start, end)]
+
+    # ---- prefix cache ----------------------------------------------------------------------
+
+    def _page_hashes(self, table: _Table, token_ids: list[int], extra_keys: tuple) -> list[bytes]:
+        """Extend ``table.hashes`` to every full page of ``token_ids``."""
+        s = self.page_size
+        for i in range(len(table.hashes), len(token_ids) // s):
+            parent = table.hashes[i - 1] if i else None
+            table.hashes.append(hash_page(parent, tuple(token_ids[i * s:(i + 1) * s]), extra_keys))
+        return table.hashes
+
+    def find_cached_prefix(self, request_id: str, token_ids: list[int],
+                           extra_keys: tuple = ()) -> int:
+        """Take the longest run of cached pages matching the start of ``token_ids``.
+
+        Must be called while the request holds no pages. At least one token is always left
+        to compute (its logits are needed), so at most ``len(token_ids) - 1`` tokens hit.
+
+        Returns:
+            The number of cached tokens (a multiple of ``page_size``); those pages now
+            belong to the request.
+        """
+        table = self._tables.setdefault(request_id, _Table())
+        assert not table.pages, "find_cached_prefix on a request that holds pages"
+        if not self.enable_prefix_caching:
+            return 0
+        hashes = self._page_hashes(table, token_ids, extra_keys)
+        max_pages = (len(token_ids) - 1) // self.page_size
+        s = self.page_size
+        parent = None
+        for i, h in enumerate(hashes[:max_pages]):
+            page_id = self._cached.get(h)
+            if page_id is None:
+                break
+            page = self._pages[page_id]
+            if page.token_ids != tuple(token_ids[i * s:(i + 1) * s]) or page.parent != parent:
+                break   # a hash collision: recompute from here
+            self._take(page_id)
+            table.pages.append(page_id)
+            parent = page_id
+        table.num_cached_pages = len(table.pages)
+        return len(table.pages) * s
+
+    def _register_full_pages(self, table: _Table, token_ids: list[int], num_tokens: int,
+                             extra_keys: tuple) -> None:
+        """Put the request's pages that ``num_tokens`` fill into the cache."""
+        full = min(num_tokens // self.page_size, len(table.pages))
+        if full <= table.num_cached_pages:
+            return
+        hashes = self._page_hashes(table, token_ids[:full * self.page_size], extra_keys)
+        s = self.page_size
+        for i in range(table.num_cached_pages, full):
+            page = self._pages[table.pages[i]]
+            if hashes[i] in self._cached or page.page_hash is not None:
+                continue   # the same content is cached already (or this page is, shared)
+            page.page_hash, page.token_ids = hashes[i], tuple(token_ids[i * s:(i + 1) * s])
+            page.parent = table.pages[i - 1] if i else None
+            self._cached[hashes[i]] = page.page_id
+        table.num_cached_pages = full
+
+    # ---- allocation ------------------------------------------------------------------------
+
+    def _take(self, page_id: int) -> None:
+        page = self._pages[page_id]
+        if page.ref_cnt == 0:
+            del self._free[page_id]
+        page.ref_cnt += 1
+
+    def _pop_free(self) -> int:
+        page_id, _ = self._free.popitem(last=False)
+        page = self._pages[page_id]
+        if page.page_hash is not None:     # evict it from the cache
+            del self._cached[page.page_hash]
+            page.page_hash, page.token_ids, page.parent = None, (), None
+            self.stats.evictions += 1
+        page.ref_cnt = 1
+        return page_id
+
+    def allocate_slots(self, request_id: str, num_tokens: int, token_ids: list[int] | None = None,
+                       num_computed_tokens: int = 0, extra_keys: tuple = ()) -> bool:
+        """Make ``request_id``'s pages hold ``num_tokens`` tokens, the next write starting at
+        ``num_computed_tokens``.
+
+        Grows the page table, copies any shared page that the write would touch
+        (copy-on-write, see :meth:`take_pending_copies`), and, with prefix caching, registers
+        the pages the ``num_tokens`` tokens ``token_ids`` fill.
+
+        Returns:
+            False, changing nothing, if there are not enough free pages.
+        """
+        table = self._tables.setdefault(request_id, _Table())
+        grow = self.pages_needed(num_tokens) - len(table.pages)
+        first_write = num_computed_tokens // self.page_size
+        shared = [i for i in range(first_write, len(table.pages))
+                  if self._pages[table.pages[i]].ref_cnt > 1]
+        if max(grow, 0) + len(shared) > len(self._free):
+            if not table.pages:
+                del self._tables[request_id]
+            return False
+        for i in shared:
+            old = table.pages[i]
+            new = self._pop_free()
+            self._pending_copies.append((old, new))
+            self._pages[old].ref_cnt -= 1
+            table.pages[i] = new
+            table.num_cached_pages = min(table.num_cached_pages, i)
+        for _ in range(grow):
+            table.pages.append(self._pop_free())
+        if self.enable_prefix_caching and token_ids is not None:
+            self._register_full_pages(table, token_ids, num_tokens, extra_keys)
+        return True
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give ``child_id`` the parent's pages by reference (parallel sampling)."""
+        parent = self._tables[parent_id]
+        for page_id in parent.pages:
+            self._pages[page_id].ref_cnt += 1
+        self._tables[child_id] = _Table(list(parent.pages), list(parent.hashes),
+                                        parent.num_cached_pages)
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """(source page, destination page) pairs the device must copy before the next step."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    def free(self, request_id: str) -> None:
+        """Release every page of ``request_id`` (no-op if it holds none). Pages whose count
+        drops to zero join the free queue, the request's tail first, keeping cached contents."""
+        table = self._tables.pop(request_id, None)
+        if table is None:
+            return
+        for page_id in reversed(table.pages):
+            page = self._pages[page_id]
+            page.ref_cnt -= 1
+            if page.ref_cnt == 0:
+                self._free[page_id] = None

@@ -1,4 +1,4 @@
-"""Host-side state of one request as it moves through the engine."""
+"""Host-side state of one sequence as it moves through the engine."""
 
 from __future__ import annotations
 
@@ -18,19 +18,29 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One request: its tokens, progress and finish state.
+    """One sequence: its tokens, progress and finish state.
+
+    A request with ``n > 1`` starts as one sequence that prefills the prompt once and samples
+    ``n_samples`` first tokens; the engine then forks it into ``n`` sequences that share the
+    prompt's pages (``group_id`` names the user's request, ``index`` the sequence in it).
 
     Attributes:
-        request_id: caller's id, unique among unfinished requests.
-        prompt: prompt text, or None if given as token ids.
-        prompt_token_ids: the prompt's ids (BOS included when the tokenizer adds it).
+        request_id: unique id of this sequence (the user's id for ``index`` 0).
+        group_id: the user's request id.
+        index: the sequence's index within its request (``CompletionOutput.index``).
+        prompt, prompt_token_ids: the prompt (text or None) and its ids.
         params: the request's sampling parameters.
-        seed: the effective seed (the request's own, or one drawn by the engine).
+        seed: the effective seed (the request's own plus ``index``, or engine-drawn).
         max_tokens: the resolved output-length limit.
-        output_token_ids: generated ids so far.
+        arrival: arrival order (ties in priority scheduling; the newest is preempted first).
+        priority: lower runs first under ``--scheduling-policy priority``.
+        cache_salt: extra key of this request's prefix-cache hashes.
+        n_samples: first tokens to sample after the prompt (n before the fork, then 1).
+        all_token_ids: prompt + output ids.
         num_computed_tokens: tokens whose K/V are in the pool (0 again after preemption).
-        num_preemptions: how often the request was preempted.
-        finish_reason, stop_reason: set when the request finishes (vLLM's meanings).
+        num_cached_tokens: prompt tokens served by the prefix cache at first scheduling.
+        num_preemptions: how often the sequence was preempted.
+        finish_reason, stop_reason: set when it finishes (vLLM's meanings).
     """
 
     request_id: str
@@ -39,26 +49,47 @@ class Request:
     params: SamplingParams
     seed: int
     max_tokens: int
-    output_token_ids: list[int] = field(default_factory=list)
+    arrival: int = 0
+    group_id: str = ""
+    index: int = 0
+    priority: int = 0
+    cache_salt: str | None = None
+    n_samples: int = 1
+    all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int | None = None
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
+    def __post_init__(self) -> None:
+        self.group_id = self.group_id or self.request_id
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
     @property
     def num_tokens(self) -> int:
         """Prompt plus output length."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
 
-    def token_ids(self, start: int, end: int) -> list[int]:
-        """Ids of prompt + output in ``[start, end)``."""
-        n_prompt = len(self.prompt_token_ids)
-        if end <= n_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= n_prompt:
-            return self.output_token_ids[start - n_prompt:end - n_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Generated ids so far (a copy)."""
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def extra_keys(self) -> tuple:
+        """Extra keys mixed into this request's prefix-cache page hashes."""
+        return () if self.cache_salt is None else (self.cache_salt,)
 
     @property
     def is_finished(self) -> bool:

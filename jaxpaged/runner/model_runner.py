@@ -1,14 +1,23 @@
-"""`ModelRunner`: one scheduled step -> padded device arrays -> one jitted forward + sample.
+"""`ModelRunner`: one scheduled step -> padded device arrays -> one compiled forward + sample.
 
-The jitted step takes the model's parameters, the donated KV pool and the batch, and returns
-the sampled token of every sequence plus the updated pool. Arrays are padded to buckets
-(powers of two, capped by the engine limits) in three sizes: tokens T, sequences B and pages
-per sequence P, so the step compiles at most once per (T, B, P, decode-only) combination.
+The step takes the model's parameters, the donated KV pool and the batch, and returns the
+sampled tokens (with their log-probabilities when asked) plus the updated pool. Arrays are
+padded to buckets so the step compiles a bounded number of times:
+
+- decode-only steps: T = B = a sequence bucket (8, 16, ... up to ``max_num_seqs``);
+- steps with prefill chunks: T = a token bucket (16, 32, ... up to ``max_num_batched_tokens``)
+  and B = the sequence bucket of min(T, ``max_num_seqs``);
+- pages per sequence P: 4, 8, ... up to ``max_model_len / page_size``.
+
+Each (T, B, P, decode-only, logprobs) shape is compiled ahead of time once and kept;
+:meth:`ModelRunner.precompile` compiles every shape a logprob-free run can meet, and
+:attr:`ModelRunner.num_compilations` counts compilations so one during serving is visible.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import jax
@@ -60,6 +69,27 @@ class RunnerLimits:
     max_pages_per_seq: int
 
 
+@dataclass(frozen=True)
+class SampleResult:
+    """What one scheduled sequence got from a step (empty ``token_ids`` for a prefill chunk
+    that does not reach the end of its tokens).
+
+    Attributes:
+        token_ids: one token per sample (``n_samples`` of them for a parallel-sampling prefill).
+        logprobs: per token, the sampled token's log-probability (raw model distribution);
+            None unless some request in the step asked for logprobs.
+        ranks: per token, its rank in the distribution (1 = most likely).
+        top_ids, top_logprobs: per token, the ``MAX_LOGPROBS`` most likely ids and their
+            log-probabilities, best first.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    ranks: list[int] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
 class ModelRunner:
     """Holds the model's parameters and the KV pool; executes scheduled steps.
 
@@ -77,71 +107,193 @@ class ModelRunner:
         self._kv_caches = kv_caches
         self._backend = backend
         self._page_size = page_size
+        self._limits = limits
         self._token_buckets = bucket_sizes(16, max(16, limits.max_num_tokens))
         self._seq_buckets = bucket_sizes(8, max(8, limits.max_num_seqs))
         self._page_buckets = bucket_sizes(4, max(4, limits.max_pages_per_seq))
+        self._executables: dict[tuple, object] = {}
 
-        def step(state, kv_caches, input_ids, positions, logits_indices, attn_metadata, sampling):
+        def step(state, kv_caches, input_ids, positions, logits_indices, attn_metadata,
+                 sampling, with_logprobs):
             model = nnx.merge(graphdef, state)
             hidden, kv_caches = model(input_ids, positions, kv_caches, attn_metadata)
             logits = model.compute_logits(hidden[logits_indices])
-            return sample(logits, sampling), kv_caches
+            return sample(logits, sampling, with_logprobs), kv_caches
 
-        self._step = jax.jit(step, donate_argnums=(1,))
+        self._step = jax.jit(step, donate_argnums=(1,), static_argnames="with_logprobs")
 
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> list[int]:
-        """Run one step.
+        def copy_pages(kv_caches, src, dst):
+            return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv_caches]
+
+        self._copy_pages = jax.jit(copy_pages, donate_argnums=(0,))
+
+    @property
+    def backend(self) -> AttentionBackend:
+        return self._backend
+
+    @property
+    def num_compilations(self) -> int:
+        """Step shapes compiled so far (a rise while serving means a recompilation)."""
+        return len(self._executables)
+
+    # ---- execution ---------------------------------------------------------------------------
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole pages (source -> destination) in every layer, in place (copy-on-write)."""
+        if not copies:
+            return
+        n = pick_bucket(bucket_sizes(4, max(4, len(copies))), len(copies))
+        src = np.full(n, NULL_PAGE, np.int32)
+        dst = np.full(n, NULL_PAGE, np.int32)
+        src[:len(copies)], dst[:len(copies)] = zip(*copies)
+        self._kv_caches = self._copy_pages(self._kv_caches, src, dst)
+
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> list[SampleResult]:
+        """Run one step: pending page copies, then the forward pass and sampling.
 
         Args:
-            sched: the scheduled requests, in batch order.
-            kv: the page tables of those requests.
+            sched: the scheduled sequences, in batch order.
+            kv: their page tables (and pending copy-on-write copies).
 
         Returns:
-            One sampled token per scheduled request (meaningless where the request's chunk
-            does not reach its last token).
+            One :class:`SampleResult` per scheduled sequence.
         """
-        layout, input_ids, logits_indices = self._layout(sched, kv)
+        self.copy_pages(kv.take_pending_copies())
+        rows, owners = [], []
+        for i, s in enumerate(sched.scheduled):
+            req, p = s.request, s.request.params
+            n = req.n_samples if s.samples else 1
+            for j in range(n):
+                rows.append((p.temperature, p.top_k, p.top_p, p.min_p, p.is_greedy,
+                             req.seed + j, req.num_tokens))
+                owners.append(i)
+        with_logprobs = any(s.request.params.logprobs is not None for s in sched.scheduled)
+        layout, input_ids, logits_indices = self._layout(sched, kv, owners)
+        metadata = self._metadata(layout)
+        sampling = SamplingMetadata.from_host(rows, layout.seq_lens.shape[0])
+        fn = self._executable(layout, with_logprobs, input_ids, logits_indices, metadata, sampling)
+        out, self._kv_caches = fn(self._state, self._kv_caches, input_ids, layout.positions,
+                                  logits_indices, metadata, sampling)
+        out = jax.tree.map(np.asarray, out)
+        results: list[list[int]] = [[] for _ in sched.scheduled]
+        for r, i in enumerate(owners):
+            results[i].append(r)
+        return [self._result(out, rs, s.samples) for rs, s in zip(results, sched.scheduled)]
+
+    @staticmethod
+    def _result(out, rows: list[int], samples: bool) -> SampleResult:
+        if not samples:
+            return SampleResult([])
+        tokens = [int(out["token_ids"][r]) for r in rows]
+        if "logprobs" not in out:
+            return SampleResult(tokens)
+        return SampleResult(tokens, [float(out["logprobs"][r]) for r in rows],
+                            [int(out["ranks"][r]) for r in rows],
+                            [out["top_ids"][r].tolist() for r in rows],
+                            [out["top_logprobs"][r].tolist() for r in rows])
+
+    def _executable(self, layout: BatchLayout, with_logprobs: bool, *args):
+        key = (layout.positions.shape[0], layout.seq_lens.shape[0], layout.page_table.shape[1],
+               layout.is_decode_only, with_logprobs)
+        fn = self._executables.get(key)
+        if fn is None:
+            t0 = time.perf_counter()
+            input_ids, logits_indices, metadata, sampling = args
+            fn = self._step.lower(self._state, self._kv_caches, input_ids, layout.positions,
+                                  logits_indices, metadata, sampling,
+                                  with_logprobs=with_logprobs).compile()
+            self._executables[key] = fn
+            logger.debug("compiled step T=%d B=%d P=%d decode_only=%s logprobs=%s in %.2fs",
+                         *key, time.perf_counter() - t0)
+        return fn
+
+    def _metadata(self, layout: BatchLayout) -> dict[str, np.ndarray]:
         metadata = self._backend.build_metadata(layout)
         metadata.update(slot_mapping=layout.slot_mapping, page_table=layout.page_table,
                         seq_lens=layout.seq_lens, query_start_loc=layout.query_start_loc,
                         positions=layout.positions)
-        rows = []
-        for s in sched.scheduled:
-            p = s.request.params
-            rows.append((p.temperature, p.top_k, p.top_p, p.min_p, p.is_greedy,
-                         s.request.seed, s.request.num_tokens))
-        sampling = SamplingMetadata.from_host(rows, layout.seq_lens.shape[0])
-        tokens, self._kv_caches = self._step(self._state, self._kv_caches, input_ids,
-                                             layout.positions, logits_indices, metadata, sampling)
-        return np.asarray(tokens)[: layout.num_seqs].tolist()
+        return metadata
 
-    def _layout(self, sched: SchedulerOutput, kv: KVCacheManager):
+    # ---- shapes ------------------------------------------------------------------------------
+
+    def _pad_sizes(self, num_tokens: int, num_seqs: int, num_rows: int, max_pages: int,
+                   decode_only: bool) -> tuple[int, int, int]:
+        if decode_only:
+            t_pad = b_pad = pick_bucket(self._seq_buckets, num_rows)
+        else:
+            t_pad = pick_bucket(self._token_buckets, num_tokens)
+            b_pad = pick_bucket(self._seq_buckets,
+                                max(num_rows, min(t_pad, self._limits.max_num_seqs)))
+        return t_pad, b_pad, pick_bucket(self._page_buckets, max_pages)
+
+    def _layout(self, sched: SchedulerOutput, kv: KVCacheManager, owners: list[int]):
         num_seqs, num_tokens = len(sched.scheduled), sched.num_tokens
-        t_pad = pick_bucket(self._token_buckets, num_tokens)
-        b_pad = pick_bucket(self._seq_buckets, num_seqs)
         max_pages = max(len(kv.page_table(s.request.request_id)) for s in sched.scheduled)
-        p_pad = pick_bucket(self._page_buckets, max_pages)
-
+        t_pad, b_pad, p_pad = self._pad_sizes(num_tokens, num_seqs, len(owners), max_pages,
+                                              num_tokens == num_seqs)
         input_ids = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
         slot_mapping = np.full(t_pad, NULL_PAGE * self._page_size, np.int32)
         page_table = np.full((b_pad, p_pad), NULL_PAGE, np.int32)
         seq_lens = np.zeros(b_pad, np.int32)
         query_start_loc = np.full(b_pad + 1, num_tokens, np.int32)
-        logits_indices = np.zeros(b_pad, np.int32)
+        last_token = np.zeros(num_seqs, np.int32)
         t = 0
         for i, s in enumerate(sched.scheduled):
             rid, start, n = s.request.request_id, s.start, s.num_new_tokens
             query_start_loc[i] = t
-            input_ids[t:t + n] = s.request.token_ids(start, start + n)
+            input_ids[t:t + n] = s.request.all_token_ids[start:start + n]
             positions[t:t + n] = np.arange(start, start + n)
             slot_mapping[t:t + n] = kv.slots(rid, start, start + n)
             table = kv.page_table(rid)
             page_table[i, :len(table)] = table
             seq_lens[i] = start + n
-            logits_indices[i] = t + n - 1
+            last_token[i] = t + n - 1
             t += n
+        logits_indices = np.zeros(b_pad, np.int32)
+        logits_indices[:len(owners)] = last_token[owners]
         layout = BatchLayout(query_start_loc=query_start_loc, seq_lens=seq_lens,
                              positions=positions, slot_mapping=slot_mapping,
                              page_table=page_table, num_seqs=num_seqs, num_tokens=num_tokens)
         return layout, input_ids, logits_indices
+
+    def _dummy_layout(self, t_pad: int, b_pad: int, p_pad: int, decode_only: bool):
+        """A layout of the given padded shape whose tokens all write to the null page."""
+        n_tokens = 1 if decode_only else 2
+        return BatchLayout(
+            query_start_loc=np.full(b_pad + 1, n_tokens, np.int32),
+            seq_lens=np.zeros(b_pad, np.int32), positions=np.zeros(t_pad, np.int32),
+            slot_mapping=np.zeros(t_pad, np.int32),
+            page_table=np.zeros((b_pad, p_pad), np.int32), num_seqs=1, num_tokens=n_tokens)
+
+    def _dummy_args(self, layout: BatchLayout):
+        t_pad, b_pad = layout.positions.shape[0], layout.seq_lens.shape[0]
+        return (np.zeros(t_pad, np.int32), np.zeros(b_pad, np.int32), self._metadata(layout),
+                SamplingMetadata.from_host([], b_pad))
+
+    def profile_peak_bytes(self) -> int | None:
+        """Run the largest prefill step once on dummy data; the device's peak bytes in use
+        afterwards (None if the device keeps no memory statistics)."""
+        t_pad = self._token_buckets[-1]
+        _, b_pad, _ = self._pad_sizes(t_pad, 1, 1, 1, False)
+        layout = self._dummy_layout(t_pad, b_pad, self._page_buckets[-1], False)
+        args = self._dummy_args(layout)
+        fn = self._executable(layout, True, *args)
+        input_ids, logits_indices, metadata, sampling = args
+        out, self._kv_caches = fn(self._state, self._kv_caches, input_ids, layout.positions,
+                                  logits_indices, metadata, sampling)
+        jax.block_until_ready(out)
+        stats = jax.devices()[0].memory_stats()
+        return None if not stats else stats.get("peak_bytes_in_use")
+
+    def precompile(self) -> float:
+        """Compile every step shape a run without logprobs can meet; returns seconds taken."""
+        t0 = time.perf_counter()
+        shapes = {(b, b, p, True) for b in self._seq_buckets for p in self._page_buckets}
+        for t in self._token_buckets:
+            _, b, _ = self._pad_sizes(t, 1, 1, 1, False)
+            shapes.update((t, b, p, False) for p in self._page_buckets)
+        for shape in sorted(shapes):
+            layout = self._dummy_layout(*shape)
+            self._executable(layout, False, *self._dummy_args(layout))
+        return time.perf_counter() - t0

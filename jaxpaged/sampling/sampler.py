@@ -16,6 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 
+#: Most top log-probabilities a request can ask for (vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
+
+
 @jax.tree_util.register_dataclass
 @dataclass
 class SamplingMetadata:
@@ -60,15 +64,21 @@ class SamplingMetadata:
                    position)
 
 
-def sample(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool = False
+           ) -> dict[str, jax.Array]:
     """Draw one token per row.
 
     Args:
         logits: [B, V] float32.
         meta: the rows' sampling parameters.
+        with_logprobs: also return log-probabilities. They are those of the raw model
+            distribution, ``log_softmax(logits)`` before temperature, top-k/top-p/min-p and
+            penalties (vLLM's default ``logprobs_mode="raw_logprobs"``).
 
     Returns:
-        [B] int32 token ids.
+        ``token_ids`` [B] int32; with logprobs also ``logprobs`` [B] float32 (of the sampled
+        token), ``ranks`` [B] int32 (1 = most likely), ``top_ids`` [B, MAX_LOGPROBS] int32 and
+        ``top_logprobs`` [B, MAX_LOGPROBS] float32, best first.
     """
     vocab = logits.shape[-1]
     greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -95,4 +105,12 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
         return jax.random.categorical(key, row)
 
     sampled = jax.vmap(draw)(meta.seed_lo, meta.seed_hi, meta.position, masked).astype(jnp.int32)
-    return jnp.where(meta.greedy, greedy_tokens, sampled)
+    tokens = jnp.where(meta.greedy, greedy_tokens, sampled)
+    if not with_logprobs:
+        return {"token_ids": tokens}
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, vocab))
+    return {"token_ids": tokens, "logprobs": chosen,
+            "ranks": 1 + jnp.sum(logprobs > chosen[:, None], axis=-1).astype(jnp.int32),
+            "top_ids": top_ids.astype(jnp.int32), "top_logprobs": top_logprobs}

@@ -1,0 +1,57 @@
+"""How many KV pages the pool gets.
+
+Order of precedence: ``--num-gpu-blocks-override`` (an exact page count), then
+``--kv-cache-memory-bytes`` (a byte budget), then, on a GPU, ``--gpu-memory-utilization``
+(default 0.92, vLLM's) of the device's memory minus what the weights and a profiling step at
+``max_num_batched_tokens`` use; elsewhere (CPU) :data:`DEFAULT_CPU_KV_CACHE_BYTES`, capped at
+what ``max_num_seqs`` requests of ``max_model_len`` tokens could ever use.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+#: KV budget on a CPU when none is given (vLLM's CPU backend also defaults to 4 GiB).
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+
+
+def num_kv_pages(*, bytes_per_page: int, pages_per_seq: int, max_num_seqs: int,
+                 num_gpu_blocks_override: int | None, kv_cache_memory_bytes: int | None,
+                 gpu_memory_utilization: float,
+                 profile_peak_bytes: Callable[[], int | None]) -> int:
+    """Pages for the pool (the null page included).
+
+    Args:
+        bytes_per_page: K and V bytes of one page across all layers.
+        pages_per_seq: pages of one ``max_model_len`` request.
+        max_num_seqs: the most concurrent requests.
+        num_gpu_blocks_override, kv_cache_memory_bytes, gpu_memory_utilization: the flags.
+        profile_peak_bytes: runs a profiling step and returns the device's peak bytes in use
+            (None where the device reports no memory statistics); called only on a GPU.
+
+    Raises:
+        ValueError: the GPU has no memory left for KV pages at this utilization.
+    """
+    if num_gpu_blocks_override is not None:
+        return num_gpu_blocks_override
+    if kv_cache_memory_bytes is not None:
+        return kv_cache_memory_bytes // bytes_per_page
+    if jax.default_backend() == "gpu":
+        stats = jax.devices()[0].memory_stats() or {}
+        total = stats.get("bytes_limit", 0)
+        peak = profile_peak_bytes() or stats.get("bytes_in_use", 0)
+        budget = int(total * gpu_memory_utilization) - peak
+        if budget < bytes_per_page * pages_per_seq:
+            raise ValueError(
+                f"no room for the KV cache: {gpu_memory_utilization:.2f} x {total / 2**30:.1f} GiB "
+                f"minus {peak / 2**30:.1f} GiB used by weights and activations leaves "
+                f"{budget / 2**30:.2f} GiB; raise --gpu-memory-utilization or lower --max-model-len")
+        logger.info("GPU memory: %.1f GiB total, %.1f GiB peak in the profiling step, "
+                    "%.1f GiB for KV", total / 2**30, peak / 2**30, budget / 2**30)
+        return budget // bytes_per_page
+    return min(DEFAULT_CPU_KV_CACHE_BYTES // bytes_per_page, max_num_seqs * pages_per_seq + 1)

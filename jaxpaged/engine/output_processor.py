@@ -1,0 +1,105 @@
+"""Turns sampled tokens into request state and `RequestOutput`s.
+
+For every sampled token of a sequence: append it, apply vLLM's stop rules in vLLM's order
+(EOS unless ``ignore_eos``, ``stop_token_ids``, stop strings found by the incremental
+detokenizer, then length: ``max_tokens`` or ``max_model_len``), record its logprobs, and
+report the request's sequences together (a request with ``n > 1`` has several).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxpaged.engine.detokenizer import IncrementalDetokenizer
+from jaxpaged.engine.request import Request
+from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+@dataclass
+class SequenceState:
+    """Output-side state of one sequence: its text and logprobs."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestGroup:
+    """The sequences of one user request (one unless ``n > 1``)."""
+
+    request_id: str
+    seqs: list[SequenceState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.seqs[0].request.params.n and all(
+            s.request.is_finished for s in self.seqs)
+
+
+class OutputProcessor:
+    """Stop rules, detokenization and output assembly.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        eos_token_ids: every EOS id of the model, its generation config and its tokenizer.
+        max_model_len: the engine's length limit.
+    """
+
+    def __init__(self, tokenizer, eos_token_ids: frozenset[int], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def new_sequence(self, req: Request) -> SequenceState:
+        """Output state for a sequence starting at its current tokens."""
+        p = req.params
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
+                                       p.stop_strings, p.include_stop_str_in_output)
+        state = SequenceState(req, detok)
+        if p.logprobs is not None:
+            state.logprobs, state.cumulative_logprob = [], 0.0
+        return state
+
+    def append_token(self, state: SequenceState, token: int, logprob: float | None = None,
+                     rank: int | None = None, top_ids: list[int] | None = None,
+                     top_logprobs: list[float] | None = None) -> None:
+        """Record one sampled token and set ``finish_reason`` if a stop rule fires."""
+        req = state.request
+        req.all_token_ids.append(token)
+        if state.logprobs is not None:
+            k = req.params.logprobs
+            entry = {t: Logprob(lp, r + 1, self.tokenizer.decode([t]))
+                     for r, (t, lp) in enumerate(zip(top_ids[:k], top_logprobs[:k]))}
+            entry.setdefault(token, Logprob(logprob, rank, self.tokenizer.decode([token])))
+            state.logprobs.append(entry)
+            state.cumulative_logprob += logprob
+        p = req.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            req.finish_reason = "stop"
+        elif token in p.stop_token_id_set:
+            req.finish_reason, req.stop_reason = "stop", token
+        else:
+            stop = state.detokenizer.add_token(token)
+            if stop is not None:
+                req.finish_reason, req.stop_reason = "stop", stop
+        if req.finish_reason is None and (req.num_output_tokens >= req.max_tokens
+                                          or req.num_tokens >= self.max_model_len):
+            req.finish_reason = "length"
+
+    @staticmethod
+    def make_output(group: RequestGroup) -> RequestOutput:
+        """The request's current output (cumulative text and ids of every sequence)."""
+        first = group.seqs[0].request
+        outs = [CompletionOutput(s.request.index, s.detokenizer.text, s.request.output_token_ids,
+                                 s.cumulative_logprob,
+                                 list(s.logprobs) if s.logprobs is not None else None,
+                                 s.request.finish_reason, s.request.stop_reason)
+                for s in sorted(group.seqs, key=lambda s: s.request.index)]
+        return RequestOutput(
+            request_id=group.request_id, prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids, outputs=outs, finished=group.finished,
+            num_cached_tokens=first.num_cached_tokens or 0,
+            num_preemptions=sum(s.request.num_preemptions for s in group.seqs))
+
