@@ -62,6 +62,10 @@ class ModelConfig:
             UnsupportedModelError: unknown architecture, unsupported rope scaling or
                 activation, or head counts that do not divide.
         """
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in cfg]
+        if missing:
+            raise UnsupportedModelError(f"config.json lacks {missing}")
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in LLAMA_ARCHITECTURES), None)
         if arch is None:
@@ -110,13 +114,17 @@ class ModelConfig:
 
         Raises:
             FileNotFoundError: the directory has no ``config.json``.
-            UnsupportedModelError: see :meth:`from_dict`.
+            UnsupportedModelError: invalid JSON, or see :meth:`from_dict`.
         """
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            try:
+                cfg = json.load(f)
+            except json.JSONDecodeError as e:
+                raise UnsupportedModelError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_dict(cfg)
 
     @property
     def num_queries_per_kv(self) -> int:

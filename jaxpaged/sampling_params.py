@@ -6,10 +6,13 @@ vLLM's public API so that code written against vLLM keeps working).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 
 #: Temperatures below this are treated as greedy decoding (vLLM's ``_SAMPLING_EPS``).
 GREEDY_TEMPERATURE_EPS = 1e-5
+#: Most top log-probabilities a request can ask for (vLLM's default ``max_logprobs``).
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -20,12 +23,13 @@ class SamplingParams:
         n: sequences to generate for the prompt (they share the prompt's KV pages).
         temperature: softmax temperature, >= 0; below 1e-5 the request is decoded greedily.
         top_p: nucleus sampling mass in (0, 1]; 1 keeps every token.
-        top_k: keep the k most likely tokens; 0 or -1 turns it off.
+        top_k: keep the k most likely tokens; 0 or -1 turns it off (k beyond the vocabulary
+            keeps everything).
         min_p: drop tokens whose probability is below ``min_p`` times the top token's, in [0, 1].
-        seed: per-request seed; the same seed gives the same tokens whatever else is batched
-            with the request (the key is derived from the seed and the token position).
+        seed: per-request seed in [-2**63, 2**64); the same seed gives the same tokens
+            whatever else is batched with the request (the key is derived from the seed and
+            the token position).
         max_tokens: the most tokens to generate (>= 1); None means up to ``max_model_len``.
-        min_tokens: EOS and ``stop_token_ids`` cannot end the request before this many tokens.
         stop: strings that end generation; the text is cut before them.
         stop_token_ids: token ids that end generation (kept in ``token_ids``, not in text).
         ignore_eos: keep generating past the model's EOS tokens.
@@ -34,8 +38,12 @@ class SamplingParams:
         logprobs: return the log-probability of each sampled token and of the ``logprobs``
             most likely tokens (0 to 20), from the raw model distribution; None for none.
 
+    The fields are checked on construction and again when a request is added (so a field
+    changed afterwards is checked too).
+
     Raises:
-        ValueError: on construction, for any value out of range; the message names the field.
+        ValueError: for any value out of range or of the wrong type; the message names the
+            field.
     """
 
     n: int = 1
@@ -45,50 +53,54 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16
-    min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
-    # Normalised forms, filled in __post_init__.
-    _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
-    _stop_token_ids: tuple[int, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        """Check every field and normalise aliases (``top_k=-1`` -> 0; greedy decoding resets
+        ``top_p``, ``top_k`` and ``min_p`` as vLLM does).
+
+        Raises:
+            ValueError: naming the first bad field.
+        """
         _check(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
-               "logprobs", f"must be an integer in [0, 20] or None, got {self.logprobs!r}")
-        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-               "temperature", f"must be a number >= 0, got {self.temperature!r}")
-        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+        _check(_is_real(self.temperature) and self.temperature >= 0, "temperature",
+               f"must be a finite number >= 0, got {self.temperature!r}")
+        _check(_is_real(self.top_p) and 0 < self.top_p <= 1,
                "top_p", f"must be in (0, 1], got {self.top_p!r}")
         _check(_is_int(self.top_k) and self.top_k >= -1,
                "top_k", f"must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}")
-        _check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1,
+        _check(_is_real(self.min_p) and 0 <= self.min_p <= 1,
                "min_p", f"must be in [0, 1], got {self.min_p!r}")
-        _check(self.seed is None or _is_int(self.seed),
-               "seed", f"must be an integer or None, got {self.seed!r}")
+        _check(self.seed is None or (_is_int(self.seed) and -2**63 <= self.seed < 2**64),
+               "seed", f"must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", f"must be an integer >= 1 or None, got {self.max_tokens!r}")
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
-               "min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
-        if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens",
-                   f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        _check(all(isinstance(s, str) and s for s in stop),
-               "stop", f"must be a non-empty string or a list of them, got {self.stop!r}")
-        ids = list(self.stop_token_ids or [])
-        _check(all(_is_int(t) and t >= 0 for t in ids),
-               "stop_token_ids", f"must be a list of non-negative integers, got {self.stop_token_ids!r}")
-        self._stop = tuple(stop)
-        self._stop_token_ids = tuple(int(t) for t in ids)
+        stop = self.stop
+        _check(stop is None or isinstance(stop, str) or (
+            isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop))
+            and stop != "", "stop", f"must be a non-empty string or a list of them, got {stop!r}")
+        ids = self.stop_token_ids
+        _check(ids is None or (isinstance(ids, (list, tuple)) and all(
+            _is_int(t) and t >= 0 for t in ids)), "stop_token_ids",
+            f"must be a list of non-negative integers, got {ids!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name,
+                   f"must be a bool, got {getattr(self, name)!r}")
+        _check(self.logprobs is None or (_is_int(self.logprobs)
+                                         and 0 <= self.logprobs <= MAX_LOGPROBS),
+               "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                           f"got {self.logprobs!r}")
         if self.top_k == -1:
             self.top_k = 0
         if self.is_greedy:
-            # vLLM: greedy decoding ignores the truncation parameters.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     @property
@@ -99,16 +111,20 @@ class SamplingParams:
     @property
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple of strings."""
-        return self._stop
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     @property
-    def stop_token_id_set(self) -> tuple[int, ...]:
-        """``stop_token_ids`` as a tuple of ints."""
-        return self._stop_token_ids
+    def stop_token_id_set(self) -> frozenset[int]:
+        """``stop_token_ids`` as a set."""
+        return frozenset(self.stop_token_ids or ())
 
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _check(ok: bool, name: str, message: str) -> None:

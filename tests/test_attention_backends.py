@@ -10,7 +10,7 @@ from jaxpaged import LLM, EngineArgs, SamplingParams
 from jaxpaged.layers.attention import get_attention_backend
 from jaxpaged.layers.attention import selection
 from jaxpaged.layers.attention.pallas import PallasAttentionBackend
-from tests.conftest import STORIES_REFERENCE, read_reference_ids
+from tests.conftest import STORIES, STORIES_REFERENCE, read_reference_ids
 
 
 def test_engine_on_pallas_reproduces_reference_greedy_outputs():
@@ -56,3 +56,21 @@ def test_auto_picks_pallas_when_self_check_passes(monkeypatch):
     assert get_attention_backend("auto").name == "pallas"
     monkeypatch.setattr(selection, "self_check", lambda *a: 0.5)
     assert get_attention_backend("auto").name == "xla"
+
+
+@pytest.mark.slow
+def test_pallas_engine_matches_xla_on_a_batch_of_the_gqa_fixture():
+    """Nightly: 16 mixed-length prompts through both backends (pallas in interpret mode)."""
+    from tests.conftest import FIXTURES
+    from tests.test_continuous_batching import random_prompts
+
+    d = os.path.join(FIXTURES, "llama_gqa_untied")
+    prompts = random_prompts(16, 320, seed=5, max_len=100)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for backend in ("xla", "pallas"):
+        llm = LLM(model=d, tokenizer=STORIES, enforce_eager=True, attention_backend=backend,
+                  block_size=16, max_num_seqs=16, max_num_batched_tokens=256)
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                      use_tqdm=False)]
+    assert outs["pallas"] == outs["xla"]

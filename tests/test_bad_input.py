@@ -102,3 +102,112 @@ def test_max_model_len_beyond_trained_context():
 def test_prompt_at_max_model_len_finishes_with_length(llm):
     out = llm.generate([[1] * 64], GREEDY, use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+
+
+def test_huge_top_k_keeps_everything_and_bad_step_input_leaves_engine_usable(llm):
+    huge = llm.generate([[1, 403]], SamplingParams(top_k=2**40, temperature=0, max_tokens=5),
+                        use_tqdm=False)[0]
+    plain = llm.generate([[1, 403]], SamplingParams(temperature=0, max_tokens=5),
+                         use_tqdm=False)[0]
+    assert huge.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def test_failed_generate_leaves_nothing_queued(llm, monkeypatch):
+    calls = {"n": 0}
+    real_step = llm.engine.step
+
+    def interrupted_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 5]] * 4, SamplingParams(max_tokens=30), use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished_requests()
+    kv = llm.engine.kv_cache_manager
+    assert kv.num_free_pages == kv.num_usable_pages
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", float("inf")), ("temperature", True), ("ignore_eos", "no"),
+    ("skip_special_tokens", "False"), ("stop", 5), ("stop_token_ids", 5), ("seed", 2**64),
+    ("n", 0), ("logprobs", 21), ("logprobs", -1),
+])
+def test_sampling_params_wrong_types(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} "):
+        SamplingParams(**{field: value})
+
+
+def test_params_changed_after_construction_are_checked_and_used(llm):
+    p = SamplingParams(temperature=0, max_tokens=60)
+    p.max_tokens = 0
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate("Once upon a time", p, use_tqdm=False)
+    p.max_tokens = 60
+    p.stop = "Lily"
+    out = llm.generate("Once upon a time", p, use_tqdm=False)[0].outputs[0]
+    assert out.stop_reason == "Lily" and out.text == ", there was a little girl named "
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda llm: llm.generate("a", {"temperature": 0}), TypeError, "sampling_params must be"),
+    (lambda llm: llm.generate(None), TypeError, "prompts must be"),
+    (lambda llm: llm.generate(5), TypeError, "prompts must be"),
+    (lambda llm: llm.engine.add_request(5, [1, 2]), TypeError, "request_id must be a string"),
+    (lambda llm: llm.engine.add_request("x", [1, 2], {"n": 1}), TypeError, "SamplingParams"),
+    (lambda llm: llm.engine.add_request("x", [1, 2], priority="high"), TypeError, "priority"),
+    (lambda llm: llm.generate("\ud800"), ValueError, "cannot be tokenized"),
+])
+def test_wrong_argument_types(llm, call, error, match):
+    with pytest.raises(error, match=match):
+        call(llm)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_numpy_token_ids_accepted(llm):
+    import numpy as np
+
+    out = llm.generate(np.array([1, 403, 407]), GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == [1, 403, 407]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("block_size", True), ("max_num_seqs", True), ("seed", -7), ("seed", 1.5), ("seed", None),
+    ("seed", 2**70), ("gpu_memory_utilization", 1.5), ("scheduling_policy", "lifo"),
+    ("long_prefill_token_threshold", -1), ("max_num_partial_prefills", 0),
+])
+def test_engine_args_wrong_types(field, value):
+    with pytest.raises(ValueError, match=rf"EngineArgs\.{field} "):
+        EngineArgs(**{field: value})
+
+
+def test_kv_pool_larger_than_memory_is_refused():
+    with pytest.raises(ValueError, match="does not fit in the device"):
+        LLM(enforce_eager=True, kv_cache_memory_bytes=10**15)
+
+
+def test_bad_model_directories(tmp_path):
+    import shutil
+
+    from tests.conftest import STORIES
+
+    bad_json = tmp_path / "bad_json"
+    bad_json.mkdir()
+    (bad_json / "config.json").write_text("{oops")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        LLM(model=str(bad_json), enforce_eager=True)
+    truncated = tmp_path / "truncated"
+    shutil.copytree(STORIES, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors"):
+        LLM(model=str(truncated), enforce_eager=True)
+    no_tok = tmp_path / "no_tokenizer"
+    no_tok.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(f"{STORIES}/{f}", no_tok)
+    with pytest.raises(FileNotFoundError, match="no usable tokenizer"):
+        LLM(model=str(no_tok), enforce_eager=True)

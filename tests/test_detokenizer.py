@@ -100,3 +100,15 @@ def test_engine_stop_string_stop_token_and_eos(stories_llm):
 
 def test_eos_ids_from_config_generation_config_and_tokenizer(stories_llm):
     assert stories_llm.engine.output_processor.eos_token_ids == frozenset({2})
+
+
+def test_streamed_text_never_shrinks_when_a_stop_string_completes(stories_llm):
+    engine = stories_llm.engine
+    engine.add_request("hold", "Once upon a time",
+                       SamplingParams(temperature=0, max_tokens=60, stop="e was a lit"))
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in engine.step()]
+    assert texts[-1] == ", ther"
+    for before, after in zip(texts, texts[1:]):
+        assert after.startswith(before)

@@ -76,13 +76,17 @@ class EngineArgs:
     def __post_init__(self) -> None:
         def positive(name):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
                 raise ValueError(f"EngineArgs.{name} must be a positive integer, got {value!r}")
 
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                      "num_gpu_blocks_override", "kv_cache_memory_bytes",
                      "max_num_partial_prefills"):
             positive(name)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) \
+                or not 0 <= self.seed < 2**32:
+            raise ValueError(f"EngineArgs.seed must be an integer in [0, 2**32), got {self.seed!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"EngineArgs.block_size must be a power of two, got {self.block_size}")
         if self.dtype not in DTYPES:

@@ -60,6 +60,15 @@ class IncrementalDetokenizer:
         self.text += piece
         return self._match_stop(start)
 
+    def visible_text(self, finished: bool) -> str:
+        """The text to report: while generation goes on, the last ``len(longest stop) - 1``
+        characters are held back (they might still become a stop string, which would cut
+        them), so reported text only ever grows; all of it once finished."""
+        if finished or not self._stop:
+            return self.text
+        hold = max(len(s) for s in self._stop) - 1
+        return self.text[:max(len(self.text) - hold, 0)]
+
     def _decode(self, start: int, end: int) -> str:
         return self._tok.decode(self._ids[start:end], skip_special_tokens=self._skip)
 

@@ -20,7 +20,7 @@ import numpy as np
 from jaxpaged.config import ModelConfig
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
-from jaxpaged.engine.kv_sizing import num_kv_pages
+from jaxpaged.engine.kv_sizing import check_pool_fits, num_kv_pages
 from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup, SequenceState
 from jaxpaged.engine.request import Request
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
@@ -106,6 +106,7 @@ class Engine:
             gpu_memory_utilization=args.gpu_memory_utilization,
             profile_peak_bytes=lambda: ModelRunner(model, pool(2), backend, page_size,
                                                    limits).profile_peak_bytes())
+        check_pool_fits(num_pages, bytes_per_page)
         self.kv_cache_manager = KVCacheManager(num_pages, page_size, args.enable_prefix_caching)
         if self.kv_cache_manager.num_usable_pages < pages_per_seq:
             raise ValueError(
@@ -148,11 +149,17 @@ class Engine:
             priority: lower runs first under ``--scheduling-policy priority``.
 
         Raises:
-            ValueError: duplicate id, empty prompt, token ids outside the vocabulary, or a
-                prompt longer than ``max_model_len``. Nothing is queued then.
-            TypeError: a prompt of another type.
+            ValueError: duplicate id, empty or untokenizable prompt, token ids outside the
+                vocabulary, a prompt longer than ``max_model_len``, or bad ``params`` fields.
+                Nothing is queued then.
+            TypeError: a prompt, id, params or priority of the wrong type.
         """
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.verify()
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -180,8 +187,13 @@ class Engine:
                 prompt = prompt["prompt"]
             else:
                 raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, np.ndarray) and prompt.ndim == 1:
+            prompt = prompt.tolist()
         if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            try:
+                text, ids = prompt, self.tokenizer.encode(prompt)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"the prompt cannot be tokenized: {e}") from e
         elif isinstance(prompt, (list, tuple)):
             if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
                 raise TypeError("a token-id prompt must be a list of integers")

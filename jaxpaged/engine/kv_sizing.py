@@ -10,6 +10,7 @@ what ``max_num_seqs`` requests of ``max_model_len`` tokens could ever use.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import jax
@@ -55,3 +56,29 @@ def num_kv_pages(*, bytes_per_page: int, pages_per_seq: int, max_num_seqs: int,
                     "%.1f GiB for KV", total / 2**30, peak / 2**30, budget / 2**30)
         return budget // bytes_per_page
     return min(DEFAULT_CPU_KV_CACHE_BYTES // bytes_per_page, max_num_seqs * pages_per_seq + 1)
+
+
+def device_memory_bytes() -> int | None:
+    """Memory of the default device: the GPU's ``bytes_limit``, or the host's physical
+    memory for a CPU; None if unknown."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_pool_fits(num_pages: int, bytes_per_page: int) -> None:
+    """Refuse a pool larger than the device's memory before trying to allocate it.
+
+    Raises:
+        ValueError: stating the pool's and the device's sizes.
+    """
+    total = device_memory_bytes()
+    need = num_pages * bytes_per_page
+    if total is not None and need > total:
+        raise ValueError(f"a KV pool of {num_pages} pages ({need / 2**30:.1f} GiB) does not fit in "
+                         f"the device's {total / 2**30:.1f} GiB; lower --kv-cache-memory-bytes or "
+                         f"--num-gpu-blocks-override")

@@ -92,7 +92,9 @@ class OutputProcessor:
     def make_output(group: RequestGroup) -> RequestOutput:
         """The request's current output (cumulative text and ids of every sequence)."""
         first = group.seqs[0].request
-        outs = [CompletionOutput(s.request.index, s.detokenizer.text, s.request.output_token_ids,
+        outs = [CompletionOutput(s.request.index,
+                                 s.detokenizer.visible_text(s.request.finish_reason is not None),
+                                 s.request.output_token_ids,
                                  s.cumulative_logprob,
                                  list(s.logprobs) if s.logprobs is not None else None,
                                  s.request.finish_reason, s.request.stop_reason)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs
@@ -52,19 +53,28 @@ class LLM:
             The final ``RequestOutput`` of each prompt, in input order.
 
         Raises:
-            ValueError / TypeError: a bad prompt or a params list of the wrong length; no
-                request of this call is left queued then.
+            ValueError / TypeError: a bad prompt or params, or a params list of the wrong
+                length. Whatever is raised (an interrupt too), no request of this call is
+                left queued.
         """
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+            prompts = prompts.tolist()
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a prompt or a list of prompts, "
+                            f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        else:
+            raise TypeError("sampling_params must be a SamplingParams or a list of them, "
+                            f"got {type(sampling_params).__name__}")
         ids = []
         try:
             for prompt, p in zip(prompts, params):
@@ -72,10 +82,11 @@ class LLM:
                 self._counter += 1
                 self.engine.add_request(rid, prompt, p)
                 ids.append(rid)
-        except Exception:
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            # Bad input, an interrupt or a failed step: leave nothing of this call queued.
             self.engine.abort_request(ids)
             raise
-        return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

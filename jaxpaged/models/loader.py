@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before safetensors reads it)
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from jaxpaged.config import ModelConfig, UnsupportedModelError
 from jaxpaged.layers.attention import AttentionBackend
@@ -116,7 +116,7 @@ class _SafetensorsReader:
                 weight_map = json.load(f)["weight_map"]
             self._where = {k: os.path.join(model_dir, v) for k, v in weight_map.items()}
         elif os.path.isfile(single):
-            with safe_open(single, framework="numpy") as f:
+            with _open_safetensors(single) as f:
                 self._where = {k: single for k in f.keys()}
         else:
             raise FileNotFoundError(
@@ -130,5 +130,15 @@ class _SafetensorsReader:
         if path not in self._open:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"checkpoint shard {path!r} (holding {name}) is missing")
-            self._open[path] = safe_open(path, framework="numpy")
-        return self._open[path].get_tensor(name)
+            self._open[path] = _open_safetensors(path)
+        try:
+            return self._open[path].get_tensor(name)
+        except SafetensorError as e:
+            raise MissingWeightsError(f"cannot read tensor {name} from {path!r}: {e}") from e
+
+
+def _open_safetensors(path: str):
+    try:
+        return safe_open(path, framework="numpy")
+    except (SafetensorError, OSError) as e:
+        raise MissingWeightsError(f"{path!r} is not a readable safetensors file: {e}") from e

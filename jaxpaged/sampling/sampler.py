@@ -15,9 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-#: Most top log-probabilities a request can ask for (vLLM's default ``max_logprobs``).
-MAX_LOGPROBS = 20
+from jaxpaged.sampling_params import MAX_LOGPROBS
 
 
 @jax.tree_util.register_dataclass
@@ -57,7 +55,7 @@ class SamplingMetadata:
         seed = np.zeros(padded, np.uint64)
         position = np.zeros(padded, np.int32)
         for i, (t, k, p, mp, g, s, pos) in enumerate(rows):
-            temperature[i], top_k[i], top_p[i], min_p[i], greedy[i] = t, k, p, mp, g
+            temperature[i], top_k[i], top_p[i], min_p[i], greedy[i] = t, min(k, 2**31 - 1), p, mp, g
             seed[i], position[i] = s & 0xFFFFFFFFFFFFFFFF, pos
         return cls(temperature, top_k, top_p, min_p, greedy,
                    (seed & 0xFFFFFFFF).astype(np.uint32), (seed >> 32).astype(np.uint32),
