@@ -63,7 +63,11 @@ def test_chunked_prefill_matches_whole_prefill():
                                                                       use_tqdm=False)
     chunked = LLM(enforce_eager=True, max_num_batched_tokens=32, max_num_seqs=8).generate(prompts, GREEDY_32,
                                                                       use_tqdm=False)
+    capped = LLM(enforce_eager=True, max_num_batched_tokens=64, max_num_seqs=8,
+                 long_prefill_token_threshold=24, max_num_partial_prefills=2).generate(
+        prompts, GREEDY_32, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in whole] == [o.outputs[0].token_ids for o in chunked]
+    assert [o.outputs[0].token_ids for o in whole] == [o.outputs[0].token_ids for o in capped]
 
 
 def test_transformers_greedy_tokens_through_engine():

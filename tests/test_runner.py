@@ -40,3 +40,21 @@ def test_pool_is_donated_and_compilations_are_bounded():
     llm.generate(prompts[::-1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                  use_tqdm=False)
     assert compiled <= runner.num_compilations <= 12  # new mixes reuse the same few buckets
+
+
+def test_precompile_then_a_w1_like_run_compiles_nothing():
+    """W1's length mix (prompts uniform in [32, 256], 128 greedy tokens, EOS ignored) scaled
+    by 1/4 to the bundled model: after the start-up precompile, no step shape is new."""
+    import numpy as np
+
+    llm = LLM(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=128, block_size=16)
+    runner = llm.engine.runner
+    # decode: B {8, 16} x P {4, 8}; mixed: T {16, 32, 64, 128} x P {4, 8}
+    assert runner.num_compilations == 12
+    rng = np.random.default_rng(0)
+    prompts = [[1] + rng.integers(3, 512, size=int(n) - 1).tolist()
+               for n in rng.integers(8, 65, size=24)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                        use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
+    assert llm.engine.stats().num_compilations == 12

@@ -81,3 +81,44 @@ def test_request_preempting_itself_when_alone():
     run_step(s, s.schedule())
     out = s.schedule()            # needs a 3rd page; the only victim is itself
     assert out.scheduled == [] and out.preempted == [a]
+
+
+def test_priority_policy_orders_waiting_and_preempts_lowest_priority():
+    kv = KVCacheManager(num_pages=7, page_size=2, enable_prefix_caching=False)  # 6 usable pages
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_model_len=8,
+                                  policy="priority"), kv)
+    reqs = {}
+    for i, prio in enumerate([5, 0, 3]):
+        r = make(f"p{prio}", 4)
+        r.priority, r.arrival = prio, i
+        reqs[prio] = r
+        s.add_request(r)
+    out = s.schedule()                       # two seats: priorities 0 and 3 run first
+    assert plan(out) == [("p0", 0, 4), ("p3", 0, 4)]
+    run_step(s, out)
+    late = make("p1", 2)
+    late.priority, late.arrival = 1, 3
+    s.add_request(late)
+    assert [r.request_id for r in s.waiting] == ["p1", "p5"]
+    for _ in range(2):                       # decode until the pool runs out
+        run_step(s, s.schedule())
+    out = s.schedule()
+    assert out.preempted and out.preempted[0] is reqs[3]   # lowest priority of the running
+    assert reqs[0].status is RequestStatus.RUNNING
+
+
+def test_partial_prefill_limits():
+    kv = KVCacheManager(num_pages=64, page_size=4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=20, max_model_len=64,
+                                  max_num_partial_prefills=1, long_prefill_token_threshold=6), kv)
+    for rid, n in [("a", 30), ("b", 30), ("c", 3)]:
+        s.add_request(make(rid, n))
+    out = s.schedule()
+    # a is capped at 6 tokens; b may not start a second partial prefill, so the queue waits.
+    assert plan(out) == [("a", 0, 6)]
+    s2 = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=20, max_model_len=64,
+                                   max_num_partial_prefills=2, long_prefill_token_threshold=6),
+                   KVCacheManager(num_pages=64, page_size=4, enable_prefix_caching=False))
+    for rid, n in [("a", 30), ("b", 30), ("c", 3)]:
+        s2.add_request(make(rid, n))
+    assert plan(s2.schedule()) == [("a", 0, 6), ("b", 0, 6), ("c", 0, 3)]
