@@ -10,6 +10,7 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 STORIES = DEFAULT_MODEL
 STORIES_REFERENCE = os.path.join(STORIES, "reference")
 TOKENIZERS = os.path.join(FIXTURES, "tokenizers")
+LLAMA2_TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "configs", "tokenizers", "llama2")
 
 
 def read_reference_ids(name: str) -> list[int]:

@@ -1,6 +1,7 @@
 """The model runner: KV pool sizing, in-place (donated) pool updates, bounded compilation."""
 
 import jax.numpy as jnp
+import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.layers.attention import kv_bytes_per_page
@@ -58,3 +59,13 @@ def test_precompile_then_a_w1_like_run_compiles_nothing():
                         use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
     assert llm.engine.stats().num_compilations == 12
+
+
+@pytest.mark.slow
+def test_kv_memory_report_meets_its_targets(tmp_path):
+    """Nightly: the KV memory report's non-timing figures (waste, concurrency)."""
+    from benchmarks import kv_memory
+
+    mem = kv_memory.memory_report(str(tmp_path), budget_requests=8)
+    assert mem["internal_waste_mean"] <= 0.04
+    assert mem["concurrency_ratio"] >= 3

@@ -1,0 +1,35 @@
+"""KV page count: override, byte budget, GPU utilization after profiling, CPU default."""
+
+import pytest
+
+from jaxpaged.engine import kv_sizing
+
+ARGS = dict(bytes_per_page=1000, pages_per_seq=4, max_num_seqs=10, num_gpu_blocks_override=None,
+            kv_cache_memory_bytes=None, gpu_memory_utilization=0.92)
+
+
+class FakeDevice:
+    def memory_stats(self):
+        return {"bytes_limit": 1_000_000, "bytes_in_use": 100_000}
+
+
+def test_override_and_budget_take_precedence():
+    never = lambda: pytest.fail("profiling must not run")
+    assert kv_sizing.num_kv_pages(**{**ARGS, "num_gpu_blocks_override": 7},
+                                  profile_peak_bytes=never) == 7
+    assert kv_sizing.num_kv_pages(**{**ARGS, "kv_cache_memory_bytes": 12_345},
+                                  profile_peak_bytes=never) == 12
+
+
+def test_cpu_default_is_capped_by_what_requests_can_use():
+    assert kv_sizing.num_kv_pages(**ARGS, profile_peak_bytes=lambda: None) == 10 * 4 + 1
+
+
+def test_gpu_budget_is_utilization_minus_profiled_peak(monkeypatch):
+    monkeypatch.setattr(kv_sizing.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(kv_sizing.jax, "devices", lambda: [FakeDevice()])
+    # 0.92 * 1e6 - 250e3 peak = 670e3 bytes -> 670 pages
+    assert kv_sizing.num_kv_pages(**ARGS, profile_peak_bytes=lambda: 250_000) == 670
+    with pytest.raises(ValueError, match="no room for the KV cache"):
+        kv_sizing.num_kv_pages(**{**ARGS, "gpu_memory_utilization": 0.2},
+                               profile_peak_bytes=lambda: 250_000)
