@@ -6,6 +6,7 @@ vLLM's public API so that code written against vLLM keeps working).
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -15,12 +16,24 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_LOGPROBS = 20
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each ``RequestOutput`` of a running request carries (vLLM's names)."""
+
+    CUMULATIVE = 0   #: everything generated so far
+    DELTA = 1        #: only what is new since the previous output
+    FINAL_ONLY = 2   #: nothing until the request finishes
+
+
 @dataclass
 class SamplingParams:
     """Decoding parameters of one request.
 
     Attributes:
         n: sequences to generate for the prompt (they share the prompt's KV pages).
+        presence_penalty: subtracted from the logit of every token already generated, [-2, 2].
+        frequency_penalty: subtracted once per earlier occurrence in the output, [-2, 2].
+        repetition_penalty: > 0; divides positive / multiplies negative logits of tokens in
+            the prompt or output (1 = off).
         temperature: softmax temperature, >= 0; below 1e-5 the request is decoded greedily.
         top_p: nucleus sampling mass in (0, 1]; 1 keeps every token.
         top_k: keep the k most likely tokens; 0 or -1 turns it off (k beyond the vocabulary
@@ -30,13 +43,21 @@ class SamplingParams:
             whatever else is batched with the request (the key is derived from the seed and
             the token position).
         max_tokens: the most tokens to generate (>= 1); None means up to ``max_model_len``.
+        min_tokens: EOS, ``stop_token_ids`` and stop strings cannot end the request before
+            this many tokens exist (EOS and stop ids are masked until then).
         stop: strings that end generation; the text is cut before them.
         stop_token_ids: token ids that end generation (kept in ``token_ids``, not in text).
         ignore_eos: keep generating past the model's EOS tokens.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         skip_special_tokens: drop special tokens (BOS, EOS, ...) from the output text.
+        spaces_between_special_tokens: put spaces between special tokens in the text.
         logprobs: return the log-probability of each sampled token and of the ``logprobs``
             most likely tokens (0 to 20), from the raw model distribution; None for none.
+        logit_bias: ``{token_id: bias}`` added to the logits (clamped to [-100, 100]).
+        allowed_token_ids: if set, only these tokens can be sampled.
+        bad_words: words that must not be generated (each as tokenized with and without a
+            leading space; its last token is banned when the output ends with the rest).
+        output_kind: cumulative (default), delta or final-only outputs while running.
 
     The fields are checked on construction and again when a request is added (so a field
     changed afterwards is checked too).
@@ -47,18 +68,27 @@ class SamplingParams:
     """
 
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int | None = 16
+    min_tokens: int = 0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.verify()
@@ -71,6 +101,11 @@ class SamplingParams:
             ValueError: naming the first bad field.
         """
         _check(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_real(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
+        _check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0,
+               "repetition_penalty", f"must be a number > 0, got {self.repetition_penalty!r}")
         _check(_is_real(self.temperature) and self.temperature >= 0, "temperature",
                f"must be a finite number >= 0, got {self.temperature!r}")
         _check(_is_real(self.top_p) and 0 < self.top_p <= 1,
@@ -83,6 +118,11 @@ class SamplingParams:
                "seed", f"must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", f"must be an integer >= 1 or None, got {self.max_tokens!r}")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
+               "min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens",
+                   f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         stop = self.stop
         _check(stop is None or isinstance(stop, str) or (
             isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop))
@@ -91,13 +131,33 @@ class SamplingParams:
         _check(ids is None or (isinstance(ids, (list, tuple)) and all(
             _is_int(t) and t >= 0 for t in ids)), "stop_token_ids",
             f"must be a list of non-negative integers, got {ids!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name,
                    f"must be a bool, got {getattr(self, name)!r}")
         _check(self.logprobs is None or (_is_int(self.logprobs)
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None, "
                            f"got {self.logprobs!r}")
+        bias = self.logit_bias
+        _check(bias is None or (isinstance(bias, dict) and all(
+            _is_int(int(k) if isinstance(k, str) and k.isdigit() else k) and _is_real(v)
+            for k, v in bias.items())), "logit_bias",
+            f"must map token ids to finite numbers, got {bias!r}")
+        if bias:
+            self.logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in bias.items()}
+        allowed = self.allowed_token_ids
+        _check(allowed is None or (isinstance(allowed, (list, tuple)) and allowed and all(
+            _is_int(t) and t >= 0 for t in allowed)), "allowed_token_ids",
+            f"must be a non-empty list of non-negative integers, got {allowed!r}")
+        words = self.bad_words
+        _check(words is None or (isinstance(words, (list, tuple)) and all(
+            isinstance(w, str) and w for w in words)), "bad_words",
+            f"must be a list of non-empty strings, got {words!r}")
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            _check(False, "output_kind", f"must be a RequestOutputKind, got {self.output_kind!r}")
         if self.top_k == -1:
             self.top_k = 0
         if self.is_greedy:

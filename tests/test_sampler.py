@@ -86,3 +86,27 @@ def test_seeded_requests_reproducible_through_the_engine(stories_llm):
 @pytest.mark.parametrize("seed", [0, 2**40 + 3, -5])
 def test_large_and_negative_seeds_accepted(seed):
     assert run(LOGITS[None], [row(seed=seed)])[0] in range(5)
+
+
+def test_seeded_outputs_alone_in_a_mixed_batch_of_32_and_under_preemption():
+    from jaxpaged import LLM
+    from tests.test_continuous_batching import random_prompts
+
+    seeded = [SamplingParams(temperature=0.9, top_p=0.95, seed=s, max_tokens=24, ignore_eos=True,
+                             presence_penalty=0.5, repetition_penalty=1.2) for s in range(4)]
+    targets = ["Once upon a time", "Lily and Tom", [1, 300, 301], "The sun"]
+    big = LLM(enforce_eager=True, max_num_seqs=40, max_model_len=128, block_size=8)
+    alone = [big.generate([t], p, use_tqdm=False)[0].outputs[0].token_ids
+             for t, p in zip(targets, seeded)]
+    others = random_prompts(28, 512, seed=9, max_len=60)
+    mixed = targets + others
+    params = seeded + [SamplingParams(temperature=0.7, top_k=40, max_tokens=30)] * 28
+    order = np.random.default_rng(2).permutation(32)
+    outs = big.generate([mixed[i] for i in order], [params[i] for i in order], use_tqdm=False)
+    by_index = {int(i): o for i, o in zip(order, outs)}
+    assert [by_index[i].outputs[0].token_ids for i in range(4)] == alone
+    small = LLM(enforce_eager=True, max_num_seqs=40, max_model_len=128, block_size=8,
+                num_gpu_blocks_override=30)
+    outs = small.generate(mixed, params, use_tqdm=False)
+    assert small.engine.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs[:4]] == alone

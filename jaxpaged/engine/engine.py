@@ -84,8 +84,12 @@ class Engine:
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
+        generation_config = _generation_config(args.model)
+        #: generation_config.json's default sampling fields, by SamplingParams name.
+        self.generation_defaults = _generation_defaults(generation_config)
         self.output_processor = OutputProcessor(
-            self.tokenizer, _eos_token_ids(args.model, cfg, self.tokenizer), self.max_model_len)
+            self.tokenizer, _eos_token_ids(cfg, generation_config, self.tokenizer),
+            self.max_model_len)
 
         backend = get_attention_backend(
             args.attention_backend, num_kv_heads=cfg.num_kv_heads, num_heads=cfg.num_heads,
@@ -104,8 +108,8 @@ class Engine:
             max_num_seqs=args.max_num_seqs, num_gpu_blocks_override=args.num_gpu_blocks_override,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            profile_peak_bytes=lambda: ModelRunner(model, pool(2), backend, page_size,
-                                                   limits).profile_peak_bytes())
+            profile_peak_bytes=lambda: ModelRunner(model, pool(2), backend, page_size, limits,
+                                                   frozenset()).profile_peak_bytes())
         check_pool_fits(num_pages, bytes_per_page)
         self.kv_cache_manager = KVCacheManager(num_pages, page_size, args.enable_prefix_caching)
         if self.kv_cache_manager.num_usable_pages < pages_per_seq:
@@ -121,7 +125,8 @@ class Engine:
             args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
             args.max_num_partial_prefills, args.long_prefill_token_threshold,
             args.scheduling_policy), self.kv_cache_manager)
-        self.runner = ModelRunner(model, pool(num_pages), backend, page_size, limits)
+        self.runner = ModelRunner(model, pool(num_pages), backend, page_size, limits,
+                                  self.output_processor.eos_token_ids)
         if not args.enforce_eager:
             seconds = self.runner.precompile()
             logger.info("precompiled %d step shapes in %.1f s", self.runner.num_compilations,
@@ -170,14 +175,32 @@ class Engine:
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
+        vocab = self.model_config.vocab_size
+        for name, tokens in (("logit_bias", params.logit_bias or {}),
+                             ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in tokens if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"SamplingParams.{name} has token ids {bad[:8]} outside the "
+                                 f"vocabulary [0, {vocab})")
         req = Request(request_id, text, ids, params, seed=seed, max_tokens=max(max_tokens, 1),
                       arrival=self._arrivals, priority=priority, cache_salt=cache_salt,
-                      n_samples=params.n)
+                      n_samples=params.n, bad_words_ids=self._bad_words_ids(params))
         self._arrivals += 1
         group = RequestGroup(request_id, [self.output_processor.new_sequence(req)])
         self._groups[request_id] = group
         self._seqs[request_id] = group.seqs[0]
         self.scheduler.add_request(req)
+
+    def _bad_words_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Token sequences of each bad word, as written and with a leading space (vLLM's
+        rule), without duplicates."""
+        seqs: list[list[int]] = []
+        for word in params.bad_words or ():
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -262,7 +285,9 @@ class Engine:
             touched[group.request_id] = group
         outputs = []
         for rid, group in touched.items():
-            outputs.append(self.output_processor.make_output(group))
+            out = self.output_processor.make_output(group)
+            if out is not None:
+                outputs.append(out)
             if group.finished:
                 del self._groups[rid]
                 for seq in group.seqs:
@@ -324,14 +349,33 @@ def _resolve_dtype(name: str, checkpoint_dtype: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
-def _eos_token_ids(model_dir: str, cfg: ModelConfig, tokenizer) -> frozenset[int]:
+def _generation_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+#: generation_config.json keys vLLM applies as default sampling parameters.
+_GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                            "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                            "max_new_tokens": "max_tokens"}
+
+
+def _generation_defaults(generation_config: dict) -> dict:
+    return {ours: generation_config[theirs] for theirs, ours in _GENERATION_DEFAULT_KEYS.items()
+            if generation_config.get(theirs) is not None}
+
+
+def _eos_token_ids(cfg: ModelConfig, generation_config: dict, tokenizer) -> frozenset[int]:
     """EOS ids of the config, ``generation_config.json`` and the tokenizer, together."""
     ids = set(cfg.eos_token_ids)
-    path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    eos = generation_config.get("eos_token_id")
+    ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(int(i) for i in ids)

@@ -13,16 +13,21 @@ from dataclasses import dataclass, field
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.engine.request import Request
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxpaged.sampling_params import RequestOutputKind
 
 
 @dataclass
 class SequenceState:
-    """Output-side state of one sequence: its text and logprobs."""
+    """Output-side state of one sequence: its text, logprobs, and how much of them earlier
+    delta outputs carried."""
 
     request: Request
     detokenizer: IncrementalDetokenizer
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    sent_final: bool = False
 
 
 @dataclass
@@ -56,7 +61,8 @@ class OutputProcessor:
         """Output state for a sequence starting at its current tokens."""
         p = req.params
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
-                                       p.stop_strings, p.include_stop_str_in_output)
+                                       p.stop_strings, p.include_stop_str_in_output,
+                                       p.spaces_between_special_tokens)
         state = SequenceState(req, detok)
         if p.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
@@ -76,10 +82,15 @@ class OutputProcessor:
             state.logprobs.append(entry)
             state.cumulative_logprob += logprob
         p = req.params
-        if not p.ignore_eos and token in self.eos_token_ids:
+        may_stop = req.num_output_tokens >= p.min_tokens
+        if not may_stop:
+            state.detokenizer.add_token(token, check_stop=False)
+        elif not p.ignore_eos and token in self.eos_token_ids:
             req.finish_reason = "stop"
         elif token in p.stop_token_id_set:
             req.finish_reason, req.stop_reason = "stop", token
+            if p.include_stop_str_in_output:
+                state.detokenizer.add_token(token, check_stop=False)
         else:
             stop = state.detokenizer.add_token(token)
             if stop is not None:
@@ -87,18 +98,38 @@ class OutputProcessor:
         if req.finish_reason is None and (req.num_output_tokens >= req.max_tokens
                                           or req.num_tokens >= self.max_model_len):
             req.finish_reason = "length"
+        if req.finish_reason is not None and not isinstance(req.stop_reason, str):
+            state.detokenizer.flush()   # a stop string cut the text: nothing to release
 
     @staticmethod
-    def make_output(group: RequestGroup) -> RequestOutput:
-        """The request's current output (cumulative text and ids of every sequence)."""
+    def make_output(group: RequestGroup) -> RequestOutput | None:
+        """The request's output now, shaped by its ``output_kind``: cumulative text, ids and
+        logprobs; or only what is new since the previous output (delta; sequences with
+        nothing new are left out); or nothing until it finishes (final only, then cumulative).
+        """
         first = group.seqs[0].request
-        outs = [CompletionOutput(s.request.index,
-                                 s.detokenizer.visible_text(s.request.finish_reason is not None),
-                                 s.request.output_token_ids,
-                                 s.cumulative_logprob,
-                                 list(s.logprobs) if s.logprobs is not None else None,
-                                 s.request.finish_reason, s.request.stop_reason)
-                for s in sorted(group.seqs, key=lambda s: s.request.index)]
+        kind = first.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not group.finished:
+            return None
+        outs = []
+        for s in sorted(group.seqs, key=lambda s: s.request.index):
+            req = s.request
+            done = req.finish_reason is not None
+            text, ids = s.detokenizer.visible_text(done), req.output_token_ids
+            logprobs = list(s.logprobs) if s.logprobs is not None else None
+            if kind is RequestOutputKind.DELTA:
+                if s.sent_final or (len(text) == s.sent_chars and len(ids) == s.sent_tokens
+                                    and not done):
+                    continue
+                text, ids = text[s.sent_chars:], ids[s.sent_tokens:]
+                logprobs = logprobs[s.sent_tokens:] if logprobs is not None else None
+                s.sent_chars += len(text)
+                s.sent_tokens += len(ids)
+                s.sent_final = done
+            outs.append(CompletionOutput(req.index, text, ids, s.cumulative_logprob, logprobs,
+                                         req.finish_reason, req.stop_reason))
+        if not outs:
+            return None
         return RequestOutput(
             request_id=group.request_id, prompt=first.prompt,
             prompt_token_ids=first.prompt_token_ids, outputs=outs, finished=group.finished,

@@ -36,6 +36,7 @@ class Request:
         priority: lower runs first under ``--scheduling-policy priority``.
         cache_salt: extra key of this request's prefix-cache hashes.
         n_samples: first tokens to sample after the prompt (n before the fork, then 1).
+        bad_words_ids: token sequences of ``params.bad_words``.
         all_token_ids: prompt + output ids.
         num_computed_tokens: tokens whose K/V are in the pool (0 again after preemption).
         num_cached_tokens: prompt tokens served by the prefix cache at first scheduling.
@@ -55,6 +56,7 @@ class Request:
     priority: int = 0
     cache_salt: str | None = None
     n_samples: int = 1
+    bad_words_ids: list[list[int]] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None

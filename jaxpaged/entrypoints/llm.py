@@ -38,6 +38,54 @@ class LLM:
         """The engine's Hugging Face tokenizer."""
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's ``generation_config.json`` defaults applied
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens -> max_tokens),
+        as vLLM's ``--generation-config auto`` does; used when ``generate`` gets no params."""
+        return SamplingParams(**self.engine.generation_defaults)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False
+             ) -> list[RequestOutput]:
+        """Generate replies to conversations, rendered with the tokenizer's chat template.
+
+        Args:
+            messages: one conversation (a list of ``{"role", "content"}`` dicts) or a list
+                of them.
+            sampling_params: as for :meth:`generate`.
+            chat_template: a Jinja template to use instead of the tokenizer's.
+            add_generation_prompt: end the prompt with the assistant turn's opening.
+            continue_final_message: leave the last (assistant) message open to be continued
+                (exclusive with ``add_generation_prompt``).
+
+        Returns:
+            One ``RequestOutput`` per conversation, in order.
+
+        Raises:
+            ValueError: the tokenizer has no chat template and none is given, both
+                ``add_generation_prompt`` and ``continue_final_message`` are set, or the
+                messages are malformed.
+        """
+        tokenizer = self.get_tokenizer()
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message are exclusive")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = []
+        for conv in conversations:
+            if not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
+                raise ValueError("each message must be a dict with 'role' and 'content'")
+            text = tokenizer.apply_chat_template(
+                conv, chat_template=chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message)
+            # The template writes any BOS itself: encode without adding special tokens again.
+            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -46,7 +94,8 @@ class LLM:
         Args:
             prompts: a string, a list of token ids, a TokensPrompt/TextPrompt dict, or a list
                 of any of these (a list of ints is one prompt).
-            sampling_params: one for all prompts, or one per prompt (default ``SamplingParams()``).
+            sampling_params: one for all prompts, or one per prompt (default
+                :meth:`get_default_sampling_params`).
             use_tqdm: show a progress bar.
 
         Returns:
@@ -67,7 +116,7 @@ class LLM:
                             f"got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
             if len(params) != len(prompts):

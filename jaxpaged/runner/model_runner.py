@@ -27,6 +27,7 @@ from flax import nnx
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
 from jaxpaged.engine.scheduler import SchedulerOutput
 from jaxpaged.layers.attention import NULL_PAGE, AttentionBackend, BatchLayout, KVPages
+from jaxpaged.sampling.logits_adjust import pack, row_adjustment
 from jaxpaged.sampling.sampler import SamplingMetadata, sample
 
 logger = logging.getLogger(__name__)
@@ -99,10 +100,11 @@ class ModelRunner:
         backend: the attention backend the model was built with.
         page_size: tokens per page.
         limits: the largest padded shapes.
+        eos_token_ids: the model's EOS ids (masked before a request's ``min_tokens``).
     """
 
     def __init__(self, model: nnx.Module, kv_caches: list[KVPages], backend: AttentionBackend,
-                 page_size: int, limits: RunnerLimits):
+                 page_size: int, limits: RunnerLimits, eos_token_ids: frozenset[int]):
         graphdef, self._state = nnx.split(model)
         self._kv_caches = kv_caches
         self._backend = backend
@@ -112,13 +114,14 @@ class ModelRunner:
         self._seq_buckets = bucket_sizes(8, max(8, limits.max_num_seqs))
         self._page_buckets = bucket_sizes(4, max(4, limits.max_pages_per_seq))
         self._executables: dict[tuple, object] = {}
+        self._eos_token_ids = eos_token_ids
 
         def step(state, kv_caches, input_ids, positions, logits_indices, attn_metadata,
-                 sampling, with_logprobs):
+                 sampling, adjust, with_logprobs):
             model = nnx.merge(graphdef, state)
             hidden, kv_caches = model(input_ids, positions, kv_caches, attn_metadata)
             logits = model.compute_logits(hidden[logits_indices])
-            return sample(logits, sampling, with_logprobs), kv_caches
+            return sample(logits, sampling, with_logprobs, adjust), kv_caches
 
         self._step = jax.jit(step, donate_argnums=(1,), static_argnames="with_logprobs")
 
@@ -159,21 +162,28 @@ class ModelRunner:
             One :class:`SampleResult` per scheduled sequence.
         """
         self.copy_pages(kv.take_pending_copies())
-        rows, owners = [], []
+        rows, owners, adjustments = [], [], []
         for i, s in enumerate(sched.scheduled):
             req, p = s.request, s.request.params
             n = req.n_samples if s.samples else 1
+            adjustment = row_adjustment(p, req.prompt_token_ids, req.output_token_ids,
+                                        self._eos_token_ids, req.bad_words_ids) if s.samples \
+                else None
             for j in range(n):
                 rows.append((p.temperature, p.top_k, p.top_p, p.min_p, p.is_greedy,
                              req.seed + j, req.num_tokens))
                 owners.append(i)
+                adjustments.append(adjustment)
         with_logprobs = any(s.request.params.logprobs is not None for s in sched.scheduled)
         layout, input_ids, logits_indices = self._layout(sched, kv, owners)
         metadata = self._metadata(layout)
         sampling = SamplingMetadata.from_host(rows, layout.seq_lens.shape[0])
-        fn = self._executable(layout, with_logprobs, input_ids, logits_indices, metadata, sampling)
+        adjust = (pack(adjustments, layout.seq_lens.shape[0])
+                  if any(a is not None for a in adjustments) else None)
+        fn = self._executable(layout, with_logprobs, input_ids, logits_indices, metadata, sampling,
+                              adjust)
         out, self._kv_caches = fn(self._state, self._kv_caches, input_ids, layout.positions,
-                                  logits_indices, metadata, sampling)
+                                  logits_indices, metadata, sampling, adjust)
         out = jax.tree.map(np.asarray, out)
         results: list[list[int]] = [[] for _ in sched.scheduled]
         for r, i in enumerate(owners):
@@ -192,19 +202,19 @@ class ModelRunner:
                             [out["top_ids"][r].tolist() for r in rows],
                             [out["top_logprobs"][r].tolist() for r in rows])
 
-    def _executable(self, layout: BatchLayout, with_logprobs: bool, *args):
+    def _executable(self, layout: BatchLayout, with_logprobs: bool, input_ids, logits_indices,
+                    metadata, sampling, adjust):
         key = (layout.positions.shape[0], layout.seq_lens.shape[0], layout.page_table.shape[1],
-               layout.is_decode_only, with_logprobs)
+               layout.is_decode_only, with_logprobs,
+               None if adjust is None else (adjust.ids.shape[1], adjust.allowed_ids.shape[1]))
         fn = self._executables.get(key)
         if fn is None:
             t0 = time.perf_counter()
-            input_ids, logits_indices, metadata, sampling = args
             fn = self._step.lower(self._state, self._kv_caches, input_ids, layout.positions,
-                                  logits_indices, metadata, sampling,
+                                  logits_indices, metadata, sampling, adjust,
                                   with_logprobs=with_logprobs).compile()
             self._executables[key] = fn
-            logger.debug("compiled step T=%d B=%d P=%d decode_only=%s logprobs=%s in %.2fs",
-                         *key, time.perf_counter() - t0)
+            logger.debug("compiled step %s in %.2fs", key, time.perf_counter() - t0)
         return fn
 
     def _metadata(self, layout: BatchLayout) -> dict[str, np.ndarray]:
@@ -269,7 +279,7 @@ class ModelRunner:
     def _dummy_args(self, layout: BatchLayout):
         t_pad, b_pad = layout.positions.shape[0], layout.seq_lens.shape[0]
         return (np.zeros(t_pad, np.int32), np.zeros(b_pad, np.int32), self._metadata(layout),
-                SamplingMetadata.from_host([], b_pad))
+                SamplingMetadata.from_host([], b_pad), None)
 
     def profile_peak_bytes(self) -> int | None:
         """Run the largest prefill step once on dummy data; the device's peak bytes in use
@@ -279,9 +289,9 @@ class ModelRunner:
         layout = self._dummy_layout(t_pad, b_pad, self._page_buckets[-1], False)
         args = self._dummy_args(layout)
         fn = self._executable(layout, True, *args)
-        input_ids, logits_indices, metadata, sampling = args
+        input_ids, logits_indices, metadata, sampling, adjust = args
         out, self._kv_caches = fn(self._state, self._kv_caches, input_ids, layout.positions,
-                                  logits_indices, metadata, sampling)
+                                  logits_indices, metadata, sampling, adjust)
         jax.block_until_ready(out)
         stats = jax.devices()[0].memory_stats()
         return None if not stats else stats.get("peak_bytes_in_use")

@@ -1,7 +1,8 @@
 """Batched on-device token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
-Order of the transforms follows vLLM's sampler (``vllm/v1/sample/sampler.py``): logits are
-divided by the temperature, then top-k and top-p (Holtzman et al., "The Curious Case of Neural
+Order of the transforms follows vLLM's sampler (``vllm/v1/sample/sampler.py``): logit
+adjustments (allowed tokens, logit bias, bans, penalties: ``logits_adjust``) come first and
+greedy decoding takes the argmax after them; then logits are divided by the temperature, then top-k and top-p (Holtzman et al., "The Curious Case of Neural
 Text Degeneration", ICLR 2020, section 3.1) truncate the distribution, then min-p, then a
 token is drawn. Every request carries its own PRNG key derived from its seed and the position
 of the token being sampled, so its draw never depends on the rest of the batch.
@@ -15,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.sampling.logits_adjust import LogitsAdjustment
+from jaxpaged.sampling.logits_adjust import apply as apply_adjustment
 from jaxpaged.sampling_params import MAX_LOGPROBS
 
 
@@ -62,16 +65,41 @@ class SamplingMetadata:
                    position)
 
 
-def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool = False
-           ) -> dict[str, jax.Array]:
+def processed_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """Temperature, then min-p, top-k and top-p (in vLLM's order): [B, V] float32 logits ->
+    [B, V] float32 with every excluded token at -inf. Sampling draws from
+    ``softmax`` of the result. Rows marked greedy are returned unscaled (unused)."""
+    vocab = logits.shape[-1]
+    temperature = jnp.where(meta.greedy, 1.0, meta.temperature)
+    scaled = logits / temperature[:, None]
+    # Work on the sorted distribution; what survives is everything above a per-row threshold.
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    rank = jnp.arange(vocab)[None, :]
+    # min-p: p >= min_p * p_max  <=>  logit >= max_logit + log(min_p).
+    min_p_floor = sorted_desc[:, :1] + jnp.log(jnp.maximum(meta.min_p, 1e-30))[:, None]
+    keep = jnp.where(meta.min_p[:, None] > 0, sorted_desc >= min_p_floor, True)
+    k = jnp.where(meta.top_k > 0, jnp.minimum(meta.top_k, vocab), vocab)
+    keep &= rank < k[:, None]
+    sorted_kept = jnp.where(keep, sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(sorted_kept, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= mass_before < meta.top_p[:, None]          # smallest prefix with mass >= top_p
+    num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
+    threshold = jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool = False,
+           adjust: LogitsAdjustment | None = None) -> dict[str, jax.Array]:
     """Draw one token per row.
 
     Args:
         logits: [B, V] float32.
         meta: the rows' sampling parameters.
+        adjust: per-row logit bias, bans, allowed tokens and penalties (None: none).
         with_logprobs: also return log-probabilities. They are those of the raw model
             distribution, ``log_softmax(logits)`` before temperature, top-k/top-p/min-p and
-            penalties (vLLM's default ``logprobs_mode="raw_logprobs"``).
+            adjustments and penalties (vLLM's default ``logprobs_mode="raw_logprobs"``).
 
     Returns:
         ``token_ids`` [B] int32; with logprobs also ``logprobs`` [B] float32 (of the sampled
@@ -79,24 +107,9 @@ def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool = Fals
         ``top_logprobs`` [B, MAX_LOGPROBS] float32, best first.
     """
     vocab = logits.shape[-1]
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    temperature = jnp.where(meta.greedy, 1.0, meta.temperature)
-    scaled = logits / temperature[:, None]
-
-    # top-k then top-p on the sorted distribution; the threshold is a logit value per row.
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
-    k = jnp.where(meta.top_k > 0, jnp.minimum(meta.top_k, vocab), vocab)
-    rank = jnp.arange(vocab)[None, :]
-    sorted_desc = jnp.where(rank < k[:, None], sorted_desc, -jnp.inf)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (mass_before < meta.top_p[:, None]) & (rank < k[:, None])
-    num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
-    threshold = jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
-    # min-p: p >= min_p * p_max  <=>  logit >= max_logit + log(min_p).
-    min_p_threshold = sorted_desc[:, :1] + jnp.log(jnp.maximum(meta.min_p, 1e-30))[:, None]
-    threshold = jnp.maximum(threshold, jnp.where(meta.min_p[:, None] > 0, min_p_threshold, -jnp.inf))
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    adjusted = logits if adjust is None else apply_adjustment(logits, adjust)
+    greedy_tokens = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)
+    masked = processed_logits(adjusted, meta)
 
     def draw(lo, hi, pos, row):
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(lo), hi), pos)

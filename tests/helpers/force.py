@@ -1,0 +1,39 @@
+"""FORCE: a test hook that makes the engine emit exactly a scripted token sequence.
+
+It wraps the runner's ``execute``: the real model step still runs (so the KV cache stays
+consistent with what the engine feeds next), then each scripted request's sampled token is
+replaced by the next token of its script.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def force_tokens(monkeypatch, engine, scripts: dict[str, list[int]]) -> None:
+    """From now on, request ``rid`` (index 0 sequence) emits ``scripts[rid]`` in order."""
+    real = engine.runner.execute
+
+    def execute(sched, kv):
+        results = real(sched, kv)
+        out = []
+        for s, r in zip(sched.scheduled, results):
+            script = scripts.get(s.request.request_id)
+            if script is not None and r.token_ids:
+                n = s.request.num_output_tokens
+                r = dataclasses.replace(r, token_ids=[script[n]] * len(r.token_ids))
+            out.append(r)
+        return out
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+
+
+def run_engine(engine, rid, prompt, params):
+    """Drive one request to the end; returns every RequestOutput it produced."""
+    engine.add_request(rid, prompt, params)
+    outs = []
+    for _ in range(10_000):
+        if not engine.has_unfinished_requests():
+            break
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
