@@ -57,6 +57,8 @@ class RequestOutput:
         request_id: the id given to ``Engine.add_request``.
         prompt: the prompt text (None if the request was given as token ids only).
         prompt_token_ids: the prompt's token ids, BOS included when the tokenizer adds it.
+        prompt_logprobs: with ``prompt_logprobs`` set, one entry per prompt token: None for
+            the first, then ``{token_id: Logprob}`` for the token and the most likely ones.
         outputs: the request's sequences, by index.
         finished: True when every sequence has finished.
         num_cached_tokens: prompt tokens served from the prefix cache.
@@ -66,6 +68,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0

@@ -53,6 +53,9 @@ class SamplingParams:
         spaces_between_special_tokens: put spaces between special tokens in the text.
         logprobs: return the log-probability of each sampled token and of the ``logprobs``
             most likely tokens (0 to 20), from the raw model distribution; None for none.
+        prompt_logprobs: return, for every prompt token after the first, its log-probability
+            given the tokens before it and the ``prompt_logprobs`` most likely tokens there
+            (0 to 20); such requests do not use the prefix cache (vLLM's rule).
         logit_bias: ``{token_id: bias}`` added to the logits (clamped to [-100, 100]).
         allowed_token_ids: if set, only these tokens can be sampled.
         bad_words: words that must not be generated (each as tokenized with and without a
@@ -85,6 +88,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -139,6 +143,10 @@ class SamplingParams:
                                          and 0 <= self.logprobs <= MAX_LOGPROBS),
                "logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None, "
                            f"got {self.logprobs!r}")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               "prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None, "
+                                  f"got {self.prompt_logprobs!r}")
         bias = self.logit_bias
         _check(bias is None or (isinstance(bias, dict) and all(
             _is_int(int(k) if isinstance(k, str) and k.isdigit() else k) and _is_real(v)

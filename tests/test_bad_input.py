@@ -134,7 +134,10 @@ def test_failed_generate_leaves_nothing_queued(llm, monkeypatch):
 @pytest.mark.parametrize("field, value", [
     ("temperature", float("inf")), ("temperature", True), ("ignore_eos", "no"),
     ("skip_special_tokens", "False"), ("stop", 5), ("stop_token_ids", 5), ("seed", 2**64),
-    ("n", 0), ("logprobs", 21), ("logprobs", -1),
+    ("n", 0), ("logprobs", 21), ("logprobs", -1), ("prompt_logprobs", 21),
+    ("presence_penalty", 2.5), ("repetition_penalty", 0), ("min_tokens", -1),
+    ("logit_bias", {1: float("nan")}), ("allowed_token_ids", []), ("bad_words", [""]),
+    ("output_kind", 7),
 ])
 def test_sampling_params_wrong_types(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} "):

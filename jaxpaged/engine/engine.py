@@ -271,9 +271,11 @@ class Engine:
         for s, result in zip(sched.scheduled, results):
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
+            group = self._groups[req.group_id]
+            if result.prompt_logprobs is not None:
+                self.output_processor.add_prompt_logprobs(group, s.start, result.prompt_logprobs)
             if not result.token_ids:
                 continue
-            group = self._groups[req.group_id]
             seqs = [self._seqs[req.request_id]] + self._fork(req, len(result.token_ids) - 1)
             for j, seq in enumerate(seqs):
                 lp = result.logprobs

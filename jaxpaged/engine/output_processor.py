@@ -32,10 +32,11 @@ class SequenceState:
 
 @dataclass
 class RequestGroup:
-    """The sequences of one user request (one unless ``n > 1``)."""
+    """The sequences of one user request (one unless ``n > 1``), and its prompt logprobs."""
 
     request_id: str
     seqs: list[SequenceState] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -101,6 +102,24 @@ class OutputProcessor:
         if req.finish_reason is not None and not isinstance(req.stop_reason, str):
             state.detokenizer.flush()   # a stop string cut the text: nothing to release
 
+    def add_prompt_logprobs(self, group: RequestGroup, start: int, entries) -> None:
+        """Record the prompt logprobs a chunk starting at position ``start`` computed (entry
+        j predicts prompt token ``start + j + 1``); a recomputation after preemption adds
+        nothing new."""
+        req = group.seqs[0].request
+        if group.prompt_logprobs is None:
+            group.prompt_logprobs = [None]
+        k = req.params.prompt_logprobs
+        for j, (lp, rank, top_ids, top_lps) in enumerate(entries):
+            position = start + j + 1
+            if position < len(group.prompt_logprobs):
+                continue
+            token = req.prompt_token_ids[position]
+            entry = {t: Logprob(v, r + 1, self.tokenizer.decode([t]))
+                     for r, (t, v) in enumerate(zip(top_ids[:k], top_lps[:k]))}
+            entry.setdefault(token, Logprob(lp, rank, self.tokenizer.decode([token])))
+            group.prompt_logprobs.append(entry)
+
     @staticmethod
     def make_output(group: RequestGroup) -> RequestOutput | None:
         """The request's output now, shaped by its ``output_kind``: cumulative text, ids and
@@ -132,7 +151,8 @@ class OutputProcessor:
             return None
         return RequestOutput(
             request_id=group.request_id, prompt=first.prompt,
-            prompt_token_ids=first.prompt_token_ids, outputs=outs, finished=group.finished,
+            prompt_token_ids=first.prompt_token_ids, prompt_logprobs=group.prompt_logprobs,
+            outputs=outs, finished=group.finished,
             num_cached_tokens=first.num_cached_tokens or 0,
             num_preemptions=sum(s.request.num_preemptions for s in group.seqs))
 

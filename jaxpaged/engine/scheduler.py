@@ -154,7 +154,7 @@ class Scheduler:
             req = self.waiting[0]
             if len(self.running) + req.n_samples > self.config.max_num_seqs:
                 break
-            if req.num_computed_tokens == 0:
+            if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
                 req.num_computed_tokens = self.kv.find_cached_prefix(
                     req.request_id, req.all_token_ids, req.extra_keys)
             num_new = self._chunk(req, budget)

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -28,7 +29,7 @@ from jaxpaged.engine.kv_cache_manager import KVCacheManager
 from jaxpaged.engine.scheduler import SchedulerOutput
 from jaxpaged.layers.attention import NULL_PAGE, AttentionBackend, BatchLayout, KVPages
 from jaxpaged.sampling.logits_adjust import pack, row_adjustment
-from jaxpaged.sampling.sampler import SamplingMetadata, sample
+from jaxpaged.sampling.sampler import SamplingMetadata, sample, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ class SampleResult:
         ranks: per token, its rank in the distribution (1 = most likely).
         top_ids, top_logprobs: per token, the ``MAX_LOGPROBS`` most likely ids and their
             log-probabilities, best first.
+        prompt_logprobs: for each prompt position this chunk computed that predicts a prompt
+            token: (that token's logprob, its rank, top ids, top logprobs).
     """
 
     token_ids: list[int]
@@ -89,6 +92,7 @@ class SampleResult:
     ranks: list[int] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    prompt_logprobs: list[tuple[float, int, list[int], list[float]]] | None = None
 
 
 class ModelRunner:
@@ -117,13 +121,19 @@ class ModelRunner:
         self._eos_token_ids = eos_token_ids
 
         def step(state, kv_caches, input_ids, positions, logits_indices, attn_metadata,
-                 sampling, adjust, with_logprobs):
+                 sampling, adjust, with_logprobs, with_prompt_logprobs):
             model = nnx.merge(graphdef, state)
             hidden, kv_caches = model(input_ids, positions, kv_caches, attn_metadata)
             logits = model.compute_logits(hidden[logits_indices])
-            return sample(logits, sampling, with_logprobs, adjust), kv_caches
+            out = sample(logits, sampling, with_logprobs, adjust)
+            if with_prompt_logprobs:
+                # Every token's distribution over the next token; the target is the next input.
+                targets = jnp.concatenate([input_ids[1:], input_ids[:1]])
+                out["prompt"] = token_logprobs(model.compute_logits(hidden), targets)
+            return out, kv_caches
 
-        self._step = jax.jit(step, donate_argnums=(1,), static_argnames="with_logprobs")
+        self._step = jax.jit(step, donate_argnums=(1,),
+                             static_argnames=("with_logprobs", "with_prompt_logprobs"))
 
         def copy_pages(kv_caches, src, dst):
             return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv_caches]
@@ -175,44 +185,58 @@ class ModelRunner:
                 owners.append(i)
                 adjustments.append(adjustment)
         with_logprobs = any(s.request.params.logprobs is not None for s in sched.scheduled)
+        with_prompt = any(s.request.params.prompt_logprobs is not None
+                          and s.start < s.request.num_prompt_tokens - 1 for s in sched.scheduled)
         layout, input_ids, logits_indices = self._layout(sched, kv, owners)
         metadata = self._metadata(layout)
         sampling = SamplingMetadata.from_host(rows, layout.seq_lens.shape[0])
         adjust = (pack(adjustments, layout.seq_lens.shape[0])
                   if any(a is not None for a in adjustments) else None)
-        fn = self._executable(layout, with_logprobs, input_ids, logits_indices, metadata, sampling,
-                              adjust)
+        fn = self._executable(layout, (with_logprobs, with_prompt), input_ids, logits_indices,
+                              metadata, sampling, adjust)
         out, self._kv_caches = fn(self._state, self._kv_caches, input_ids, layout.positions,
                                   logits_indices, metadata, sampling, adjust)
         out = jax.tree.map(np.asarray, out)
         results: list[list[int]] = [[] for _ in sched.scheduled]
         for r, i in enumerate(owners):
             results[i].append(r)
-        return [self._result(out, rs, s.samples) for rs, s in zip(results, sched.scheduled)]
+        starts = layout.query_start_loc
+        return [self._result(out, rs, s, int(starts[i]))
+                for i, (rs, s) in enumerate(zip(results, sched.scheduled))]
 
     @staticmethod
-    def _result(out, rows: list[int], samples: bool) -> SampleResult:
-        if not samples:
-            return SampleResult([])
+    def _result(out, rows: list[int], s, first_token: int) -> SampleResult:
+        prompt = None
+        if "prompt" in out and s.request.params.prompt_logprobs is not None:
+            # Positions p of this chunk that predict a prompt token (p + 1 < prompt length).
+            end = min(s.start + s.num_new_tokens, s.request.num_prompt_tokens - 1)
+            idx = [first_token + p - s.start for p in range(s.start, end)]
+            p_out = out["prompt"]
+            prompt = [(float(p_out["logprobs"][t]), int(p_out["ranks"][t]),
+                       p_out["top_ids"][t].tolist(), p_out["top_logprobs"][t].tolist())
+                      for t in idx]
+        if not s.samples:
+            return SampleResult([], prompt_logprobs=prompt)
         tokens = [int(out["token_ids"][r]) for r in rows]
         if "logprobs" not in out:
-            return SampleResult(tokens)
+            return SampleResult(tokens, prompt_logprobs=prompt)
         return SampleResult(tokens, [float(out["logprobs"][r]) for r in rows],
                             [int(out["ranks"][r]) for r in rows],
                             [out["top_ids"][r].tolist() for r in rows],
-                            [out["top_logprobs"][r].tolist() for r in rows])
+                            [out["top_logprobs"][r].tolist() for r in rows], prompt)
 
-    def _executable(self, layout: BatchLayout, with_logprobs: bool, input_ids, logits_indices,
-                    metadata, sampling, adjust):
+    def _executable(self, layout: BatchLayout, logprob_flags: tuple[bool, bool], input_ids,
+                    logits_indices, metadata, sampling, adjust):
         key = (layout.positions.shape[0], layout.seq_lens.shape[0], layout.page_table.shape[1],
-               layout.is_decode_only, with_logprobs,
+               layout.is_decode_only, logprob_flags,
                None if adjust is None else (adjust.ids.shape[1], adjust.allowed_ids.shape[1]))
         fn = self._executables.get(key)
         if fn is None:
             t0 = time.perf_counter()
             fn = self._step.lower(self._state, self._kv_caches, input_ids, layout.positions,
                                   logits_indices, metadata, sampling, adjust,
-                                  with_logprobs=with_logprobs).compile()
+                                  with_logprobs=logprob_flags[0],
+                                  with_prompt_logprobs=logprob_flags[1]).compile()
             self._executables[key] = fn
             logger.debug("compiled step %s in %.2fs", key, time.perf_counter() - t0)
         return fn
@@ -288,7 +312,7 @@ class ModelRunner:
         _, b_pad, _ = self._pad_sizes(t_pad, 1, 1, 1, False)
         layout = self._dummy_layout(t_pad, b_pad, self._page_buckets[-1], False)
         args = self._dummy_args(layout)
-        fn = self._executable(layout, True, *args)
+        fn = self._executable(layout, (True, False), *args)
         input_ids, logits_indices, metadata, sampling, adjust = args
         out, self._kv_caches = fn(self._state, self._kv_caches, input_ids, layout.positions,
                                   logits_indices, metadata, sampling, adjust)
@@ -305,5 +329,5 @@ class ModelRunner:
             shapes.update((t, b, p, False) for p in self._page_buckets)
         for shape in sorted(shapes):
             layout = self._dummy_layout(*shape)
-            self._executable(layout, False, *self._dummy_args(layout))
+            self._executable(layout, (False, False), *self._dummy_args(layout))
         return time.perf_counter() - t0

@@ -119,9 +119,16 @@ def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool = Fals
     tokens = jnp.where(meta.greedy, greedy_tokens, sampled)
     if not with_logprobs:
         return {"token_ids": tokens}
+    return {"token_ids": tokens, **token_logprobs(logits, tokens)}
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> dict[str, jax.Array]:
+    """Raw-distribution log-probabilities of ``tokens`` [N] under ``logits`` [N, V] float32:
+    ``logprobs`` [N], ``ranks`` [N] (1 = most likely), and the ``MAX_LOGPROBS`` best
+    ``top_ids`` / ``top_logprobs`` [N, MAX_LOGPROBS]."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, vocab))
-    return {"token_ids": tokens, "logprobs": chosen,
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
+    return {"logprobs": chosen,
             "ranks": 1 + jnp.sum(logprobs > chosen[:, None], axis=-1).astype(jnp.int32),
             "top_ids": top_ids.astype(jnp.int32), "top_logprobs": top_logprobs}
