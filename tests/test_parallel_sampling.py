@@ -85,3 +85,13 @@ def test_abort_parallel_request_frees_every_sequence():
     assert not engine.has_unfinished_requests()
     kv = engine.kv_cache_manager
     assert kv.num_free_pages == kv.num_usable_pages
+
+
+def test_n_larger_than_max_num_seqs_is_refused():
+    llm = LLM(enforce_eager=True, block_size=16, max_num_seqs=4, max_model_len=64)
+    with pytest.raises(ValueError, match="n=8 exceeds max_num_seqs=4"):
+        llm.generate([[5, 6, 7]], SamplingParams(n=8, max_tokens=4), use_tqdm=False)
+    outs = llm.generate([[5, 6, 7]] * 3, SamplingParams(n=2, seed=0, max_tokens=4),
+                        use_tqdm=False)      # two fit at once, the third waits for seats
+    assert [len(o.outputs) for o in outs] == [2, 2, 2]
+    assert outs[0].outputs[0].token_ids == outs[2].outputs[0].token_ids

@@ -163,6 +163,9 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.verify()
+        if params.n > self.args.max_num_seqs:
+            raise ValueError(f"SamplingParams.n={params.n} exceeds max_num_seqs="
+                             f"{self.args.max_num_seqs}: its sequences could never run together")
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self._groups:
@@ -265,6 +268,10 @@ class Engine:
         """
         sched = self.scheduler.schedule()
         if not sched.scheduled:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # Unreachable while add_request's checks hold; never spin silently.
+                raise RuntimeError(f"no waiting request can be scheduled "
+                                   f"({len(self.scheduler.waiting)} waiting, {self.stats()})")
             return []
         results = self.runner.execute(sched, self.kv_cache_manager)
         touched: dict[str, RequestGroup] = {}
