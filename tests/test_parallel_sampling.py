@@ -95,3 +95,15 @@ def test_n_larger_than_max_num_seqs_is_refused():
                         use_tqdm=False)      # two fit at once, the third waits for seats
     assert [len(o.outputs) for o in outs] == [2, 2, 2]
     assert outs[0].outputs[0].token_ids == outs[2].outputs[0].token_ids
+
+
+def test_unforked_request_reserves_a_seat_per_sequence():
+    """n=8 and another request under max_num_seqs=8: the second waits for seats instead of
+    overflowing the step (it once produced 9 sampling rows for an 8-row bucket)."""
+    llm = LLM(enforce_eager=True, max_num_seqs=8, max_model_len=64)
+    outs = llm.generate([list(range(10, 16)), list(range(100, 113))],
+                        [SamplingParams(n=8, seed=0, max_tokens=20),
+                         SamplingParams(seed=0, max_tokens=20)], use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [8, 1]
+    kv = llm.engine.kv_cache_manager
+    assert kv.num_free_pages == kv.num_usable_pages

@@ -152,7 +152,9 @@ class Scheduler:
         partial = sum(1 for r in self.running if r.num_computed_tokens < r.num_prompt_tokens)
         while not preempted and self.waiting and budget > 0:
             req = self.waiting[0]
-            if len(self.running) + req.n_samples > self.config.max_num_seqs:
+            # A parallel-sampling request not yet forked holds a seat for each sequence.
+            seats = sum(r.n_samples for r in self.running)
+            if seats + req.n_samples > self.config.max_num_seqs:
                 break
             if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
                 req.num_computed_tokens = self.kv.find_cached_prefix(
