@@ -29,6 +29,8 @@ import pickle
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jaxpaged.layers.attention.base import NULL_PAGE
 
 
@@ -120,9 +122,10 @@ class KVCacheManager:
 
     def slots(self, request_id: str, start: int, end: int) -> list[int]:
         """Flat pool slots (``page * page_size + row``) of positions ``[start, end)``."""
-        pages = self._tables[request_id].pages
-        s = self.page_size
-        return [pages[p // s] * s + p % s for p in range(start, end)]
+        pages = np.asarray(self._tables[request_id].pages, np.int64)
+        positions = np.arange(start, end)
+        return (pages[positions // self.page_size] * self.page_size
+                + positions % self.page_size).tolist()
 
     # ---- prefix cache ----------------------------------------------------------------------
 

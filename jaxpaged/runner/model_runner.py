@@ -28,7 +28,7 @@ from flax import nnx
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
 from jaxpaged.engine.scheduler import SchedulerOutput
 from jaxpaged.layers.attention import NULL_PAGE, AttentionBackend, BatchLayout, KVPages
-from jaxpaged.sampling.logits_adjust import pack, row_adjustment
+from jaxpaged.sampling.logits_adjust import needs_adjustment, pack, row_adjustment
 from jaxpaged.sampling.sampler import SamplingMetadata, sample, token_logprobs
 
 logger = logging.getLogger(__name__)
@@ -177,8 +177,8 @@ class ModelRunner:
             req, p = s.request, s.request.params
             n = req.n_samples if s.samples else 1
             adjustment = row_adjustment(p, req.prompt_token_ids, req.output_token_ids,
-                                        self._eos_token_ids, req.bad_words_ids) if s.samples \
-                else None
+                                        self._eos_token_ids, req.bad_words_ids) \
+                if s.samples and needs_adjustment(p) else None
             for j in range(n):
                 rows.append((p.temperature, p.top_k, p.top_p, p.min_p, p.is_greedy,
                              req.seed + j, req.num_tokens))

@@ -62,6 +62,13 @@ class RowAdjustment:
     allowed: list[int] | None
 
 
+def needs_adjustment(params) -> bool:
+    """Whether ``params`` can adjust logits at all (cheap; checked before building a row)."""
+    return bool(params.logit_bias or params.min_tokens or params.bad_words
+                or params.allowed_token_ids or params.repetition_penalty != 1.0
+                or params.frequency_penalty or params.presence_penalty)
+
+
 def row_adjustment(params, prompt_ids: list[int], output_ids: list[int],
                    eos_ids: frozenset[int], bad_words_ids: list[list[int]]) -> RowAdjustment | None:
     """The adjustments of one request's next token, or None if it has none.
