@@ -1,4 +1,9 @@
-"""The ``jaxpaged`` command: ``jaxpaged generate [ENGINE FLAGS] [SAMPLING FLAGS] PROMPT...``."""
+"""The ``jaxpaged`` command.
+
+* ``jaxpaged generate [ENGINE FLAGS] [SAMPLING FLAGS] PROMPT...`` prints completions.
+* ``jaxpaged serve [MODEL] [ENGINE FLAGS] [SERVER FLAGS]`` runs the OpenAI-compatible server
+  (``server/``).
+"""
 
 from __future__ import annotations
 
@@ -25,16 +30,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine start-up details")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+
+    from server.launcher import add_server_args
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="model directory (same as --model)")
+    EngineArgs.add_cli_args(serve)
+    add_server_args(serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxpaged`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     # transformers announces at import that torch is absent; jaxpaged never needs torch.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    args = build_parser().parse_args(argv)
+    verbose = args.command == "serve" or args.verbose
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("jax").setLevel(logging.WARNING)   # backend probing is not news
+    if args.command == "serve":
+        from server.launcher import run_server
+
+        if args.model_tag is not None:
+            args.model = args.model_tag
+        return run_server(args)
     from jaxpaged import LLM, SamplingParams  # heavy imports after argument errors
 
     try:

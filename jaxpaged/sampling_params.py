@@ -66,8 +66,8 @@ class SamplingParams:
     changed afterwards is checked too).
 
     Raises:
-        ValueError: for any value out of range or of the wrong type; the message names the
-            field.
+        SamplingParamsError (a ValueError): for any value out of range or of the wrong type;
+            the message and its ``param`` name the field.
     """
 
     n: int = 1
@@ -195,6 +195,18 @@ def _is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+class SamplingParamsError(ValueError):
+    """A field of :class:`SamplingParams` is out of range or of the wrong type.
+
+    Attributes:
+        param: the field's name (the OpenAI/vLLM request parameter of the same name).
+    """
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"SamplingParams.{param} {message}")
+        self.param = param
+
+
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name} {message}")
+        raise SamplingParamsError(name, message)

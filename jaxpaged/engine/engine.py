@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import jax
@@ -25,6 +26,8 @@ from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup, Sequ
 from jaxpaged.engine.request import Request
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.layers.attention import allocate_kv_pool, get_attention_backend, kv_bytes_per_page
+from jaxpaged.metrics.loggers import StatLogger
+from jaxpaged.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from jaxpaged.models.loader import load_model
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.runner.model_runner import ModelRunner, RunnerLimits
@@ -66,6 +69,10 @@ class Engine:
 
     Args:
         args: the engine configuration.
+
+    Attributes:
+        stat_loggers: sinks called with :class:`SchedulerStats` and :class:`IterationStats`
+            after every step and abort (``jaxpaged.metrics.loggers``); empty by default.
 
     Raises:
         FileNotFoundError / UnsupportedModelError / MissingWeightsError: bad model directory.
@@ -133,6 +140,9 @@ class Engine:
                         seconds)
         self._groups: dict[str, RequestGroup] = {}
         self._seqs: dict[str, SequenceState] = {}
+        self.stat_loggers: list[StatLogger] = []
+        self._iteration = IterationStats()
+        self._reported = (0, 0, 0)   # prefix-cache queries, hits, preemptions already reported
         self._arrivals = 0
         self._seed_rng = np.random.default_rng(args.seed)
         logger.info("model %s (%s, %d layers), dtype %s, max_model_len %d, attention %s",
@@ -189,7 +199,8 @@ class Engine:
                       arrival=self._arrivals, priority=priority, cache_salt=cache_salt,
                       n_samples=params.n, bad_words_ids=self._bad_words_ids(params))
         self._arrivals += 1
-        group = RequestGroup(request_id, [self.output_processor.new_sequence(req)])
+        group = RequestGroup(request_id, [self.output_processor.new_sequence(req)],
+                             arrival_time=time.monotonic())
         self._groups[request_id] = group
         self._seqs[request_id] = group.seqs[0]
         self.scheduler.add_request(req)
@@ -240,6 +251,7 @@ class Engine:
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests now and free their pages; unknown ids are ignored."""
+        aborted = False
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             group = self._groups.pop(rid, None)
             if group is None:
@@ -249,6 +261,11 @@ class Engine:
                 if not seq.request.is_finished:
                     seq.request.finish_reason = "abort"
                     self.scheduler.finish_request(seq.request)
+            self._iteration.finished_requests.append(
+                _finished_stats(group, time.monotonic(), "abort"))
+            aborted = True
+        if aborted:
+            self._record_stats()
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
@@ -273,12 +290,16 @@ class Engine:
                 raise RuntimeError(f"no waiting request can be scheduled "
                                    f"({len(self.scheduler.waiting)} waiting, {self.stats()})")
             return []
+        scheduled_at = time.monotonic()
         results = self.runner.execute(sched, self.kv_cache_manager)
         touched: dict[str, RequestGroup] = {}
         for s, result in zip(sched.scheduled, results):
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             group = self._groups[req.group_id]
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = scheduled_at
+            self._iteration.num_generation_tokens += len(result.token_ids)
             if result.prompt_logprobs is not None:
                 self.output_processor.add_prompt_logprobs(group, s.start, result.prompt_logprobs)
             if not result.token_ids:
@@ -292,8 +313,9 @@ class Engine:
                 if seq.request.finish_reason is not None:
                     self.scheduler.finish_request(seq.request)
             touched[group.request_id] = group
-        outputs = []
+        outputs, now = [], time.monotonic()
         for rid, group in touched.items():
+            self._note_tokens(group, now)
             out = self.output_processor.make_output(group)
             if out is not None:
                 outputs.append(out)
@@ -301,7 +323,38 @@ class Engine:
                 del self._groups[rid]
                 for seq in group.seqs:
                     self._seqs.pop(seq.request.request_id, None)
+                self._iteration.finished_requests.append(
+                    _finished_stats(group, now, group.seqs[0].request.finish_reason))
+        self._record_stats()
         return outputs
+
+    def _note_tokens(self, group: RequestGroup, now: float) -> None:
+        """Time-to-first-token or inter-token latency of a request that got tokens now."""
+        it = self._iteration
+        if group.first_token_time is None:
+            group.first_token_time = now
+            it.time_to_first_tokens.append(now - group.arrival_time)
+            it.num_prompt_tokens += group.seqs[0].request.num_prompt_tokens
+        else:
+            it.inter_token_latencies.append(now - group.last_token_time)
+        group.last_token_time = now
+
+    def _record_stats(self) -> None:
+        """Hand the scheduler snapshot and the events since the last call to the loggers."""
+        kv, sched = self.kv_cache_manager, self.scheduler
+        totals = (kv.stats.queries, kv.stats.hits, sched.num_preemptions)
+        queries, hits, preemptions = (a - b for a, b in zip(totals, self._reported))
+        self._reported = totals
+        iteration, self._iteration = self._iteration, IterationStats()
+        if not self.stat_loggers:
+            return
+        snapshot = SchedulerStats(
+            num_running_reqs=len({r.group_id for r in sched.running}),
+            num_waiting_reqs=len({r.group_id for r in sched.waiting}),
+            kv_cache_usage=1.0 - kv.num_free_pages / kv.num_usable_pages,
+            prefix_cache_queries=queries, prefix_cache_hits=hits, num_preemptions=preemptions)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(snapshot, iteration)
 
     def _fork(self, leader: Request, count: int) -> list[SequenceState]:
         """Split a parallel-sampling request after its prompt into ``count`` more sequences
@@ -342,6 +395,15 @@ class Engine:
     def num_preemptions(self) -> int:
         """Preemptions since start-up."""
         return self.scheduler.num_preemptions
+
+
+def _finished_stats(group: RequestGroup, now: float, reason: str) -> FinishedRequestStats:
+    scheduled = group.first_scheduled_time
+    return FinishedRequestStats(
+        finish_reason=reason, e2e_latency=now - group.arrival_time,
+        queue_time=None if scheduled is None else scheduled - group.arrival_time,
+        num_prompt_tokens=group.seqs[0].request.num_prompt_tokens,
+        num_generation_tokens=sum(s.request.num_output_tokens for s in group.seqs))
 
 
 def _enable_compilation_cache(path: str) -> None:

@@ -32,11 +32,16 @@ class SequenceState:
 
 @dataclass
 class RequestGroup:
-    """The sequences of one user request (one unless ``n > 1``), and its prompt logprobs."""
+    """The sequences of one user request (one unless ``n > 1``), its prompt logprobs, and
+    its timestamps (``time.monotonic()`` seconds; None until the event happens)."""
 
     request_id: str
     seqs: list[SequenceState] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     @property
     def finished(self) -> bool:

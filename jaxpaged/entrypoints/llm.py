@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxpaged.chat_utils import encode_chat, render_chat
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs
 from jaxpaged.engine.engine import Engine, Prompt
 from jaxpaged.outputs import RequestOutput
@@ -64,26 +65,19 @@ class LLM:
             One ``RequestOutput`` per conversation, in order.
 
         Raises:
-            ValueError: the tokenizer has no chat template and none is given, both
-                ``add_generation_prompt`` and ``continue_final_message`` are set, or the
-                messages are malformed.
+            ValueError: malformed messages, or both ``add_generation_prompt`` and
+                ``continue_final_message``; ``ChatTemplateError`` (a ValueError) when there is
+                no template or it refuses the conversation (its own message).
         """
         tokenizer = self.get_tokenizer()
-        if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; pass chat_template=")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message are exclusive")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for conv in conversations:
             if not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
                 raise ValueError("each message must be a dict with 'role' and 'content'")
-            text = tokenizer.apply_chat_template(
-                conv, chat_template=chat_template, tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message)
-            # The template writes any BOS itself: encode without adding special tokens again.
-            prompts.append({"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            text = render_chat(tokenizer, conv, chat_template, add_generation_prompt,
+                               continue_final_message)
+            prompts.append({"prompt_token_ids": encode_chat(tokenizer, text)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

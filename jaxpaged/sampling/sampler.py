@@ -106,7 +106,6 @@ def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool = Fals
         token), ``ranks`` [B] int32 (1 = most likely), ``top_ids`` [B, MAX_LOGPROBS] int32 and
         ``top_logprobs`` [B, MAX_LOGPROBS] float32, best first.
     """
-    vocab = logits.shape[-1]
     adjusted = logits if adjust is None else apply_adjustment(logits, adjust)
     greedy_tokens = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)
     masked = processed_logits(adjusted, meta)

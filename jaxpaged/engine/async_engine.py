@@ -1,0 +1,260 @@
+"""`AsyncEngine`: the engine on a background thread, requests streamed into asyncio.
+
+One thread owns the :class:`Engine` (it builds it, then loops: take queued commands — add,
+abort — then run one step, then hand the step's outputs to the event loop). Coroutines never
+touch the engine directly, so a long step never blocks the event loop (health checks, new
+connections) and the engine needs no locks. Each request's outputs arrive on its own
+:class:`RequestStream`.
+
+The split mirrors vLLM's ``AsyncLLM`` (``vllm/v1/engine/async_llm.py``) with a thread in place of
+its engine-core process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.engine.engine import Engine, Prompt
+from jaxpaged.metrics.loggers import StatLogger
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineNotReadyError(RuntimeError):
+    """The engine is still loading (or warming up)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; no request can run until the process restarts."""
+
+
+class RequestStream:
+    """The outputs of one request, in order, as an async iterator.
+
+    Iteration ends after the request's finished output, or at once when the request was
+    aborted; it raises :class:`EngineDeadError` if the engine fails meanwhile.
+    """
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException | None) -> None:
+        """Deliver an output, an error, or None (the end); event-loop thread only."""
+        self._queue.put_nowait(item)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self._queue.get()
+            if item is None:
+                self.finished = True
+                return
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self.finished = item.finished
+            yield item
+
+
+class AsyncEngine:
+    """An :class:`Engine` running on its own thread, used from one asyncio event loop.
+
+    Args:
+        args: the engine configuration.
+        stat_loggers: called with each step's statistics once the engine is warmed up.
+        on_ready: called (in the engine thread) with the engine once it is warmed up.
+
+    Call :meth:`start` from the event loop, then :meth:`add_request` / :meth:`abort`.
+    """
+
+    def __init__(self, args: EngineArgs, stat_loggers: list[StatLogger] | None = None,
+                 on_ready: Callable[[Engine], None] | None = None):
+        self.args = args
+        self.engine: Engine | None = None
+        self.error: BaseException | None = None
+        self._stat_loggers = list(stat_loggers or ())
+        self._on_ready = on_ready
+        self._ready = threading.Event()
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- state ----------------------------------------------------------------------------
+
+    @property
+    def is_ready(self) -> bool:
+        """True once the engine is built and warmed up, and while it has not failed."""
+        return self._ready.is_set() and self.error is None
+
+    def check_ready(self) -> Engine:
+        """The engine, if it can take requests.
+
+        Raises:
+            EngineDeadError: the engine failed (or failed to load).
+            EngineNotReadyError: still loading.
+        """
+        if self.error is not None:
+            raise EngineDeadError(f"the engine failed: {self.error!r}")
+        if not self._ready.is_set():
+            raise EngineNotReadyError("the model is still loading")
+        return self.engine
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block (not in the event loop) until ready or failed; True if ready."""
+        self._ready.wait(timeout)
+        return self.is_ready
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread (it loads the model); call from the event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread after its current step."""
+        self._commands.put(("stop",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- requests (event-loop side) ---------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                          priority: int = 0) -> RequestStream:
+        """Queue a request and wait until the engine accepted it.
+
+        Returns:
+            The stream of its outputs (use ``params.output_kind`` to choose deltas or a single
+            final output).
+
+        Raises:
+            ValueError / TypeError: the engine refused the request (bad prompt or params).
+            EngineNotReadyError / EngineDeadError: as :meth:`check_ready`.
+        """
+        self.check_ready()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        accepted = self._loop.create_future()
+        self._commands.put(("add", request_id, prompt, params, priority, accepted))
+        try:
+            await accepted
+        except BaseException:
+            self._streams.pop(request_id, None)
+            if not accepted.done() or accepted.cancelled():   # cancelled while queued
+                self._commands.put(("abort", request_id))
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its stream ends now; its pages are freed before the next step).
+        Unknown or finished ids are ignored."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(None)
+            self._commands.put(("abort", request_id))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(EngineDeadError(f"the engine failed: {error!r}"))
+
+    # ---- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = Engine(self.args)
+            self._warm_up()
+            self.engine.stat_loggers.extend(self._stat_loggers)
+            if self._on_ready is not None:
+                self._on_ready(self.engine)
+            self._ready.set()
+            self._loop_forever()
+        except BaseException as e:   # noqa: BLE001 - the thread must report every failure
+            logger.exception("the engine thread failed")
+            self.error = e
+            self._ready.set()
+            self._call_soon(self._fail_all, e)
+            self._reject_queued(e)
+
+    def _warm_up(self) -> None:
+        """Run one one-token request end to end, so that the first user request does not
+        pay for anything that a precompile leaves out (and a broken step fails here)."""
+        engine = self.engine
+        bos = engine.tokenizer.bos_token_id
+        engine.add_request("__warmup__", [bos if bos is not None else 0],
+                           SamplingParams(max_tokens=1, temperature=0))
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    def _loop_forever(self) -> None:
+        engine = self.engine
+        while True:
+            block = not engine.has_unfinished_requests()
+            commands = [self._commands.get()] if block else []
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for cmd in commands:
+                if cmd[0] == "stop":
+                    return
+                if cmd[0] == "add":
+                    self._handle_add(*cmd[1:])
+                else:
+                    engine.abort_request(cmd[1])
+            if engine.has_unfinished_requests():
+                outputs = engine.step()
+                if outputs:
+                    self._call_soon(self._deliver, outputs)
+
+    def _handle_add(self, request_id, prompt, params, priority, accepted) -> None:
+        try:
+            self.engine.add_request(request_id, prompt, params, priority)
+            error = None
+        except Exception as e:   # noqa: BLE001 - a refused request is that request's error
+            error = e
+        self._call_soon(_settle, accepted, error)
+
+    def _reject_queued(self, error: BaseException) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                self._call_soon(_settle, cmd[-1], EngineDeadError(f"the engine failed: {error!r}"))
+
+    def _call_soon(self, fn, *args) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

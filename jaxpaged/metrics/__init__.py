@@ -1,0 +1,1 @@
+"""Engine statistics (what one step did, what the scheduler holds) and their sinks."""

@@ -1,0 +1,72 @@
+"""What the engine reports after each step: scheduler gauges and per-iteration events.
+
+The engine fills these (``jaxpaged/engine/engine.py``) and hands them to its stat loggers
+(``jaxpaged/metrics/loggers.py``). The split follows vLLM v1 (``vllm/v1/metrics/stats.py``):
+``SchedulerStats`` is a snapshot, ``IterationStats`` holds the events since the last report.
+All times are seconds of ``time.monotonic()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot after a step.
+
+    Attributes:
+        num_running_reqs, num_waiting_reqs: user requests (a request with ``n > 1`` counts
+            once) running / waiting.
+        kv_cache_usage: fraction in [0, 1] of usable KV pages held by requests (pages kept
+            only for the prefix cache count as free).
+        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up / found in the prefix
+            cache since the previous report.
+        num_preemptions: sequences preempted since the previous report.
+    """
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    """One finished user request.
+
+    Attributes:
+        finish_reason: ``stop``, ``length`` or ``abort`` (of its first sequence).
+        e2e_latency: arrival to finish.
+        queue_time: arrival to first scheduling (None if it never ran).
+        num_prompt_tokens: prompt length.
+        num_generation_tokens: tokens generated over all its sequences.
+    """
+
+    finish_reason: str
+    e2e_latency: float
+    queue_time: float | None
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@dataclass
+class IterationStats:
+    """Events since the previous report.
+
+    Attributes:
+        num_prompt_tokens: prompt tokens of requests that produced their first token.
+        num_generation_tokens: tokens sampled.
+        time_to_first_tokens: arrival to first token, one per request that got it.
+        inter_token_latencies: time between consecutive tokens of a request, one per request
+            per step in which it produced tokens after its first.
+        finished_requests: requests that finished (aborted ones included).
+    """
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (Starlette + uvicorn) over the jaxpaged AsyncEngine."""

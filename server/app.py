@@ -1,0 +1,189 @@
+"""The Starlette application: routes, API-key check, body limit, error mapping, lifespan.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health`` (200 only once the model is loaded and warmed up; 503 while loading, 500 once
+the engine has failed; it never waits on the engine), ``GET /version``, ``GET /metrics``
+(Prometheus text), ``POST /tokenize``, ``POST /detokenize``, ``GET /openapi.json``.
+Every error, the framework's included, is answered in OpenAI's shape (``server/errors.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+from importlib.metadata import version
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from jaxpaged.engine.async_engine import AsyncEngine
+from server.errors import APIError, bad_request, error_response, from_validation_error
+from server.openapi import openapi_document
+from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                             DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                             TokenizeResponse, VersionResponse)
+from server.serving import ServerConfig, engine_error
+from server.serving_chat import OpenAIServingChat
+from server.serving_completion import OpenAIServingCompletion
+
+#: Paths that need the API key (when one is set); health, metrics and version stay open.
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
+              registry: CollectorRegistry | None = None, manage_engine: bool = True) -> Starlette:
+    """The ASGI app serving ``engine``.
+
+    Args:
+        engine: the engine (started by the app's lifespan when ``manage_engine``).
+        config: HTTP-layer settings.
+        tokenizer: a tokenizer instance for the event loop (not the engine's).
+        registry: the Prometheus registry ``/metrics`` exposes.
+        manage_engine: start the engine at start-up and stop it at shutdown.
+    """
+    completion = OpenAIServingCompletion(engine, config, tokenizer)
+    chat = OpenAIServingChat(engine, config, tokenizer)
+
+    async def parse(request: Request, model: type[BaseModel]):
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > config.max_request_body_bytes:
+                raise APIError(413, f"the request body exceeds {config.max_request_body_bytes} "
+                                    "bytes", "invalid_request_error", None, "request_too_large")
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise bad_request(f"the request body is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise bad_request("the request body must be a JSON object")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            raise from_validation_error(e) from None
+
+    def ready():
+        try:
+            return engine.check_ready()
+        except Exception as e:
+            raise engine_error(e) from None
+
+    async def completions(request: Request) -> Response:
+        ready()
+        return await completion.create(await parse(request, CompletionRequest), request)
+
+    async def chat_completions(request: Request) -> Response:
+        ready()
+        return await chat.create(await parse(request, ChatCompletionRequest), request)
+
+    async def models(request: Request) -> Response:
+        max_len = engine.engine.max_model_len if engine.is_ready else None
+        cards = [ModelCard(id=name, root=engine.args.model, max_model_len=max_len)
+                 for name in config.served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    async def health(request: Request) -> Response:
+        try:
+            engine.check_ready()
+        except Exception as e:
+            return error_response(engine_error(e))
+        return Response(status_code=200)
+
+    async def version_route(request: Request) -> Response:
+        return JSONResponse(VersionResponse(version=version("jaxpaged")).model_dump())
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry) if registry is not None else b"",
+                        media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(request: Request) -> Response:
+        ready()
+        body = await parse(request, TokenizeRequest)
+        completion.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of prompt and messages", "prompt")
+        if body.prompt is not None:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = tokenizer.encode(body.prompt, add_special_tokens=special)
+        else:
+            ids = chat.render(body.messages, body.add_generation_prompt,
+                              add_special_tokens=bool(body.add_special_tokens))
+        return JSONResponse(TokenizeResponse(count=len(ids), tokens=ids,
+                                             max_model_len=engine.engine.max_model_len).model_dump())
+
+    async def detokenize(request: Request) -> Response:
+        ready()
+        body = await parse(request, DetokenizeRequest)
+        completion.check_model(body.model)
+        vocab = engine.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})",
+                              "tokens")
+        return JSONResponse(DetokenizeResponse(prompt=tokenizer.decode(body.tokens)).model_dump())
+
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(openapi_document(version("jaxpaged")))
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version_route, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+    ]
+
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return error_response(exc)
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(exc.status_code, f"{exc.detail}: {request.method} "
+                                                        f"{request.url.path}", kind))
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        return error_response(APIError(500, f"internal error: {exc!r}", "internal_server_error"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        if manage_engine:
+            engine.start()
+        try:
+            yield
+        finally:
+            if manage_engine:
+                engine.shutdown()
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+        APIError: api_error, HTTPException: http_error, Exception: internal_error})
+    return APIKeyMiddleware(app, config.api_key) if config.api_key else app
+
+
+class APIKeyMiddleware:
+    """Requires ``Authorization: Bearer <api_key>`` on :data:`PROTECTED_PREFIXES` paths
+    (compared in constant time); answers 401 in OpenAI's shape otherwise."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                response = error_response(APIError(
+                    401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                    "invalid_request_error", None, "invalid_api_key"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

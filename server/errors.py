@@ -1,0 +1,55 @@
+"""Errors in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every failure a client can cause is raised as an :class:`APIError` and rendered by
+:func:`error_response`; the app maps framework errors (malformed JSON, pydantic validation,
+unknown routes, oversized bodies) onto the same shape, so the official SDKs can read
+``e.message``.
+"""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+from server.protocol import ErrorInfo, ErrorResponse
+
+
+class APIError(Exception):
+    """An error answered with ``status`` and OpenAI's error body.
+
+    Args:
+        status: HTTP status code.
+        message: what went wrong, in words the client can act on.
+        type: OpenAI's error type (``invalid_request_error``, ...).
+        param: the request parameter at fault, if any.
+        code: OpenAI's error code (defaults to ``status``).
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: int | str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type, param
+        self.code = status if code is None else code
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    """400 ``invalid_request_error``."""
+    return APIError(400, message, "invalid_request_error", param)
+
+
+def error_body(e: APIError) -> ErrorResponse:
+    """OpenAI's error body for ``e``."""
+    return ErrorResponse(error=ErrorInfo(message=e.message, type=e.type, param=e.param,
+                                         code=e.code))
+
+
+def error_response(e: APIError) -> JSONResponse:
+    """The JSON response for ``e``."""
+    return JSONResponse(error_body(e).model_dump(), status_code=e.status)
+
+
+def from_validation_error(e: ValidationError) -> APIError:
+    """400 naming the first invalid field (``messages.0.role``) and pydantic's reason."""
+    first = e.errors()[0]
+    param = ".".join(str(p) for p in first["loc"]) or None
+    return bad_request(f"invalid value for '{param}': {first['msg']}", param)

@@ -1,0 +1,116 @@
+"""``jaxpaged serve``: its flags and the process that runs the engine behind uvicorn.
+
+The HTTP server starts listening at once; the engine loads and warms up on its own thread
+meanwhile (``/health`` answers 503 until it is ready). If the engine cannot load, the error is
+printed and the process exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+
+import uvicorn
+
+from jaxpaged.config import ModelConfig
+from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs
+from jaxpaged.engine.async_engine import AsyncEngine
+from jaxpaged.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+from jaxpaged.tokenizer import load_tokenizer
+from server.app import build_app
+from server.serving import ServerConfig
+
+logger = logging.getLogger("server")
+
+#: Environment variable read when ``--api-key`` is not given.
+API_KEY_ENV = "JAXPAGED_API_KEY"
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The HTTP-layer flags (vLLM's names)."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV})")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="names clients use as 'model' (default: the model path; 'stories260K' "
+                        "for the bundled model)")
+    g.add_argument("--chat-template", default=None,
+                   help="Jinja chat template: a file, or the template itself")
+    g.add_argument("--disable-log-requests", action="store_true")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic throughput / KV-usage log line")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true")
+    g.add_argument("--max-request-body-bytes", type=int, default=ServerConfig.max_request_body_bytes,
+                   help="larger request bodies get HTTP 413")
+    return parser
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The :class:`ServerConfig` of parsed ``serve`` flags.
+
+    Raises:
+        FileNotFoundError: ``--chat-template`` names a missing ``.jinja`` file.
+    """
+    names = args.served_model_name or [
+        "stories260K" if args.model == DEFAULT_MODEL else args.model]
+    template = args.chat_template
+    if template is not None:
+        if os.path.isfile(template):
+            with open(template) as f:
+                template = f.read()
+        elif template.endswith((".jinja", ".j2")):
+            raise FileNotFoundError(f"chat template file {template!r} does not exist")
+    return ServerConfig(served_model_names=names, chat_template=template,
+                        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                        max_request_body_bytes=args.max_request_body_bytes,
+                        log_requests=not args.disable_log_requests)
+
+
+def make_server(engine_args: EngineArgs, config: ServerConfig, log_stats: bool = True):
+    """The engine (not started) and the ASGI app serving it, with Prometheus and (if
+    ``log_stats``) log-line stat loggers.
+
+    Raises:
+        FileNotFoundError / ValueError: an unusable model or tokenizer directory.
+    """
+    model_config = ModelConfig.from_pretrained(engine_args.model)   # fails fast on a bad dir
+    tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
+    prometheus = PrometheusStatLogger(
+        config.served_model_names[0],
+        engine_args.max_model_len or model_config.max_position_embeddings)
+    loggers = [prometheus] + ([LoggingStatLogger()] if log_stats else [])
+    engine = AsyncEngine(engine_args, loggers)
+    return engine, build_app(engine, config, tokenizer, prometheus.registry)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serve until interrupted; returns the exit status."""
+    try:
+        engine_args = EngineArgs.from_cli_args(args)
+        config = server_config(args)
+        engine, app = make_server(engine_args, config, not args.disable_log_stats)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"jaxpaged: error: {e}", file=sys.stderr)
+        return 2
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="info",
+        access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5))
+
+    def stop_if_load_fails():
+        if not engine.wait_ready():
+            print(f"jaxpaged: error: the engine failed to start: {engine.error}", file=sys.stderr)
+            server.should_exit = True
+
+    threading.Thread(target=stop_if_load_fails, daemon=True).start()
+    logger.info("serving %s as %s on http://%s:%d", engine_args.model,
+                config.served_model_names, args.host, args.port)
+    try:
+        server.run()
+    except KeyboardInterrupt:   # uvicorn re-raises the signal after its graceful shutdown
+        pass
+    return 1 if engine.error is not None else 0

@@ -1,0 +1,340 @@
+"""What completions and chat share: model check, prompt length rules, sampling parameters,
+running requests with abort-on-disconnect, logprob formatting, SSE framing.
+
+Length rules (vLLM's, with exact messages; BUGCASES B09, B11): a prompt longer than
+``max_model_len`` is refused naming both lengths; ``prompt + max_tokens`` beyond
+``max_model_len`` is refused naming the prompt, requested and allowed counts; a prompt of
+exactly ``max_model_len`` tokens can only be scored (``max_tokens=0``). ``max_tokens`` null or
+absent means the endpoint's default (16 for completions, the room left for chat), capped by
+the room left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from jaxpaged.engine.async_engine import (AsyncEngine, EngineDeadError, EngineNotReadyError,
+                                          RequestStream)
+from jaxpaged.outputs import Logprob, RequestOutput
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from server.errors import APIError, bad_request
+from server.protocol import SamplingFields, TopLogprob, UsageInfo
+
+logger = logging.getLogger("server")
+
+#: Logprobs are clamped to this for JSON (which has no -inf), as vLLM does.
+MIN_LOGPROB = -9999.0
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+#: The answer to a client that disconnected before its result (nobody reads it).
+CLIENT_GONE = 499
+
+
+@dataclass
+class ServerConfig:
+    """Settings of the HTTP layer.
+
+    Attributes:
+        served_model_names: names accepted as ``model``; the first is reported in responses.
+        chat_template: Jinja source replacing the tokenizer's template (None: the tokenizer's).
+        api_key: required as ``Authorization: Bearer <key>`` on ``/v1/*`` when set.
+        max_request_body_bytes: larger request bodies get 413.
+        log_requests: log each request's id, prompt length and sampling parameters.
+    """
+
+    served_model_names: list[str]
+    chat_template: str | None = None
+    api_key: str | None = None
+    max_request_body_bytes: int = 32 * 2**20
+    log_requests: bool = True
+
+
+@dataclass
+class PreparedPrompt:
+    """One prompt ready for the engine: its text (if given as text), ids, output limit."""
+
+    text: str | None
+    token_ids: list[int]
+    max_tokens: int
+
+
+class OpenAIServing:
+    """Base of the completion and chat handlers.
+
+    Args:
+        engine: the running engine.
+        config: HTTP-layer settings.
+        tokenizer: the server's own tokenizer instance (the engine thread has its own), used
+            in the event loop only.
+    """
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, tokenizer):
+        self.engine = engine
+        self.config = config
+        self.tokenizer = tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        """Raises APIError 404 (``model_not_found``) for a model that is not served."""
+        if name and name not in self.config.served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves "
+                                f"{self.config.served_model_names}.", "NotFoundError",
+                           "model", "model_not_found")
+
+    # ---- limits and parameters --------------------------------------------------------------
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, requested: int | None,
+                           default: int | None, prompt_param: str,
+                           max_tokens_param: str) -> int:
+        """The output limit of one prompt (0 = score the prompt only).
+
+        Raises:
+            APIError 400: the prompt or prompt + requested tokens do not fit the context.
+        """
+        limit = self.engine.engine.max_model_len
+        room = limit - num_prompt_tokens
+        if room < 0:
+            raise bad_request(f"This model's maximum context length is {limit} tokens, but the "
+                              f"prompt has {num_prompt_tokens} tokens; shorten the prompt.",
+                              prompt_param)
+        if requested is not None and requested < 0:
+            raise bad_request(f"{max_tokens_param} must be an integer >= 0, got {requested}",
+                              max_tokens_param)
+        if requested == 0:
+            return 0
+        if room == 0:
+            raise bad_request(f"The prompt has {num_prompt_tokens} tokens, which leaves no room "
+                              f"to generate: this model's maximum context length is {limit} "
+                              f"tokens, so a prompt must be shorter than that to generate "
+                              f"(or use {max_tokens_param}=0 to score it).", prompt_param)
+        if requested is None:
+            return min(default or room, room)
+        if requested > room:
+            raise bad_request(f"This model's maximum context length is {limit} tokens, but "
+                              f"{num_prompt_tokens + requested} were requested ({num_prompt_tokens} "
+                              f"in the prompt, {requested} for the output): at most {room} "
+                              f"tokens can be generated for this prompt.", max_tokens_param)
+        return requested
+
+    def sampling_params(self, body: SamplingFields, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None, stream: bool,
+                        param_names: dict[str, str] | None = None) -> SamplingParams:
+        """SamplingParams of a request; fields left null take the model's
+        ``generation_config.json`` defaults. ``max_tokens=0`` runs one token that the
+        handler drops.
+
+        Raises:
+            APIError 400: naming the parameter and its allowed range.
+        """
+        defaults = self.engine.engine.generation_defaults
+
+        def pick(name, fallback):
+            value = getattr(body, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        try:
+            logit_bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
+        except ValueError:
+            raise bad_request("logit_bias keys must be token ids (integers as strings), got "
+                              f"{list(body.logit_bias)[:8]}", "logit_bias") from None
+        try:
+            return SamplingParams(
+                n=body.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", 0), min_p=pick("min_p", 0.0),
+                repetition_penalty=pick("repetition_penalty", 1.0),
+                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
+                ignore_eos=body.ignore_eos, max_tokens=max(max_tokens, 1),
+                min_tokens=body.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens,
+                spaces_between_special_tokens=body.spaces_between_special_tokens,
+                logit_bias=logit_bias or None, allowed_token_ids=body.allowed_token_ids,
+                bad_words=body.bad_words,
+                output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
+        except SamplingParamsError as e:
+            param = (param_names or {}).get(e.param, e.param)
+            message = str(e).removeprefix(f"SamplingParams.{e.param}")
+            raise bad_request(f"{param}{message}", param) from None
+
+    # ---- running requests ---------------------------------------------------------------------
+
+    async def add_requests(self, request_id: str, prompts: list[PreparedPrompt],
+                           params: list[SamplingParams], priority: int, cache_salt: str | None,
+                           prompt_param: str) -> list[RequestStream]:
+        """Submit one engine request per prompt (ids ``{request_id}-{i}``); all or none.
+
+        Raises:
+            APIError: 400 if the engine refuses one (the others are aborted), 503 while
+                loading, 500 once the engine has failed.
+        """
+        streams = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                engine_prompt = {"prompt_token_ids": prompt.token_ids}
+                if cache_salt is not None:
+                    engine_prompt["cache_salt"] = cache_salt
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", engine_prompt,
+                                                             p, priority))
+                if self.config.log_requests:
+                    logger.info("request %s-%d: %d prompt tokens, %s", request_id, i,
+                                len(prompt.token_ids), p)
+        except BaseException as e:
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+            if isinstance(e, SamplingParamsError):
+                raise bad_request(str(e), e.param) from None
+            if isinstance(e, (ValueError, TypeError)):
+                raise bad_request(str(e), prompt_param) from None
+            if isinstance(e, Exception):
+                raise engine_error(e) from e
+            raise
+        return streams
+
+    async def respond(self, raw_request: Request, body: SamplingFields, request_id: str,
+                      prompts: list[PreparedPrompt], params: list[SamplingParams],
+                      prompt_param: str, stream_events, build_response) -> Response:
+        """Run the prompts and answer: SSE from ``stream_events(streams)`` when the body asks
+        to stream, else JSON of ``build_response(final_outputs)`` (nothing, if the client
+        went away first).
+
+        Raises:
+            APIError: as :meth:`add_requests`; 500 if the engine fails before the end.
+        """
+        streams = await self.add_requests(request_id, prompts, params, body.priority,
+                                          body.cache_salt, prompt_param)
+        if body.stream:
+            return StreamingResponse(stream_events(streams), media_type="text/event-stream")
+        async with self.abort_on_disconnect(raw_request, streams):
+            try:
+                finals = await final_outputs(streams)
+            except Exception as e:
+                raise engine_error(e) from e
+        if any(f is None for f in finals):
+            return Response(status_code=CLIENT_GONE)
+        return JSONResponse(build_response(finals).model_dump())
+
+    @contextlib.asynccontextmanager
+    async def abort_on_disconnect(self, raw_request: Request, streams: list[RequestStream]):
+        """Within the block, a client disconnect aborts ``streams`` at once (their pages are
+        freed before the engine's next step); leaving the block aborts what is unfinished."""
+
+        async def watch():
+            while (await raw_request.receive())["type"] != "http.disconnect":
+                pass
+            logger.info("client disconnected: aborting %s", [s.request_id for s in streams])
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+
+    # ---- formatting ---------------------------------------------------------------------------
+
+    def token_text(self, token_id: int, logprob: Logprob, as_ids: bool) -> str:
+        return f"token_id:{token_id}" if as_ids else (logprob.decoded_token or "")
+
+    def token_bytes(self, token_id: int, text: str) -> list[int]:
+        """UTF-8 bytes of a token: the raw byte for a byte-fallback token (``<0xE2>``)."""
+        match = _BYTE_TOKEN.fullmatch(self.tokenizer.convert_ids_to_tokens(token_id) or "")
+        return [int(match.group(1), 16)] if match else list(text.encode("utf-8"))
+
+    def top_logprobs(self, entry: dict[int, Logprob], k: int, as_ids: bool) -> list[TopLogprob]:
+        """The ``k`` most likely tokens of one position, most likely first."""
+        ranked = sorted((lp.rank, t, lp) for t, lp in entry.items()
+                        if lp.rank is not None and lp.rank <= k)
+        out = []
+        for _, t, lp in ranked[:k]:
+            text = self.token_text(t, lp, as_ids)
+            out.append(TopLogprob(token=text, logprob=clamp_logprob(lp.logprob),
+                                  bytes=self.token_bytes(t, text)))
+        return out
+
+
+def usage(prompts: list[PreparedPrompt], completion_tokens: int) -> UsageInfo:
+    """Token counts of a response (the prompts counted once each, whatever ``n``)."""
+    num_prompt = sum(len(p.token_ids) for p in prompts)
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=completion_tokens,
+                     total_tokens=num_prompt + completion_tokens)
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def sse(payload: BaseModel | str) -> str:
+    """One server-sent event carrying JSON (or the literal ``[DONE]``)."""
+    data = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {data}\n\n"
+
+
+def engine_error(e: BaseException) -> APIError:
+    """The API error for a failure of the engine (not of the request)."""
+    if isinstance(e, EngineNotReadyError):
+        return APIError(503, str(e), "service_unavailable")
+    if isinstance(e, EngineDeadError):
+        return APIError(500, str(e), "internal_server_error")
+    return APIError(500, f"internal error: {e!r}", "internal_server_error")
+
+
+async def merge_streams(streams: list[RequestStream]
+                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several streams as they arrive, tagged by stream position."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as e:   # noqa: BLE001 - handed to the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput | None]:
+    """The finished output of each stream (None for one that was aborted)."""
+
+    async def last(stream):
+        final = None
+        async for out in stream:
+            final = out
+        return final if final is not None and final.finished else None
+
+    return list(await asyncio.gather(*(last(s) for s in streams)))

@@ -1,0 +1,170 @@
+"""``POST /v1/completions``: prompts (text, token ids, or lists of either) to completions.
+
+Choices are indexed ``prompt_index * n + sequence_index`` (OpenAI's order). ``echo`` puts the
+prompt before each choice's text (and its logprobs first, the first one null);
+``max_tokens=0`` with ``echo`` scores the prompt only (lm-evaluation-harness; BUGCASES B10).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from server.errors import bad_request, error_body
+from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+                             CompletionResponse)
+from server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, engine_error,
+                            merge_streams, sse, usage)
+
+#: OpenAI's default ``max_tokens`` for legacy completions.
+DEFAULT_MAX_TOKENS = 16
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """The completions endpoint."""
+
+    async def create(self, body: CompletionRequest, raw_request: Request) -> Response:
+        """Answer one completions request (JSON, or SSE when ``stream``).
+
+        Raises:
+            APIError: 400 for invalid parameters or prompts, 404 for an unknown model,
+                503/500 when the engine cannot run it. Raised before any SSE is sent.
+        """
+        self.check_model(body.model)
+        if body.suffix is not None:
+            raise bad_request("suffix is not supported", "suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise bad_request(f"best_of must equal n (best_of > n is not supported), got "
+                              f"best_of={body.best_of}, n={body.n}", "best_of")
+        prompts = self._prepare_prompts(body)
+        prompt_logprobs = body.prompt_logprobs
+        if body.echo and body.logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = body.logprobs
+        params = [self.sampling_params(body, p.max_tokens, body.logprobs, prompt_logprobs,
+                                       body.stream) for p in prompts]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        return await self.respond(
+            raw_request, body, request_id, prompts, params, "prompt",
+            lambda streams: self._stream(request_id, body, prompts, streams, raw_request),
+            lambda finals: self._response(request_id, body, prompts, finals))
+
+    def _response(self, request_id: str, body: CompletionRequest, prompts: list[PreparedPrompt],
+                  finals: list[RequestOutput]) -> CompletionResponse:
+        choices, completion_tokens = [], 0
+        for i, (prompt, final) in enumerate(zip(prompts, finals)):
+            for out in final.outputs:
+                choice, n_tokens = self._choice(body, prompt, final, out, first=True)
+                choice.index = i * body.n + out.index
+                choices.append(choice)
+                completion_tokens += n_tokens
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                  usage=usage(prompts, completion_tokens))
+
+    def _prepare_prompts(self, body: CompletionRequest) -> list[PreparedPrompt]:
+        prompt = body.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        prepared = []
+        for p in prompt:
+            if isinstance(p, str):
+                if not p:
+                    raise bad_request("prompt must not be empty (an empty string)", "prompt")
+                text, ids = p, self.tokenizer.encode(p, add_special_tokens=body.add_special_tokens)
+            else:
+                if not p:
+                    raise bad_request("prompt must not be empty (no token ids)", "prompt")
+                text, ids = None, list(p)
+            max_tokens = self.resolve_max_tokens(
+                len(ids), body.max_tokens,
+                self.engine.engine.generation_defaults.get("max_tokens", DEFAULT_MAX_TOKENS),
+                "prompt", "max_tokens")
+            prepared.append(PreparedPrompt(text, ids, max_tokens))
+        return prepared
+
+    def _prompt_text(self, prompt: PreparedPrompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return self.tokenizer.decode(prompt.token_ids)
+
+    def _choice(self, body: CompletionRequest, prompt: PreparedPrompt, final: RequestOutput,
+                out: CompletionOutput, first: bool) -> tuple[CompletionChoice, int]:
+        """A choice for one (delta or final) output, and how many tokens it adds to usage.
+        ``first``: this is the index's first piece (where echo goes)."""
+        score_only = prompt.max_tokens == 0
+        text = "" if score_only else out.text
+        ids = [] if score_only else out.token_ids
+        logprob_entries = [] if score_only or out.logprobs is None else out.logprobs
+        if body.echo and first:
+            text = self._prompt_text(prompt) + text
+        logprobs = None
+        if body.logprobs is not None:
+            positions = list(zip(ids, logprob_entries))
+            prompt_positions = []
+            if body.echo and first:
+                prompt_positions = list(zip(prompt.token_ids, final.prompt_logprobs or []))
+            logprobs = self._logprobs(prompt_positions + positions, body)
+        finish = out.finish_reason
+        if score_only and finish is not None:
+            finish = "length"
+        return CompletionChoice(index=out.index, text=text, logprobs=logprobs,
+                                finish_reason=finish,
+                                stop_reason=None if score_only else out.stop_reason), len(ids)
+
+    def _logprobs(self, positions: list[tuple[int, dict[int, Logprob] | None]],
+                  body: CompletionRequest) -> CompletionLogprobs:
+        lp = CompletionLogprobs()
+        offset, as_ids = 0, body.return_tokens_as_token_ids
+        for token_id, entry in positions:
+            if entry is None:   # the first prompt token has no logprob
+                text = (f"token_id:{token_id}" if as_ids
+                        else self.tokenizer.decode([token_id]))
+                lp.tokens.append(text)
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+            else:
+                text = self.token_text(token_id, entry[token_id], as_ids)
+                lp.tokens.append(text)
+                lp.token_logprobs.append(clamp_logprob(entry[token_id].logprob))
+                top = {self.token_text(t, v, as_ids): clamp_logprob(v.logprob)
+                       for t, v in entry.items() if v.rank is not None and
+                       (v.rank <= body.logprobs or t == token_id)}
+                lp.top_logprobs.append(top)
+            lp.text_offset.append(offset)
+            offset += len(text)
+        return lp
+
+    async def _stream(self, request_id: str, body: CompletionRequest,
+                      prompts: list[PreparedPrompt], streams, raw_request: Request
+                      ) -> AsyncIterator[str]:
+        started: set[int] = set()
+        completion_tokens = 0
+        async with self.abort_on_disconnect(raw_request, streams):
+            try:
+                async for i, out in merge_streams(streams):
+                    choices = []
+                    for seq in out.outputs:
+                        index = i * body.n + seq.index
+                        choice, n_tokens = self._choice(body, prompts[i], out, seq,
+                                                        first=index not in started)
+                        started.add(index)
+                        choice.index = index
+                        completion_tokens += n_tokens
+                        if choice.text or choice.finish_reason or choice.logprobs:
+                            choices.append(choice)
+                    if choices:
+                        yield sse(CompletionResponse(id=request_id, model=self.model_name,
+                                                     choices=choices))
+            except Exception as e:   # noqa: BLE001 - the stream has started: report in-band
+                yield sse(error_body(engine_error(e)))
+        opts = body.stream_options
+        if opts is not None and opts.include_usage:
+            yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[],
+                                         usage=usage(prompts, completion_tokens)))
+        yield sse("[DONE]")
+

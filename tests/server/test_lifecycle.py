@@ -1,0 +1,115 @@
+"""Readiness (503 while loading), engine failure (B22's second half), body limit (413),
+API key (401), and the `jaxpaged serve` command itself."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from starlette.testclient import TestClient
+
+from server.launcher import make_server
+from server.serving import ServerConfig
+from tests.server.conftest import MAX_BODY_BYTES, MODEL, LiveServer, engine_args
+
+
+def test_not_ready_answers_503():
+    _, app = make_server(engine_args(), ServerConfig([MODEL]))
+    client = TestClient(app)            # no lifespan: the engine is never started
+    r = client.get("/health")
+    assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
+
+
+def test_oversized_body_gets_413(http):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * MAX_BODY_BYTES})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x",
+                                              "max_tokens": 1}).status_code == 200
+
+
+def test_engine_failure_turns_health_to_500():
+    server = LiveServer(engine_args(max_num_seqs=4), ServerConfig([MODEL])).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            body = {"model": MODEL, "prompt": "Once", "max_tokens": 3}
+            assert http.post("/v1/completions", json=body).status_code == 200
+
+            def broken_step():
+                raise RuntimeError("injected device failure")
+
+            server.engine.engine.step = broken_step          # the test hook
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
+            t0 = time.monotonic()
+            assert http.get("/health").status_code == 500
+            assert time.monotonic() - t0 < 0.1
+            r = http.post("/v1/completions", json={**body, "stream": True})
+            assert r.status_code == 500
+    finally:
+        server.stop()
+
+
+def wait_health(url, proc, timeout=120):
+    codes = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            codes.append(httpx.get(url + "/health", timeout=5).status_code)
+            if codes[-1] == 200:
+                return codes
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"never healthy: {codes}")
+
+
+def test_jaxpaged_serve_command_with_api_key(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    env = {**os.environ, "JAXPAGED_API_KEY": "s3cret"}
+    cmd = [sys.executable, "-m", "jaxpaged.cli", "serve", "--port", str(port),
+           "--enforce-eager", "--max-num-seqs", "4", "--max-num-batched-tokens", "128",
+           "--chat-template", str(template), "--served-model-name", "tiny",
+           "--disable-log-requests"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        codes = wait_health(url, proc)
+        assert set(codes) <= {503, 200}
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        wrong = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        out = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10,
+                                        temperature=0)
+        assert out.choices[0].text == ", there was a little girl named Lily"
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Once upon a time"}],
+            max_completion_tokens=4, temperature=0)
+        assert chat.choices[0].message.content
+        assert httpx.get(url + "/metrics").status_code == 200     # open without a key
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+    assert proc.returncode == 0
+
+
+def test_jaxpaged_serve_bad_model_exits_with_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "jaxpaged.cli", "serve", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "jaxpaged: error:" in proc.stderr
