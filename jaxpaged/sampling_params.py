@@ -203,7 +203,8 @@ class SamplingParamsError(ValueError):
     """
 
     def __init__(self, param: str, message: str):
-        super().__init__(f"SamplingParams.{param} {message}")
+        super().__init__(f"SamplingParams.{param}{'' if message.startswith('=') else ' '}"
+                         f"{message}")
         self.param = param
 
 

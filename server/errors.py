@@ -49,7 +49,10 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 def from_validation_error(e: ValidationError) -> APIError:
-    """400 naming the first invalid field (``messages.0.role``) and pydantic's reason."""
+    """400 naming the first invalid field: ``param`` is the top-level request field, the
+    message gives the full path (``messages.0.role``) and pydantic's reason."""
     first = e.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
-    return bad_request(f"invalid value for '{param}': {first['msg']}", param)
+    loc = first["loc"]
+    path = ".".join(str(p) for p in loc)
+    return bad_request(f"invalid value for '{path}': {first['msg']}",
+                       str(loc[0]) if loc else None)

@@ -31,7 +31,7 @@ from jaxpaged.metrics.stats import FinishedRequestStats, IterationStats, Schedul
 from jaxpaged.models.loader import load_model
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.runner.model_runner import ModelRunner, RunnerLimits
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import SamplingParams, SamplingParamsError
 from jaxpaged.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -174,8 +174,9 @@ class Engine:
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.verify()
         if params.n > self.args.max_num_seqs:
-            raise ValueError(f"SamplingParams.n={params.n} exceeds max_num_seqs="
-                             f"{self.args.max_num_seqs}: its sequences could never run together")
+            raise SamplingParamsError("n", f"={params.n} exceeds max_num_seqs="
+                                      f"{self.args.max_num_seqs}: its sequences could never run "
+                                      "together")
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self._groups:
@@ -193,8 +194,8 @@ class Engine:
                              ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in tokens if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"SamplingParams.{name} has token ids {bad[:8]} outside the "
-                                 f"vocabulary [0, {vocab})")
+                raise SamplingParamsError(name, f"has token ids {bad[:8]} outside the "
+                                                f"vocabulary [0, {vocab})")
         req = Request(request_id, text, ids, params, seed=seed, max_tokens=max(max_tokens, 1),
                       arrival=self._arrivals, priority=priority, cache_salt=cache_salt,
                       n_samples=params.n, bad_words_ids=self._bad_words_ids(params))

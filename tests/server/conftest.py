@@ -69,6 +69,23 @@ class LiveServer:
             time.sleep(0.02)
 
     @contextlib.contextmanager
+    def slow_steps(self, seconds: float):
+        """Make every engine step take at least ``seconds`` (as a big model's would), so that
+        a test can act while requests are surely still running."""
+        engine = self.engine.engine
+        step = engine.step
+
+        def slow_step():
+            time.sleep(seconds)
+            return step()
+
+        engine.step = slow_step
+        try:
+            yield
+        finally:
+            del engine.step      # the class's method again
+
+    @contextlib.contextmanager
     def chat_template(self, template: str | None):
         """Serve with another chat template for the duration of the block."""
         old, self.config.chat_template = self.config.chat_template, template

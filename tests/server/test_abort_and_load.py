@@ -57,10 +57,11 @@ def run_b20(live_server, http, repeats):
     # `jaxpaged serve` precompiles), so that a step is milliseconds, not a compilation.
     assert http.post("/v1/completions", json=LONG).status_code == 200
     before = metrics(http)[("jaxpaged:request_success_total", (("finished_reason", "abort"),))]
-    for _ in range(repeats):
-        for stream, n in ((False, 1), (True, 1), (True, 3)):
-            disconnect_after(live_server, 0.3, stream, n)
-            assert wait_engine_empty(live_server) < 2.0
+    with live_server.slow_steps(0.01):      # a request takes > 1 s: it is surely cut short
+        for _ in range(repeats):
+            for stream, n in ((False, 1), (True, 1), (True, 3)):
+                disconnect_after(live_server, 0.3, stream, n)
+                assert wait_engine_empty(live_server) < 0.5
     after = metrics(http)
     assert after[("jaxpaged:request_success_total", (("finished_reason", "abort"),))] == \
         before + 3 * repeats
@@ -76,11 +77,14 @@ def test_b20_disconnect_aborts_and_frees_pages(live_server, http, repeats):
 def test_b20_waiting_requests_are_removed_on_disconnect(live_server, http):
     threads = [threading.Thread(target=disconnect_after, args=(live_server, 0.5, s))
                for s in [True, False] * 16]          # 32 requests for 16 seats: some wait
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wait_engine_empty(live_server)
+    with live_server.slow_steps(0.01):
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        assert live_server.engine.engine.scheduler.waiting
+        for t in threads:
+            t.join()
+        wait_engine_empty(live_server)
 
 
 def test_64_concurrent_streaming_clients(live_server, http, stories_llm):
@@ -123,25 +127,26 @@ def run_b22(live_server, http, seconds):
                         return
 
     threads = [threading.Thread(target=hold) for _ in range(16 + 100)]
-    for t in threads:
-        t.start()
-    try:
-        time.sleep(0.5)
-        assert live_server.engine.engine.scheduler.waiting, "not saturated"
-        latencies = []
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            t0 = time.monotonic()
-            assert http.get("/health").status_code == 200
-            latencies.append(time.monotonic() - t0)
-            time.sleep(0.1)
-        t0 = time.monotonic()
-        assert http.get("/v1/models").status_code == 200
-        assert time.monotonic() - t0 < 0.2
-    finally:
-        stop.set()
+    latencies = []
+    with live_server.slow_steps(0.05):      # 116 requests then take far longer than the test
         for t in threads:
-            t.join()
+            t.start()
+        try:
+            time.sleep(0.5)
+            assert live_server.engine.engine.scheduler.waiting, "not saturated"
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                t0 = time.monotonic()
+                assert http.get("/health").status_code == 200
+                latencies.append(time.monotonic() - t0)
+                time.sleep(0.1)
+            t0 = time.monotonic()
+            assert http.get("/v1/models").status_code == 200
+            assert time.monotonic() - t0 < 0.2
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
     latencies.sort()
     p99 = latencies[int(0.99 * (len(latencies) - 1))]
     assert p99 < 0.2, f"p99 /health latency {p99:.3f} s"

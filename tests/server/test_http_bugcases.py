@@ -282,7 +282,7 @@ def test_b27_chat_template_errors(http, live_server):
             error = assert_error(chat(http, messages=messages, stream=stream), 400)
             assert error["message"] == "roles must alternate"
     error = assert_error(chat(http, messages=[{"role": "foo", "content": "x"}]), 400,
-                         "messages.0.role")
+                         "messages", "messages.0.role")
     assert "foo" in error["message"] or "user" in error["message"]
     assert_serving(http, live_server)
 
@@ -317,7 +317,9 @@ def test_b29_error_shapes_and_models(http):
     ("n", 0, ">= 1"), ("max_tokens", -5, ">= 0"), ("logprobs", -1, "[0, 20]"),
     ("presence_penalty", 3, "[-2, 2]"), ("repetition_penalty", 0, "> 0"),
     ("min_p", 1.5, "[0, 1]"), ("seed", "abc", "integer"),
-    ("stop", ["x"] * 100 + [""], "non-empty"), ("logit_bias", {"abc": 1}, "token ids")])
+    ("stop", ["x"] * 100 + [""], "non-empty"), ("logit_bias", {"abc": 1}, "token ids"),
+    ("logit_bias", {"100000": 1}, "outside the vocabulary"), ("n", 17, "max_num_seqs"),
+    ("prompt", 123, "prompt")])
 def test_b30_out_of_range_parameters(http, live_server, field, value, needle):
     r = completion(http, **{"prompt": "Once", "max_tokens": 2, field: value})
     assert_error(r, 400, field, needle)
