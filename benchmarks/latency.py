@@ -1,0 +1,53 @@
+"""``jaxpaged bench latency``: end-to-end latency of one batch, repeated (``vllm bench latency``).
+
+Each iteration generates ``--batch-size`` random prompts of ``--input-len`` tokens for exactly
+``--output-len`` tokens (greedy, EOS ignored); every iteration draws new token ids, so the
+prefix cache never serves one iteration from another. ``--num-iters-warmup`` untimed
+iterations compile the step shapes first. Writes ``avg_latency``, ``latencies`` and
+``percentiles`` (vLLM's field names) to ``--output-json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from benchmarks.datasets import random_requests
+from benchmarks.results import PERCENTILES, write_outputs
+from benchmarks.throughput import run_requests
+from jaxpaged import LLM
+from jaxpaged.engine.arg_utils import EngineArgs
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--num-iters-warmup", type=int, default=1)
+    parser.add_argument("--num-iters", type=int, default=5)
+    parser.add_argument("--output-json", default=None)
+
+
+def main(args: argparse.Namespace) -> dict:
+    """Run the benchmark the flags describe; returns (and prints) the result."""
+    llm = LLM(**vars(EngineArgs.from_cli_args(args, enforce_eager_default=True)))
+    vocab = llm.engine.model_config.vocab_size
+
+    def batch(i):
+        return random_requests(args.batch_size, (args.input_len, args.input_len),
+                               args.output_len, seed=i, token_range=(3, vocab))
+
+    for i in range(args.num_iters_warmup):
+        run_requests(llm, batch(10_000 + i))
+    latencies = [run_requests(llm, batch(i)) for i in range(args.num_iters)]
+    result = {"backend": "jaxpaged", "batch_size": args.batch_size, "input_len": args.input_len,
+              "output_len": args.output_len, "avg_latency": float(np.mean(latencies)),
+              "latencies": latencies,
+              "percentiles": {str(p): float(np.percentile(latencies, p)) for p in PERCENTILES}}
+    print(f"Avg latency: {result['avg_latency']:.4f} s over {args.num_iters} iterations")
+    for p, v in result["percentiles"].items():
+        print(f"{p}% percentile latency: {v:.4f} s")
+    write_outputs(result, args.output_json)
+    return result

@@ -1,0 +1,30 @@
+"""Result helpers shared by the benchmark commands: percentiles, JSON output, the summary."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+#: Percentiles reported for latency distributions (vLLM's defaults).
+PERCENTILES = (10, 25, 50, 75, 90, 99)
+
+
+def distribution(values_s: list[float], name: str, unit_scale: float = 1000.0) -> dict:
+    """``mean_/median_/std_/pXX_{name}_ms`` of ``values_s`` seconds (vLLM's field names)."""
+    v = np.asarray(values_s, dtype=np.float64) * unit_scale if values_s else np.zeros(1)
+    out = {f"mean_{name}_ms": float(v.mean()), f"median_{name}_ms": float(np.median(v)),
+           f"std_{name}_ms": float(v.std())}
+    for p in PERCENTILES:
+        out[f"p{p}_{name}_ms"] = float(np.percentile(v, p))
+    return out
+
+
+def write_outputs(result: dict, output_json: str | None) -> None:
+    """Write ``result`` to ``output_json`` (if given) and print it as one JSON line."""
+    if output_json:
+        os.makedirs(os.path.dirname(os.path.abspath(output_json)), exist_ok=True)
+        with open(output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    print(json.dumps(result, separators=(",", ":")))

@@ -1,0 +1,179 @@
+"""``jaxpaged bench serve``: online serving benchmark against a running ``jaxpaged serve``
+(``vllm bench serve``).
+
+Requests go to ``POST /v1/completions`` with streaming, at Poisson arrivals of
+``--request-rate`` per second (``inf``: all at once), at most ``--max-concurrency`` in flight.
+Each generates exactly its ``output_len`` tokens (greedy, EOS ignored). Per request: TTFT
+(send to first streamed text), ITL (gaps between streamed chunks), TPOT ((E2E - TTFT) /
+(output tokens - 1)) and E2E latency. Prints vLLM's "Serving Benchmark Result" table and
+writes its field names to ``--output-json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from benchmarks.datasets import SampleRequest, add_dataset_args, requests_from_args
+from benchmarks.results import distribution, write_outputs
+from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+from jaxpaged.tokenizer import load_tokenizer
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None,
+                        help="served model name (default: the first in /v1/models)")
+    parser.add_argument("--tokenizer", default=DEFAULT_MODEL,
+                        help="tokenizer directory (the served model's)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="requests per second, Poisson arrivals (inf: all at once)")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the server's limit (default: read from /v1/models)")
+    add_dataset_args(parser)
+    parser.add_argument("--output-json", default=None)
+
+
+@dataclass
+class RequestResult:
+    """One request's measurements (seconds)."""
+
+    ok: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+
+
+async def send(client: httpx.AsyncClient, model: str, q: SampleRequest) -> RequestResult:
+    body = {"model": model, "prompt": q.prompt, "max_tokens": q.output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    res = RequestResult(prompt_len=q.prompt_len)
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    res.error = chunk["error"]["message"]
+                    return res
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if any(c["text"] for c in chunk["choices"]):
+                    if last is None:
+                        res.ttft = now - t0
+                    else:
+                        res.itls.append(now - last)
+                    last = now
+    except httpx.HTTPError as e:
+        res.error = repr(e)
+        return res
+    res.e2e = time.perf_counter() - t0
+    res.ok = last is not None and res.output_tokens == q.output_len
+    if not res.ok and not res.error:
+        res.error = f"{res.output_tokens} tokens streamed, {q.output_len} expected"
+    return res
+
+
+async def run(args: argparse.Namespace, model: str, requests: list[SampleRequest]
+              ) -> tuple[list[RequestResult], float]:
+    rng = np.random.default_rng(args.seed)
+    limit = asyncio.Semaphore(args.max_concurrency or len(requests))
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None,
+                                 limits=httpx.Limits(max_connections=None)) as client:
+
+        async def limited(q):
+            async with limit:
+                return await send(client, model, q)
+
+        tasks = []
+        t0 = time.perf_counter()
+        for q in requests:
+            tasks.append(asyncio.create_task(limited(q)))
+            if np.isfinite(args.request_rate):
+                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - t0
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    """vLLM's serving-benchmark fields."""
+    ok = [r for r in results if r.ok]
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_tokens for r in ok)
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration, "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        **distribution([r.ttft for r in ok], "ttft"), **distribution(tpots, "tpot"),
+        **distribution([x for r in ok for x in r.itls], "itl"),
+        **distribution([r.e2e for r in ok], "e2el"),
+        "errors": [r.error for r in results if not r.ok][:20],
+    }
+
+
+def print_table(s: dict) -> None:
+    rows = [("Successful requests:", s["completed"]), ("Failed requests:", s["failed"]),
+            ("Benchmark duration (s):", f"{s['duration']:.2f}"),
+            ("Total input tokens:", s["total_input_tokens"]),
+            ("Total generated tokens:", s["total_output_tokens"]),
+            ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
+            ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
+            ("Total Token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")]
+    print("{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="))
+    for name, value in rows:
+        print(f"{name:<40}{value:<10}")
+    for key, title in (("ttft", "Time to First Token"),
+                       ("tpot", "Time per Output Token (excl. 1st token)"),
+                       ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        print("{s:{c}^50}".format(s=title, c="-"))
+        for stat in ("mean", "median", "p99"):
+            label = f"{stat.capitalize() if stat != 'p99' else 'P99'} {key.upper()} (ms):"
+            print(f"{label:<40}{s[f'{stat}_{key}_ms']:<10.2f}")
+    print("=" * 50)
+
+
+def main(args: argparse.Namespace) -> dict:
+    """Run the benchmark the flags describe; returns (and prints) the result.
+
+    Raises:
+        httpx.HTTPError: the server cannot be reached.
+    """
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    card = httpx.get(args.base_url + "/v1/models", headers=headers, timeout=30).json()["data"][0]
+    model = args.model or card["id"]
+    max_len = args.max_model_len or card.get("max_model_len") or 2**31
+    tokenizer = load_tokenizer(args.tokenizer)
+    requests = requests_from_args(args, tokenizer, len(tokenizer), max_len)
+    results, duration = asyncio.run(run(args, model, requests))
+    summary = summarize(results, duration)
+    print_table(summary)
+    result = {"backend": "jaxpaged", "model": model, "dataset": args.dataset_name,
+              "request_rate": args.request_rate if np.isfinite(args.request_rate) else "inf",
+              "max_concurrency": args.max_concurrency, **summary,
+              "input_lens": [r.prompt_len for r in results],
+              "output_lens": [r.output_tokens for r in results],
+              "ttfts": [r.ttft for r in results]}
+    write_outputs(result, args.output_json)
+    return result

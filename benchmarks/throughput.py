@@ -1,0 +1,100 @@
+"""``jaxpaged bench throughput``: offline throughput through the engine (``vllm bench
+throughput``).
+
+All requests are submitted at once to ``LLM.generate``; each generates exactly its
+``output_len`` tokens (greedy, EOS ignored). Compilation is kept out of the timed region: a
+warm-up pass runs the same request lengths with other token ids first (the same step shapes,
+no prefix-cache hits on the timed pass), and the number of compilations during the timed
+pass is reported (0 when the warm-up covered every shape).
+
+Prints requests/s, output tokens/s and total tokens/s, writes ``--output-json`` with vLLM's
+field names (``elapsed_time``, ``num_requests``, ``total_num_tokens``,
+``requests_per_second``, ``tokens_per_second``) plus ours, and ends with a one-line JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from benchmarks.datasets import SampleRequest, add_dataset_args, requests_from_args
+from benchmarks.results import write_outputs
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.engine.arg_utils import EngineArgs
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    EngineArgs.add_cli_args(parser)
+    add_dataset_args(parser)
+    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="time the first pass too (compilation included)")
+
+
+def shifted(requests: list[SampleRequest], vocab_size: int) -> list[SampleRequest]:
+    """The same lengths with every token id moved (a warm-up that cannot hit the prefix
+    cache of the timed pass)."""
+    out = []
+    for q in requests:
+        prompt = q.prompt if isinstance(q.prompt, str) else \
+            [3 + (t - 3 + 7919) % (vocab_size - 3) for t in q.prompt]
+        out.append(SampleRequest("warm-up " + prompt if isinstance(prompt, str) else prompt,
+                                 q.prompt_len, q.output_len))
+    return out
+
+
+def run_requests(llm: LLM, requests: list[SampleRequest]) -> float:
+    """Generate every request to its exact length; returns the seconds it took.
+
+    Raises:
+        RuntimeError: an output of the wrong length (the measurement would be wrong).
+    """
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=q.output_len)
+              for q in requests]
+    t0 = time.perf_counter()
+    outputs = llm.generate([q.prompt for q in requests], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    for q, out in zip(requests, outputs):
+        if len(out.outputs[0].token_ids) != q.output_len:
+            raise RuntimeError(f"a request generated {len(out.outputs[0].token_ids)} tokens, "
+                               f"{q.output_len} expected")
+    return elapsed
+
+
+def measure(llm: LLM, requests: list[SampleRequest], warmup: bool = True) -> dict:
+    """Throughput of ``requests`` on ``llm`` (the figures every engine row reports)."""
+    vocab = llm.engine.model_config.vocab_size
+    warmup_time = run_requests(llm, shifted(requests, vocab)) if warmup else 0.0
+    compilations = llm.engine.runner.num_compilations
+    elapsed = run_requests(llm, requests)
+    prompt_tokens = sum(q.prompt_len for q in requests)
+    output_tokens = sum(q.output_len for q in requests)
+    return {
+        "elapsed_time": elapsed,
+        "num_requests": len(requests),
+        "total_num_tokens": prompt_tokens + output_tokens,
+        "total_prompt_tokens": prompt_tokens,
+        "total_output_tokens": output_tokens,
+        "requests_per_second": len(requests) / elapsed,
+        "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
+        "output_tokens_per_second": output_tokens / elapsed,
+        "warmup_time": warmup_time,
+        "num_compilations_during_run": llm.engine.runner.num_compilations - compilations,
+    }
+
+
+def main(args: argparse.Namespace) -> dict:
+    """Run the benchmark the flags describe; returns (and prints) the result."""
+    engine_args = EngineArgs.from_cli_args(args, enforce_eager_default=True)
+    llm = LLM(**vars(engine_args))
+    requests = requests_from_args(args, llm.get_tokenizer(), llm.engine.model_config.vocab_size,
+                                  llm.engine.max_model_len)
+    result = {"backend": "jaxpaged", "model": engine_args.model,
+              "dataset": args.dataset_name, **measure(llm, requests, not args.no_warmup)}
+    print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
+          f"{result['tokens_per_second']:.2f} total tokens/s, "
+          f"{result['output_tokens_per_second']:.2f} output tokens/s "
+          f"({result['num_requests']} requests in {result['elapsed_time']:.2f} s; warm-up "
+          f"{result['warmup_time']:.2f} s)")
+    write_outputs(result, args.output_json)
+    return result
