@@ -3,6 +3,7 @@
 * ``jaxpaged generate [ENGINE FLAGS] [SAMPLING FLAGS] PROMPT...`` prints completions.
 * ``jaxpaged serve [MODEL] [ENGINE FLAGS] [SERVER FLAGS]`` runs the OpenAI-compatible server
   (``server/``).
+* ``jaxpaged bench {throughput,latency,serve} ...`` runs a benchmark (``benchmarks/``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="model directory (same as --model)")
     EngineArgs.add_cli_args(serve)
     add_server_args(serve)
+
+    from benchmarks import latency, serve as serve_bench, throughput
+    bench = sub.add_parser("bench", help="benchmarks (vllm bench equivalents)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    for name, module in (("throughput", throughput), ("latency", latency),
+                         ("serve", serve_bench)):
+        module.add_cli_args(kinds.add_parser(name, help=module.__doc__.splitlines()[0]))
     return parser
 
 
@@ -45,10 +53,20 @@ def main(argv: list[str] | None = None) -> int:
     # transformers announces at import that torch is absent; jaxpaged never needs torch.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)
-    verbose = args.command == "serve" or args.verbose
+    verbose = args.command == "serve" or getattr(args, "verbose", False)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("jax").setLevel(logging.WARNING)   # backend probing is not news
+    if args.command == "bench":
+        from benchmarks import latency, serve as serve_bench, throughput
+
+        module = {"throughput": throughput, "latency": latency, "serve": serve_bench}
+        try:
+            module[args.bench_command].main(args)
+        except (ValueError, FileNotFoundError, RuntimeError) as e:
+            print(f"jaxpaged: error: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "serve":
         from server.launcher import run_server
 

@@ -128,9 +128,9 @@ class SamplingParams:
             _check(self.min_tokens <= self.max_tokens, "min_tokens",
                    f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         stop = self.stop
-        _check(stop is None or isinstance(stop, str) or (
-            isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop))
-            and stop != "", "stop", f"must be a non-empty string or a list of them, got {stop!r}")
+        _check(stop is None or (isinstance(stop, str) and stop != "") or (
+            isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop)),
+            "stop", f"must be a non-empty string or a list of them, got {stop!r}")
         ids = self.stop_token_ids
         _check(ids is None or (isinstance(ids, (list, tuple)) and all(
             _is_int(t) and t >= 0 for t in ids)), "stop_token_ids",

@@ -59,10 +59,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
                                     "bytes", "invalid_request_error", None, "request_too_large")
         try:
             data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:   # bad JSON or UTF-8, too deep, huge ints
             raise bad_request(f"the request body is not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise bad_request("the request body must be a JSON object")
+        check_unicode(data)
         try:
             return model.model_validate(data)
         except ValidationError as e:
@@ -82,11 +83,18 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         ready()
         return await chat.create(await parse(request, ChatCompletionRequest), request)
 
-    async def models(request: Request) -> Response:
+    def cards() -> list[ModelCard]:
         max_len = engine.engine.max_model_len if engine.is_ready else None
-        cards = [ModelCard(id=name, root=engine.args.model, max_model_len=max_len)
-                 for name in config.served_model_names]
-        return JSONResponse(ModelList(data=cards).model_dump())
+        return [ModelCard(id=name, root=engine.args.model, max_model_len=max_len)
+                for name in config.served_model_names]
+
+    async def models(request: Request) -> Response:
+        return JSONResponse(ModelList(data=cards()).model_dump())
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["name"]
+        completion.check_model(name)
+        return JSONResponse(next(c for c in cards() if c.id == name).model_dump())
 
     async def health(request: Request) -> Response:
         try:
@@ -135,6 +143,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/version", version_route, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -169,18 +178,39 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
     return APIKeyMiddleware(app, config.api_key) if config.api_key else app
 
 
+def check_unicode(data) -> None:
+    """Raises APIError 400 for a string with a lone surrogate (valid JSON, but no text: it
+    cannot be tokenized or echoed), naming where it is."""
+    stack = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                field = path.lstrip(".") or "body"
+                raise bad_request(f"'{field}' holds invalid Unicode (a lone surrogate)",
+                                  field.split(".")[0]) from None
+        elif isinstance(value, dict):
+            stack.extend((v, f"{path}.{k}") for k, v in value.items())
+            stack.extend((k, f"{path}.{k!r}") for k in value if isinstance(k, str))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}.{i}") for i, v in enumerate(value))
+
+
 class APIKeyMiddleware:
     """Requires ``Authorization: Bearer <api_key>`` on :data:`PROTECTED_PREFIXES` paths
     (compared in constant time); answers 401 in OpenAI's shape otherwise."""
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if not (hmac.compare_digest(given.strip(), self._expected)
+                    and scheme.lower() == b"bearer"):
                 response = error_response(APIError(
                     401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                     "invalid_request_error", None, "invalid_api_key"))

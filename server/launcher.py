@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 
+import jinja2
 import uvicorn
 
 from jaxpaged.config import ModelConfig
@@ -33,7 +34,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The HTTP-layer flags (vLLM's names)."""
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=_port, default=8000)
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV})")
     g.add_argument("--served-model-name", nargs="+", default=None,
@@ -45,9 +46,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic throughput / KV-usage log line")
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
-    g.add_argument("--max-request-body-bytes", type=int, default=ServerConfig.max_request_body_bytes,
+    g.add_argument("--max-request-body-bytes", type=_positive,
+                   default=ServerConfig.max_request_body_bytes,
                    help="larger request bodies get HTTP 413")
     return parser
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"a TCP port is in 1..65535, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -55,9 +71,12 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
     Raises:
         FileNotFoundError: ``--chat-template`` names a missing ``.jinja`` file.
+        ValueError: an invalid template, or empty or repeated served model names.
     """
     names = args.served_model_name or [
         "stories260K" if args.model == DEFAULT_MODEL else args.model]
+    if not all(names) or len(set(names)) != len(names):
+        raise ValueError(f"--served-model-name needs distinct non-empty names, got {names}")
     template = args.chat_template
     if template is not None:
         if os.path.isfile(template):
@@ -65,8 +84,13 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                 template = f.read()
         elif template.endswith((".jinja", ".j2")):
             raise FileNotFoundError(f"chat template file {template!r} does not exist")
+        try:
+            jinja2.Environment().parse(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"--chat-template is not a valid Jinja template: {e}") from None
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     return ServerConfig(served_model_names=names, chat_template=template,
-                        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                        api_key=api_key or None,
                         max_request_body_bytes=args.max_request_body_bytes,
                         log_requests=not args.disable_log_requests)
 
@@ -97,7 +121,7 @@ def run_server(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"jaxpaged: error: {e}", file=sys.stderr)
         return 2
-    server = uvicorn.Server(uvicorn.Config(
+    server = GracefulServer(engine, uvicorn.Config(
         app, host=args.host, port=args.port, log_level="info",
         access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5))
 
@@ -113,4 +137,26 @@ def run_server(args: argparse.Namespace) -> int:
         server.run()
     except KeyboardInterrupt:   # uvicorn re-raises the signal after its graceful shutdown
         pass
-    return 1 if engine.error is not None else 0
+    status = 1 if engine.error is not None else 0
+    if engine.is_loading:
+        # Interrupted while the engine thread is inside XLA (loading or compiling): leave
+        # without finalizing the interpreter around it, which can crash in native code.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, ending every running request as soon as shutdown begins (so streams
+    close with an error event and ``[DONE]`` and waiting clients get a 503 in time, instead
+    of being cut when the graceful-shutdown period runs out)."""
+
+    def __init__(self, engine: AsyncEngine, config: uvicorn.Config):
+        super().__init__(config)
+        self._engine = engine
+
+    async def shutdown(self, sockets=None) -> None:
+        self._engine.stop_requests()
+        await super().shutdown(sockets)

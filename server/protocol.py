@@ -3,7 +3,9 @@
 Field names, types and defaults follow the OpenAI API reference (Completions, Chat
 Completions, Models) plus vLLM's extra sampling fields (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ...; ``vllm/entrypoints/openai/protocol.py``).
-Unknown request fields are ignored, as OpenAI and vLLM do.
+Types are strict (``"5"`` is not an integer, ``1`` is not a boolean); unknown request fields
+are ignored, as OpenAI and vLLM do, but fields of features this server does not have (tools,
+structured output, beam search) are refused rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):
@@ -55,6 +57,30 @@ class SamplingFields(_Request):
     return_tokens_as_token_ids: bool = False
     cache_salt: str | None = None
     priority: int = 0
+    # Known fields of features this server lacks: refused with a 400 when set.
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    use_beam_search: bool = False
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    def unsupported(self) -> str | None:
+        """The first set field of a feature this server does not have, if any."""
+        if self.response_format not in (None, {"type": "text"}):
+            return "response_format"
+        if self.tool_choice not in (None, "none") or self.tools:
+            return "tools" if self.tools else "tool_choice"
+        for name in ("functions", "function_call", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar", "structured_outputs"):
+            if getattr(self, name) is not None:
+                return name
+        return "use_beam_search" if self.use_beam_search else None
 
 
 class CompletionRequest(SamplingFields):
@@ -93,6 +119,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
 
@@ -113,12 +140,19 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 def _now() -> int:

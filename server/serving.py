@@ -92,6 +92,27 @@ class OpenAIServing:
                                 f"{self.config.served_model_names}.", "NotFoundError",
                            "model", "model_not_found")
 
+    def check_request(self, body: SamplingFields) -> None:
+        """Checks both endpoints share beyond the schema.
+
+        Raises:
+            APIError 400: a feature this server lacks, ``logit_bias`` outside [-100, 100]
+                (OpenAI's range), ``priority`` without ``--scheduling-policy priority``, or
+                an empty ``cache_salt``.
+        """
+        name = body.unsupported()
+        if name is not None:
+            raise bad_request(f"{name} is not supported by this server", name)
+        bad = {k: v for k, v in (body.logit_bias or {}).items() if not -100 <= v <= 100}
+        if bad:
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {bad}",
+                              "logit_bias")
+        if body.priority != 0 and self.engine.args.scheduling_policy != "priority":
+            raise bad_request("priority needs a server started with --scheduling-policy "
+                              "priority", "priority")
+        if body.cache_salt == "":
+            raise bad_request("cache_salt must be a non-empty string", "cache_salt")
+
     # ---- limits and parameters --------------------------------------------------------------
 
     def resolve_max_tokens(self, num_prompt_tokens: int, requested: int | None,
@@ -194,7 +215,8 @@ class OpenAIServing:
             for stream in streams:
                 self.engine.abort(stream.request_id)
             if isinstance(e, SamplingParamsError):
-                raise bad_request(str(e), e.param) from None
+                raise bad_request(f"{e.param}{str(e).removeprefix(f'SamplingParams.{e.param}')}",
+                                  e.param) from None
             if isinstance(e, (ValueError, TypeError)):
                 raise bad_request(str(e), prompt_param) from None
             if isinstance(e, Exception):

@@ -30,7 +30,7 @@ class OpenAIServingChat(OpenAIServing):
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                continue_final_message: bool = False, template_kwargs: dict | None = None,
-               add_special_tokens: bool = False) -> list[int]:
+               add_special_tokens: bool = False, chat_template: str | None = None) -> list[int]:
         """Token ids of a conversation rendered with the chat template.
 
         Raises:
@@ -48,7 +48,8 @@ class OpenAIServingChat(OpenAIServing):
                 message["name"] = m.name
             conversation.append(message)
         try:
-            text = render_chat(self.tokenizer, conversation, self.config.chat_template,
+            text = render_chat(self.tokenizer, conversation,
+                               chat_template or self.config.chat_template,
                                add_generation_prompt, continue_final_message, template_kwargs)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages") from None
@@ -68,6 +69,7 @@ class OpenAIServingChat(OpenAIServing):
             APIError: 400 / 404 / 503 / 500, before any SSE is sent.
         """
         self.check_model(body.model)
+        self.check_request(body)
         if body.top_logprobs is not None:
             if not body.logprobs:
                 raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
@@ -75,7 +77,7 @@ class OpenAIServingChat(OpenAIServing):
                 raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
                                   f"{body.top_logprobs}", "top_logprobs")
         ids = self.render(body.messages, body.add_generation_prompt, body.continue_final_message,
-                          body.chat_template_kwargs, body.add_special_tokens)
+                          body.chat_template_kwargs, body.add_special_tokens, body.chat_template)
         if body.max_completion_tokens is not None:
             limit_param, requested = "max_completion_tokens", body.max_completion_tokens
         else:

@@ -16,7 +16,7 @@ from starlette.responses import Response
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from server.errors import bad_request, error_body
 from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                             CompletionResponse)
+                             CompletionResponse, PromptLogprob)
 from server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, engine_error,
                             merge_streams, sse, usage)
 
@@ -35,6 +35,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 503/500 when the engine cannot run it. Raised before any SSE is sent.
         """
         self.check_model(body.model)
+        self.check_request(body)
         if body.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")
         if body.best_of is not None and body.best_of != body.n:
@@ -57,7 +58,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices, completion_tokens = [], 0
         for i, (prompt, final) in enumerate(zip(prompts, finals)):
             for out in final.outputs:
-                choice, n_tokens = self._choice(body, prompt, final, out, first=True)
+                choice, n_tokens, _ = self._choice(body, prompt, final, out, offset=None)
                 choice.index = i * body.n + out.index
                 choices.append(choice)
                 completion_tokens += n_tokens
@@ -93,37 +94,47 @@ class OpenAIServingCompletion(OpenAIServing):
         return self.tokenizer.decode(prompt.token_ids)
 
     def _choice(self, body: CompletionRequest, prompt: PreparedPrompt, final: RequestOutput,
-                out: CompletionOutput, first: bool) -> tuple[CompletionChoice, int]:
-        """A choice for one (delta or final) output, and how many tokens it adds to usage.
-        ``first``: this is the index's first piece (where echo goes)."""
+                out: CompletionOutput, offset: int | None) -> tuple[CompletionChoice, int, int]:
+        """A choice for one (delta or final) output, how many tokens it adds to usage, and
+        the text offset after it. ``offset`` is None for the index's first piece (where echo
+        and prompt logprobs go), else the offset its logprobs continue from."""
+        first = offset is None
         score_only = prompt.max_tokens == 0
         text = "" if score_only else out.text
         ids = [] if score_only else out.token_ids
         logprob_entries = [] if score_only or out.logprobs is None else out.logprobs
         if body.echo and first:
             text = self._prompt_text(prompt) + text
-        logprobs = None
+        logprobs, end = None, (offset or 0)
         if body.logprobs is not None:
             positions = list(zip(ids, logprob_entries))
             prompt_positions = []
             if body.echo and first:
                 prompt_positions = list(zip(prompt.token_ids, final.prompt_logprobs or []))
-            logprobs = self._logprobs(prompt_positions + positions, body)
+            logprobs, end = self._logprobs(prompt_positions + positions, body, end)
         finish = out.finish_reason
         if score_only and finish is not None:
             finish = "length"
-        return CompletionChoice(index=out.index, text=text, logprobs=logprobs,
-                                finish_reason=finish,
-                                stop_reason=None if score_only else out.stop_reason), len(ids)
+        choice = CompletionChoice(index=out.index, text=text, logprobs=logprobs,
+                                  finish_reason=finish,
+                                  stop_reason=None if score_only else out.stop_reason)
+        if first and body.prompt_logprobs is not None and final.prompt_logprobs is not None:
+            choice.prompt_logprobs = [None if e is None else {
+                str(t): PromptLogprob(logprob=clamp_logprob(v.logprob), rank=v.rank,
+                                      decoded_token=v.decoded_token) for t, v in e.items()}
+                for e in final.prompt_logprobs]
+        return choice, len(ids), end
 
     def _logprobs(self, positions: list[tuple[int, dict[int, Logprob] | None]],
-                  body: CompletionRequest) -> CompletionLogprobs:
+                  body: CompletionRequest, offset: int) -> tuple[CompletionLogprobs, int]:
+        """Completions-shaped logprobs of ``positions``, text offsets counted from
+        ``offset``; returns them and the offset after the last token."""
         lp = CompletionLogprobs()
-        offset, as_ids = 0, body.return_tokens_as_token_ids
+        as_ids = body.return_tokens_as_token_ids
         for token_id, entry in positions:
             if entry is None:   # the first prompt token has no logprob
                 text = (f"token_id:{token_id}" if as_ids
-                        else self.tokenizer.decode([token_id]))
+                        else self.tokenizer.decode([token_id], skip_special_tokens=True))
                 lp.tokens.append(text)
                 lp.token_logprobs.append(None)
                 lp.top_logprobs.append(None)
@@ -137,12 +148,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 lp.top_logprobs.append(top)
             lp.text_offset.append(offset)
             offset += len(text)
-        return lp
+        return lp, offset
 
     async def _stream(self, request_id: str, body: CompletionRequest,
                       prompts: list[PreparedPrompt], streams, raw_request: Request
                       ) -> AsyncIterator[str]:
-        started: set[int] = set()
+        offsets: dict[int, int] = {}     # per choice index: where its next text starts
         completion_tokens = 0
         async with self.abort_on_disconnect(raw_request, streams):
             try:
@@ -150,9 +161,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     choices = []
                     for seq in out.outputs:
                         index = i * body.n + seq.index
-                        choice, n_tokens = self._choice(body, prompts[i], out, seq,
-                                                        first=index not in started)
-                        started.add(index)
+                        choice, n_tokens, offsets[index] = self._choice(
+                            body, prompts[i], out, seq, offsets.get(index))
                         choice.index = index
                         completion_tokens += n_tokens
                         if choice.text or choice.finish_reason or choice.logprobs:

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.engine import Engine, Prompt
@@ -33,6 +33,10 @@ class EngineNotReadyError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine thread failed; no request can run until the process restarts."""
+
+
+class EngineStoppedError(EngineNotReadyError):
+    """The engine is shutting down: running requests were ended, new ones are refused."""
 
 
 class RequestStream:
@@ -70,23 +74,21 @@ class AsyncEngine:
     Args:
         args: the engine configuration.
         stat_loggers: called with each step's statistics once the engine is warmed up.
-        on_ready: called (in the engine thread) with the engine once it is warmed up.
 
     Call :meth:`start` from the event loop, then :meth:`add_request` / :meth:`abort`.
     """
 
-    def __init__(self, args: EngineArgs, stat_loggers: list[StatLogger] | None = None,
-                 on_ready: Callable[[Engine], None] | None = None):
+    def __init__(self, args: EngineArgs, stat_loggers: list[StatLogger] | None = None):
         self.args = args
         self.engine: Engine | None = None
         self.error: BaseException | None = None
         self._stat_loggers = list(stat_loggers or ())
-        self._on_ready = on_ready
         self._ready = threading.Event()
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._stopping = False
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -104,6 +106,8 @@ class AsyncEngine:
         """
         if self.error is not None:
             raise EngineDeadError(f"the engine failed: {self.error!r}")
+        if self._stopping:
+            raise EngineStoppedError("the server is shutting down")
         if not self._ready.is_set():
             raise EngineNotReadyError("the model is still loading")
         return self.engine
@@ -121,10 +125,27 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
         self._thread.start()
 
+    def stop_requests(self) -> None:
+        """Refuse new requests and end every running one now (its stream raises
+        :class:`EngineStoppedError`, so handlers answer 503 or close their SSE cleanly);
+        call from the event loop when the server begins to shut down."""
+        self._stopping = True
+        streams, self._streams = self._streams, {}
+        for rid, stream in streams.items():
+            stream.put(EngineStoppedError("the server is shutting down"))
+            self._commands.put(("abort", rid))
+
+    @property
+    def is_loading(self) -> bool:
+        """True while the engine thread is still building or warming up the engine."""
+        return self._thread is not None and self._thread.is_alive() and not self._ready.is_set()
+
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread after its current step."""
+        """Stop the engine thread after its current step (without waiting for a load or
+        compilation still in progress: the process exits around it)."""
+        self._stopping = True
         self._commands.put(("stop",))
-        if self._thread is not None:
+        if self._thread is not None and self._ready.is_set():
             self._thread.join(timeout)
 
     # ---- requests (event-loop side) ---------------------------------------------------------
@@ -186,12 +207,12 @@ class AsyncEngine:
             self.engine = Engine(self.args)
             self._warm_up()
             self.engine.stat_loggers.extend(self._stat_loggers)
-            if self._on_ready is not None:
-                self._on_ready(self.engine)
+            self.engine.record_stats()          # every gauge has a value from the start
             self._ready.set()
             self._loop_forever()
         except BaseException as e:   # noqa: BLE001 - the thread must report every failure
-            logger.exception("the engine thread failed")
+            if self._ready.is_set():
+                logger.exception("the engine thread failed")
             self.error = e
             self._ready.set()
             self._call_soon(self._fail_all, e)

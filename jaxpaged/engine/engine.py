@@ -191,7 +191,8 @@ class Engine:
             max_tokens = min(max_tokens, params.max_tokens)
         vocab = self.model_config.vocab_size
         for name, tokens in (("logit_bias", params.logit_bias or {}),
-                             ("allowed_token_ids", params.allowed_token_ids or ())):
+                             ("allowed_token_ids", params.allowed_token_ids or ()),
+                             ("stop_token_ids", params.stop_token_ids or ())):
             bad = [t for t in tokens if not 0 <= t < vocab]
             if bad:
                 raise SamplingParamsError(name, f"has token ids {bad[:8]} outside the "
@@ -266,7 +267,7 @@ class Engine:
                 _finished_stats(group, time.monotonic(), "abort"))
             aborted = True
         if aborted:
-            self._record_stats()
+            self.record_stats()
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
@@ -326,7 +327,7 @@ class Engine:
                     self._seqs.pop(seq.request.request_id, None)
                 self._iteration.finished_requests.append(
                     _finished_stats(group, now, group.seqs[0].request.finish_reason))
-        self._record_stats()
+        self.record_stats()
         return outputs
 
     def _note_tokens(self, group: RequestGroup, now: float) -> None:
@@ -340,8 +341,9 @@ class Engine:
             it.inter_token_latencies.append(now - group.last_token_time)
         group.last_token_time = now
 
-    def _record_stats(self) -> None:
-        """Hand the scheduler snapshot and the events since the last call to the loggers."""
+    def record_stats(self) -> None:
+        """Hand the scheduler snapshot and the events since the last call to the loggers
+        (the engine calls it after every step and abort)."""
         kv, sched = self.kv_cache_manager, self.scheduler
         totals = (kv.stats.queries, kv.stats.hits, sched.num_preemptions)
         queries, hits, preemptions = (a - b for a, b in zip(totals, self._reported))

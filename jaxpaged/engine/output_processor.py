@@ -62,6 +62,22 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        anchor = tokenizer.encode("a", add_special_tokens=False)
+        self._anchor = anchor[-1:] if anchor else []
+        self._anchor_text = tokenizer.decode(self._anchor)
+        self._token_texts: dict[int, str] = {}
+
+    def token_text(self, token: int) -> str:
+        """A token's text as it reads inside a text (``" there"`` for SentencePiece's
+        ``"▁there"``, whose lone decode drops the space): the decode of an ordinary token
+        followed by this one, less that token's own text. Cached per id."""
+        text = self._token_texts.get(token)
+        if text is None:
+            both = self.tokenizer.decode(self._anchor + [token])
+            text = both[len(self._anchor_text):] if both.startswith(self._anchor_text) \
+                else self.tokenizer.decode([token])
+            self._token_texts[token] = text
+        return text
 
     def new_sequence(self, req: Request) -> SequenceState:
         """Output state for a sequence starting at its current tokens."""
@@ -82,9 +98,9 @@ class OutputProcessor:
         req.all_token_ids.append(token)
         if state.logprobs is not None:
             k = req.params.logprobs
-            entry = {t: Logprob(lp, r + 1, self.tokenizer.decode([t]))
+            entry = {t: Logprob(lp, r + 1, self.token_text(t))
                      for r, (t, lp) in enumerate(zip(top_ids[:k], top_logprobs[:k]))}
-            entry.setdefault(token, Logprob(logprob, rank, self.tokenizer.decode([token])))
+            entry.setdefault(token, Logprob(logprob, rank, self.token_text(token)))
             state.logprobs.append(entry)
             state.cumulative_logprob += logprob
         p = req.params
@@ -120,9 +136,9 @@ class OutputProcessor:
             if position < len(group.prompt_logprobs):
                 continue
             token = req.prompt_token_ids[position]
-            entry = {t: Logprob(v, r + 1, self.tokenizer.decode([t]))
+            entry = {t: Logprob(v, r + 1, self.token_text(t))
                      for r, (t, v) in enumerate(zip(top_ids[:k], top_lps[:k]))}
-            entry.setdefault(token, Logprob(lp, rank, self.tokenizer.decode([token])))
+            entry.setdefault(token, Logprob(lp, rank, self.token_text(token)))
             group.prompt_logprobs.append(entry)
 
     @staticmethod

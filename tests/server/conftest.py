@@ -13,7 +13,7 @@ import pytest
 import uvicorn
 
 from jaxpaged.engine.arg_utils import EngineArgs
-from server.launcher import make_server
+from server.launcher import GracefulServer, make_server
 from server.serving import ServerConfig
 
 #: The server tests' context limit (BUGCASES B11 uses L = 128).
@@ -35,8 +35,8 @@ class LiveServer:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                                    timeout_graceful_shutdown=2))
+        self.server = GracefulServer(self.engine, uvicorn.Config(
+            app, log_level="warning", timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)
 

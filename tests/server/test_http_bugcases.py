@@ -312,20 +312,37 @@ def test_b29_error_shapes_and_models(http):
 
 
 @pytest.mark.parametrize("field, value, needle", [
-    ("temperature", -1, ">= 0"), ("temperature", "NaN", "finite"), ("top_p", 0, "(0, 1]"),
+    ("temperature", -1, ">= 0"), ("temperature", "NaN", "number"), ("top_p", 0, "(0, 1]"),
     ("top_p", 1.5, "(0, 1]"), ("top_k", 0.5, "integer"), ("top_k", -2, ">= -1"),
     ("n", 0, ">= 1"), ("max_tokens", -5, ">= 0"), ("logprobs", -1, "[0, 20]"),
     ("presence_penalty", 3, "[-2, 2]"), ("repetition_penalty", 0, "> 0"),
     ("min_p", 1.5, "[0, 1]"), ("seed", "abc", "integer"),
     ("stop", ["x"] * 100 + [""], "non-empty"), ("logit_bias", {"abc": 1}, "token ids"),
     ("logit_bias", {"100000": 1}, "outside the vocabulary"), ("n", 17, "max_num_seqs"),
-    ("prompt", 123, "prompt")])
+    ("prompt", 123, "prompt"), ("max_tokens", "5", "integer"), ("stream", "yes", "boolean"),
+    ("logprobs", True, "integer"), ("stop", "", "non-empty"), ("logit_bias", {"3": 1000}, "100"),
+    ("stop_token_ids", [99999], "outside the vocabulary"), ("cache_salt", "", "non-empty"),
+    ("priority", 5, "scheduling-policy"), ("response_format", {"type": "json_object"}, "not"),
+    ("tools", [{"type": "function"}], "not supported"), ("use_beam_search", True, "not")])
 def test_b30_out_of_range_parameters(http, live_server, field, value, needle):
     r = completion(http, **{"prompt": "Once", "max_tokens": 2, field: value})
     assert_error(r, 400, field, needle)
     assert not live_server.engine.engine.has_unfinished_requests()
     assert live_server.kv.num_free_pages == live_server.kv.num_usable_pages
     assert completion(http, prompt="Once", max_tokens=2).status_code == 200
+
+
+@pytest.mark.parametrize("body, needle", [
+    (b'{"prompt": "\\ud800", "max_tokens": 2}', "Unicode"),
+    (b'{"prompt": ["ok", "\\ud800"]}', "Unicode"),
+    (b'{"model": "\\ud800", "prompt": "x"}', "Unicode"),
+    (b'{"prompt": "x", "temperature": NaN}', "finite"),
+    (b'{"prompt": "x", "max_tokens": 1' + b'0' * 5000 + b'}', "JSON"),
+    (b'{"x": ' + b'[' * 30000 + b']' * 30000 + b'}', "JSON")])
+def test_malformed_bodies_get_400(http, live_server, body, needle):
+    r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert_error(r, 400, None, needle)
+    assert_serving(http, live_server)
 
 
 @pytest.mark.parametrize("field, value", [
@@ -342,6 +359,36 @@ def test_unknown_fields_are_ignored_and_logit_bias_applies(http):
     assert r.json()["choices"][0]["logprobs"]["tokens"] == ["token_id:400"] * 3
     text = http.post("/detokenize", json={"tokens": [400] * 3}).json()["prompt"]
     assert r.json()["choices"][0]["text"].strip() == text.strip()
+
+
+def test_completion_logprob_tokens_spell_the_text(http):
+    body = dict(prompt="Once upon a time", max_tokens=12, temperature=0, logprobs=1)
+    choice = completion(http, **body).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert [choice["text"][o:o + len(t)] for o, t in zip(lp["text_offset"], lp["tokens"])] == \
+        lp["tokens"]
+    events = sse_events(completion(http, stream=True, **body))
+    offsets = [o for e in events[:-1] for c in e["choices"] for o in c["logprobs"]["text_offset"]]
+    assert offsets == lp["text_offset"]
+
+
+def test_prompt_logprobs_and_per_request_chat_template(http):
+    r = completion(http, prompt="Once upon a time", max_tokens=1, prompt_logprobs=2).json()
+    entries = r["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == r["usage"]["prompt_tokens"]
+    assert all(1 <= len(e) <= 3 and all(v["logprob"] <= 0 for v in e.values())
+               for e in entries[1:])
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    ids = http.post("/tokenize", json={"prompt": "<<hi>>", "add_special_tokens": False}).json()
+    r = chat(http, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+             chat_template=template)
+    assert r.json()["usage"]["prompt_tokens"] == ids["count"]
+
+
+def test_model_retrieve(client, http):
+    assert client.models.retrieve("alias").id == "alias"
+    assert_error(http.get("/v1/models/nope"), 404, "model")
 
 
 def test_tokenize_detokenize_roundtrip(http):

@@ -1,10 +1,12 @@
 """Readiness (503 while loading), engine failure (B22's second half), body limit (413),
 API key (401), and the `jaxpaged serve` command itself."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -56,6 +58,36 @@ def test_engine_failure_turns_health_to_500():
         server.stop()
 
 
+def test_shutdown_ends_running_requests_cleanly():
+    server = LiveServer(engine_args(max_num_seqs=4), ServerConfig([MODEL])).start()
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 100, "ignore_eos": True}
+    results = {}
+
+    def call(name, stream):
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            r = c.post("/v1/completions", json={**body, "stream": stream})
+            results[name] = (r.status_code, r.text)
+
+    with server.slow_steps(0.05):
+        threads = [threading.Thread(target=call, args=(n, n.startswith("s")))
+                   for n in ("s1", "s2", "n1")]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while len(server.engine.engine.scheduler.running) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        server.stop()
+        for t in threads:
+            t.join()
+    for name in ("s1", "s2"):
+        status, text = results[name]
+        assert status == 200 and text.rstrip().endswith("data: [DONE]")
+        assert "shutting down" in text
+    status, text = results["n1"]
+    assert status == 503 and "shutting down" in json.loads(text)["error"]["message"]
+
+
 def wait_health(url, proc, timeout=120):
     codes = []
     deadline = time.monotonic() + timeout
@@ -91,6 +123,8 @@ def test_jaxpaged_serve_command_with_api_key(tmp_path):
         assert set(codes) <= {503, 200}
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.get(url + "/v1/models", headers={"Authorization": "bearer s3cret"})
+        assert r.status_code == 200          # the scheme is case-insensitive
         wrong = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             wrong.models.list()
@@ -109,7 +143,39 @@ def test_jaxpaged_serve_command_with_api_key(tmp_path):
     assert proc.returncode == 0
 
 
-def test_jaxpaged_serve_bad_model_exits_with_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "jaxpaged.cli", "serve", str(tmp_path)],
+@pytest.mark.parametrize("flags, needle", [
+    (["{tmp}"], "jaxpaged: error:"), (["--port", "99999"], "1..65535"),
+    (["--chat-template", "{% for %}"], "not a valid Jinja template"),
+    (["--served-model-name", "a", "a"], "distinct"),
+    (["--max-request-body-bytes", "-5"], "positive")])
+def test_jaxpaged_serve_bad_arguments_exit_with_error(tmp_path, flags, needle):
+    flags = [str(tmp_path) if f == "{tmp}" else f for f in flags]
+    proc = subprocess.run([sys.executable, "-m", "jaxpaged.cli", "serve", *flags],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "jaxpaged: error:" in proc.stderr
+    assert proc.returncode == 2 and needle in proc.stderr
+
+
+def test_interrupt_while_loading_exits_promptly():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # Without --enforce-eager the start-up precompiles for many seconds: interrupt that.
+    proc = subprocess.Popen([sys.executable, "-m", "jaxpaged.cli", "serve", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline and proc.poll() is None
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 503:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    time.sleep(2)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    proc.wait(20)
+    assert proc.returncode == 0, proc.stderr.read()
+    assert time.monotonic() - t0 < 10

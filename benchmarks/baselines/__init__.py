@@ -1,0 +1,1 @@
+"""Baselines measured side by side with jaxpaged (see benchmarks/compare.py)."""

@@ -1,0 +1,165 @@
+"""Workload W1 on jaxpaged and its baselines, measured in one run on one machine.
+
+Rows (all on the same random-weight checkpoint, written once as a Hugging Face directory):
+  * ``jaxpaged``: the engine as shipped (paged KV, continuous batching, chunked prefill);
+  * ``contiguous-static-B``: the same model and kernels, but what a contiguous per-request KV
+    cache allows: the KV budget of the jaxpaged row split into ``max_model_len`` slots, one
+    per request (B of them), filled by static batches of B that each run to completion
+    before the next starts (no paging, no continuous batching);
+  * ``transformers-static-16`` / ``-1``: Hugging Face ``generate`` with static batches of 16
+    (left padding) and of 1 (``benchmarks/baselines/hf_transformers.py``, run with
+    ``--hf-python``, a Python that has torch).
+Each row's ratio is jaxpaged's output tokens/s over the row's. Model FLOPs utilisation is
+reported against a float32 matmul peak measured in the same run.
+
+Usage: ``python -m benchmarks.compare --hf-python /path/to/python [--output-dir DIR]``
+(``--small`` runs a seconds-long version on the bundled model, for CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.baselines.checkpoint import write_random_checkpoint
+from benchmarks.datasets import ROOT, SampleRequest, load_w1, random_requests, w1_requests
+from benchmarks.results import write_outputs
+from benchmarks.throughput import measure, run_requests
+from jaxpaged import LLM
+from jaxpaged.config import ModelConfig
+
+
+def matmul_peak_flops(n: int = 2048, repeats: int = 10) -> float:
+    """Measured float32 matmul FLOP/s of this machine's default JAX device (best of
+    ``repeats`` ``n x n`` products, compilation excluded)."""
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def model_flops(cfg: ModelConfig, requests: list[SampleRequest]) -> float:
+    """Matmul FLOPs of the workload: 2 per parameter per token (lm_head included, embeddings
+    excluded), plus attention's 4 * layers * heads * head_dim per (query, key) pair."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    per_layer = h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * h * cfg.intermediate_size
+    params = cfg.num_layers * per_layer + h * cfg.vocab_size
+    tokens = pairs = 0
+    for q in requests:
+        total = q.prompt_len + q.output_len
+        tokens += total
+        pairs += total * (total + 1) // 2
+    return 2 * params * tokens + 4 * cfg.num_layers * cfg.num_heads * d * pairs
+
+
+def contiguous_static(model: str, requests: list[SampleRequest], slots: int, max_model_len: int,
+                      page: int, **engine_kwargs) -> dict:
+    """The contiguous-KV, static-batch row: batches of ``slots`` requests, each finished
+    before the next starts, in a KV pool of exactly ``slots`` full-length requests."""
+    pages = slots * (-(-max_model_len // page)) + 1
+    llm = LLM(model=model, max_num_seqs=slots, num_gpu_blocks_override=pages,
+              enable_prefix_caching=False, max_model_len=max_model_len, block_size=page,
+              **engine_kwargs)
+    batches = [requests[i:i + slots] for i in range(0, len(requests), slots)]
+    vocab = llm.engine.model_config.vocab_size
+    for b in batches:    # warm-up: the same shapes, other token ids
+        run_requests(llm, [SampleRequest([3 + (t + 1) % (vocab - 3) for t in q.prompt],
+                                         q.prompt_len, q.output_len) for q in b])
+    elapsed = sum(run_requests(llm, b) for b in batches)
+    out = sum(q.output_len for q in requests)
+    return {"backend": f"contiguous-static-{slots}", "elapsed_time": elapsed,
+            "output_tokens_per_second": out / elapsed,
+            "requests_per_second": len(requests) / elapsed}
+
+
+def transformers_row(python: str, model: str, requests: list[SampleRequest], batch: int,
+                     work: str) -> dict:
+    """Run the transformers baseline in ``python`` (a subprocess with torch)."""
+    os.makedirs(work, exist_ok=True)
+    req_path, out_path = os.path.join(work, "requests.json"), os.path.join(work, f"hf{batch}.json")
+    with open(req_path, "w") as f:
+        json.dump([{"prompt": q.prompt, "output_len": q.output_len} for q in requests], f)
+    script = os.path.join(ROOT, "benchmarks", "baselines", "hf_transformers.py")
+    subprocess.run([python, script, "--model", model, "--requests", req_path, "--batch-size",
+                    str(batch), "--output-json", out_path], check=True,
+                   env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+    with open(out_path) as f:
+        return json.load(f)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description="W1: jaxpaged vs baselines, side by side")
+    p.add_argument("--hf-python", default=os.environ.get("JAXPAGED_HF_PYTHON"),
+                   help="a Python with torch + transformers for the transformers rows "
+                        "(skipped if unset)")
+    p.add_argument("--hf-batch-sizes", default="16,1")
+    p.add_argument("--output-dir", default=os.path.join(ROOT, "benchmarks", "results"))
+    p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "jaxpaged-w1"))
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--small", action="store_true",
+                   help="a seconds-long version on the bundled model (CI)")
+    args = p.parse_args(argv)
+    w = load_w1()
+    page, max_len = 16, 1024
+    if args.small:
+        from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+        model, max_len = DEFAULT_MODEL, 128
+        requests = random_requests(8, (8, 24), 8, seed=0, token_range=(3, 512))
+    else:
+        model = write_random_checkpoint(os.path.join(ROOT, w["model"]),
+                                        os.path.join(ROOT, w["tokenizer"]),
+                                        os.path.join(args.work_dir, "checkpoint"))
+        requests = w1_requests()
+    os.makedirs(args.output_dir, exist_ok=True)
+    cfg = ModelConfig.from_pretrained(model)
+    engine = dict(max_model_len=max_len, block_size=page, enforce_eager=True,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(model=model, max_num_seqs=args.max_num_seqs, **engine)
+    rows = [{"backend": "jaxpaged", **measure(llm, requests)}]
+    kv = llm.engine.kv_cache_manager
+    slots = max(1, kv.num_usable_pages // -(-max_len // page))
+    del llm
+    rows.append(contiguous_static(model, requests, min(slots, len(requests)), max_len, page,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enforce_eager=True))
+    if args.hf_python:
+        for b in (int(x) for x in args.hf_batch_sizes.split(",")):
+            rows.append(transformers_row(args.hf_python, model, requests, b, args.work_dir))
+    peak = matmul_peak_flops(512 if args.small else 2048)
+    flops = model_flops(cfg, requests)
+    ours = rows[0]["output_tokens_per_second"]
+    for row in rows:
+        row["ratio_jaxpaged_over_this"] = ours / row["output_tokens_per_second"]
+        row["mfu"] = flops / row["elapsed_time"] / peak
+    result = {"workload": "small" if args.small else "W1", "model": model,
+              "num_requests": len(requests), "matmul_peak_gflops": peak / 1e9,
+              "model_tflops": flops / 1e12, "roofline_seconds": flops / peak,
+              "kv_slots_for_contiguous": slots, "rows": rows}
+    print(f"{'engine':<28}{'time (s)':>10}{'out tok/s':>12}{'jaxpaged x':>12}{'MFU':>8}")
+    for row in rows:
+        print(f"{row['backend']:<28}{row['elapsed_time']:>10.2f}"
+              f"{row['output_tokens_per_second']:>12.1f}{row['ratio_jaxpaged_over_this']:>12.2f}"
+              f"{100 * row['mfu']:>7.1f}%")
+    print(f"float32 matmul peak {peak / 1e9:.1f} GFLOP/s; workload {flops / 1e12:.2f} TFLOP; "
+          f"roofline {flops / peak:.1f} s")
+    write_outputs(result, os.path.join(args.output_dir, f"compare-{result['workload']}.json"))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,27 @@
+"""A small `jaxpaged bench serve` run against the live server."""
+
+import json
+
+import pytest
+
+from benchmarks import serve
+from jaxpaged.cli import build_parser
+
+
+@pytest.mark.parametrize("rate", ["inf", "20"])
+def test_bench_serve_small(live_server, tmp_path, rate):
+    out = tmp_path / "serve.json"
+    args = build_parser().parse_args(
+        ["bench", "serve", "--base-url", live_server.url, "--num-prompts", "12",
+         "--random-input-len", "16", "--random-output-len", "8", "--request-rate", rate,
+         "--max-concurrency", "6", "--output-json", str(out)])
+    serve.main(args)
+    result = json.loads(out.read_text())
+    assert result["completed"] == 12 and result["failed"] == 0, result["errors"]
+    assert result["total_output_tokens"] == 12 * 8 and result["total_input_tokens"] == 12 * 16
+    for key in ("duration", "request_throughput", "output_throughput", "total_token_throughput",
+                "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
+                "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms"):
+        assert result[key] > 0, key
+    assert result["p99_e2el_ms"] >= result["median_e2el_ms"] > result["median_ttft_ms"]
+    live_server.wait_idle()
