@@ -108,14 +108,18 @@ def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool = Fals
     """
     adjusted = logits if adjust is None else apply_adjustment(logits, adjust)
     greedy_tokens = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)
-    masked = processed_logits(adjusted, meta)
 
     def draw(lo, hi, pos, row):
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(lo), hi), pos)
         return jax.random.categorical(key, row)
 
-    sampled = jax.vmap(draw)(meta.seed_lo, meta.seed_hi, meta.position, masked).astype(jnp.int32)
-    tokens = jnp.where(meta.greedy, greedy_tokens, sampled)
+    def with_sampling():
+        masked = processed_logits(adjusted, meta)
+        sampled = jax.vmap(draw)(meta.seed_lo, meta.seed_hi, meta.position, masked)
+        return jnp.where(meta.greedy, greedy_tokens, sampled.astype(jnp.int32))
+
+    # An all-greedy step skips the vocabulary sort and the random draws at run time.
+    tokens = jax.lax.cond(jnp.all(meta.greedy), lambda: greedy_tokens, with_sampling)
     if not with_logprobs:
         return {"token_ids": tokens}
     return {"token_ids": tokens, **token_logprobs(logits, tokens)}

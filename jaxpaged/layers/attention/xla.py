@@ -1,15 +1,80 @@
-"""The ``xla`` attention backend: gather pages through the page table, masked attention in jnp.
+"""The ``xla`` attention backend: paged attention in plain jnp, page chunk by page chunk.
 
-Runs on every platform, is the CPU default and the numerical oracle for the Pallas kernels
-(its math is ``pallas_kernels.reference``).
+Runs on every platform and is the CPU default. Instead of gathering every query block's whole
+sequence of pages at once (``pallas_kernels.reference``, the numerical oracle, which writes a
+``[blocks, pages * page_size, heads, dim]`` copy of the KV cache per layer), it walks the page
+table a chunk of :data:`PAGES_PER_CHUNK` pages at a time with an online softmax, and stops
+after the last chunk any query of the step can see: each needed page is read once per query
+block, nothing is materialized, and the padding of the page-table bucket costs nothing.
+Chunk boundaries sit at fixed token positions, so a sequence's result does not depend on
+what else is in the batch.
+
+Reference: the online softmax of Milakov & Gimelshein, "Online normalizer calculation for
+softmax" (2018) as used by FlashAttention (Dao et al., 2022), over PagedAttention's page
+table (Kwon et al., SOSP 2023, section 4.1).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
+
 from jaxpaged.layers.attention.query_blocks import QueryBlockBackend
-from pallas_kernels.reference import paged_attention_reference, write_kv_reference
+from pallas_kernels.reference import MASK_VALUE, write_kv_reference
+
+#: Pages per iteration of the chunk loop (128 keys at the default page size of 16).
+PAGES_PER_CHUNK = 8
+
+
+def paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                            page_table: jax.Array, block_seq: jax.Array,
+                            block_positions: jax.Array, *, scale: float) -> jax.Array:
+    """Causal paged attention for query blocks, online softmax in float32.
+
+    Args and result as :func:`pallas_kernels.reference.paged_attention_reference` (without
+    sliding window and soft-cap): q [NB, Bq, H, D]; k_pages, v_pages [num_pages, page_size,
+    KVH, D]; page_table [B, P] int32; block_seq [NB] int32; block_positions [NB, Bq] int32
+    (-1 = padding). Returns [NB, Bq, H, D] in q's dtype (padding rows finite, unspecified).
+    """
+    nb, block_q, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    pages = page_table[block_seq]                                         # [NB, P]
+    pad = -pages.shape[1] % PAGES_PER_CHUNK
+    if pad:      # the null page fills the last chunk; its keys are beyond every query
+        pages = jnp.pad(pages, ((0, 0), (0, pad)))
+    chunk = PAGES_PER_CHUNK * page_size
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    qb = q.reshape(nb, block_q, num_kv_heads, group, head_dim)
+    query_pos = block_positions[:, None, None, :, None]                  # [NB, 1, 1, Bq, 1]
+
+    def body(c, carry):
+        m, l, acc = carry
+        ids = jax.lax.dynamic_slice_in_dim(pages, c * PAGES_PER_CHUNK, PAGES_PER_CHUNK, axis=1)
+        kc = k_pages[ids].reshape(nb, chunk, num_kv_heads, head_dim)
+        vc = v_pages[ids].reshape(nb, chunk, num_kv_heads, head_dim)
+        s = jnp.einsum("nqhgd,nlhd->nhgql", qb, kc, preferred_element_type=jnp.float32,
+                       precision=precision) * scale
+        key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        s = jnp.where(key_pos <= query_pos, s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(-1)
+        acc = acc * correction[..., None] + jnp.einsum(
+            "nhgql,nlhd->nhgqd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32,
+            precision=precision)
+        return m_new, l, acc
+
+    shape = (nb, num_kv_heads, group, block_q)
+    init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (head_dim,), jnp.float32))
+    num_chunks = jnp.max(block_positions) // chunk + 1                   # the rest is unseen
+    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    out = acc / l[..., None]                                             # [NB, KVH, G, Bq, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(nb, block_q, num_heads, head_dim).astype(q.dtype)
 
 
 @dataclass(frozen=True)
@@ -23,6 +88,6 @@ class XlaAttentionBackend(QueryBlockBackend):
         return write_kv_reference(*kv_pages, k, v, slot_mapping)
 
     def attend(self, q_blocks, kv_pages, page_table, block_seq, block_positions, *, scale):
-        """Gather + masked softmax (``paged_attention_reference``)."""
-        return paged_attention_reference(q_blocks, *kv_pages, page_table, block_seq,
-                                         block_positions, scale=scale)
+        """Chunked online-softmax attention (:func:`paged_attention_chunked`)."""
+        return paged_attention_chunked(q_blocks, *kv_pages, page_table, block_seq,
+                                       block_positions, scale=scale)
