@@ -32,7 +32,8 @@ import numpy as np
 
 from benchmarks.baselines.checkpoint import write_random_checkpoint
 from benchmarks.datasets import ROOT, SampleRequest, load_w1, random_requests, w1_requests
-from benchmarks.results import write_outputs
+from benchmarks.plots import plot_throughput_by_engine, plot_throughput_vs_max_num_seqs
+from benchmarks.results import plot_next_to, write_outputs
 from benchmarks.throughput import measure, run_requests
 from jaxpaged import LLM
 from jaxpaged.config import ModelConfig
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "jaxpaged-w1"))
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--sweep-max-num-seqs", default="",
+                   help="also measure jaxpaged at these --max-num-seqs values (e.g. 8,16,32)")
     p.add_argument("--small", action="store_true",
                    help="a seconds-long version on the bundled model (CI)")
     args = p.parse_args(argv)
@@ -140,6 +143,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.hf_python:
         for b in (int(x) for x in args.hf_batch_sizes.split(",")):
             rows.append(transformers_row(args.hf_python, model, requests, b, args.work_dir))
+    sweep = [(args.max_num_seqs, rows[0]["output_tokens_per_second"])]
+    for n in (int(x) for x in args.sweep_max_num_seqs.split(",") if x):
+        if n != args.max_num_seqs:
+            sweep.append((n, measure(LLM(model=model, max_num_seqs=n, **engine),
+                                     requests)["output_tokens_per_second"]))
     peak = matmul_peak_flops(512 if args.small else 2048)
     flops = model_flops(cfg, requests)
     ours = rows[0]["output_tokens_per_second"]
@@ -149,7 +157,9 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"workload": "small" if args.small else "W1", "model": model,
               "num_requests": len(requests), "matmul_peak_gflops": peak / 1e9,
               "model_tflops": flops / 1e12, "roofline_seconds": flops / peak,
-              "kv_slots_for_contiguous": slots, "rows": rows}
+              "kv_slots_for_contiguous": slots, "rows": rows,
+              "max_num_seqs_sweep": [{"max_num_seqs": n, "output_tokens_per_second": v}
+                                     for n, v in sorted(sweep)]}
     print(f"{'engine':<28}{'time (s)':>10}{'out tok/s':>12}{'jaxpaged x':>12}{'MFU':>8}")
     for row in rows:
         print(f"{row['backend']:<28}{row['elapsed_time']:>10.2f}"
@@ -157,7 +167,13 @@ def main(argv: list[str] | None = None) -> dict:
               f"{100 * row['mfu']:>7.1f}%")
     print(f"float32 matmul peak {peak / 1e9:.1f} GFLOP/s; workload {flops / 1e12:.2f} TFLOP; "
           f"roofline {flops / peak:.1f} s")
-    write_outputs(result, os.path.join(args.output_dir, f"compare-{result['workload']}.json"))
+    out = os.path.join(args.output_dir, f"compare-{result['workload']}.json")
+    write_outputs(result, out)
+    plot_next_to(out, lambda path: plot_throughput_by_engine(
+        rows, path, f"{result['workload']}: output tokens/s (same machine, same run)"))
+    if len(sweep) > 1:
+        plot_next_to(out.replace(".json", "-max-num-seqs.json"),
+                     lambda path: plot_throughput_vs_max_num_seqs(sweep, path))
     return result
 
 

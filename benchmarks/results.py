@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -28,3 +29,12 @@ def write_outputs(result: dict, output_json: str | None) -> None:
         with open(output_json, "w") as f:
             json.dump(result, f, indent=2)
     print(json.dumps(result, separators=(",", ":")))
+
+
+def plot_next_to(json_path: str, draw) -> str | None:
+    """``draw(png_path)`` for the PNG beside ``json_path``; skipped (None) without matplotlib
+    (``pip install -e ".[bench]"``)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
+        return None
+    return draw(os.path.splitext(json_path)[0] + ".png")

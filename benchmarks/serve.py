@@ -21,7 +21,8 @@ import httpx
 import numpy as np
 
 from benchmarks.datasets import SampleRequest, add_dataset_args, requests_from_args
-from benchmarks.results import distribution, write_outputs
+from benchmarks.plots import plot_serve_latencies
+from benchmarks.results import distribution, plot_next_to, write_outputs
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL
 from jaxpaged.tokenizer import load_tokenizer
 
@@ -174,6 +175,10 @@ def main(args: argparse.Namespace) -> dict:
               "max_concurrency": args.max_concurrency, **summary,
               "input_lens": [r.prompt_len for r in results],
               "output_lens": [r.output_tokens for r in results],
-              "ttfts": [r.ttft for r in results]}
+              "ttfts": [r.ttft for r in results],
+              "tpots": [(r.e2e - r.ttft) / (r.output_tokens - 1) if r.ok and r.output_tokens > 1
+                        else 0.0 for r in results]}
     write_outputs(result, args.output_json)
+    if args.output_json:
+        plot_next_to(args.output_json, lambda path: plot_serve_latencies(result, path))
     return result

@@ -1,0 +1,67 @@
+"""PNG plots of benchmark results (matplotlib, the ``bench`` extra), written next to the JSON.
+
+* :func:`plot_throughput_by_engine`: output tokens/s of every row of a comparison;
+* :func:`plot_serve_latencies`: TTFT and TPOT distributions of a ``bench serve`` run;
+* :func:`plot_throughput_vs_max_num_seqs`: jaxpaged's output tokens/s against
+  ``--max-num-seqs``.
+"""
+
+from __future__ import annotations
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_throughput_by_engine(rows: list[dict], path: str, title: str) -> str:
+    """Bar chart of ``output_tokens_per_second`` per ``backend``; returns ``path``."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = [r["backend"] for r in rows]
+    values = [r["output_tokens_per_second"] for r in rows]
+    bars = ax.barh(names[::-1], values[::-1], color="tab:blue")
+    ax.bar_label(bars, fmt="%.1f")
+    ax.set_xlabel("output tokens/s")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_serve_latencies(result: dict, path: str) -> str:
+    """Histograms of per-request TTFT and TPOT (ms) of a ``bench serve`` result."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    for ax, key, label in ((axes[0], "ttfts", "TTFT (ms)"), (axes[1], "tpots", "TPOT (ms)")):
+        values = [1000 * v for v in result.get(key, []) if v > 0]
+        ax.hist(values, bins=30, color="tab:orange")
+        ax.set_xlabel(label)
+        ax.set_ylabel("requests")
+    fig.suptitle(f"bench serve: rate {result.get('request_rate')}, "
+                 f"{result.get('completed')} requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_throughput_vs_max_num_seqs(points: list[tuple[int, float]], path: str) -> str:
+    """Line of output tokens/s against ``--max-num-seqs``."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs, ys = zip(*sorted(points))
+    ax.plot(xs, ys, marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("--max-num-seqs")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("jaxpaged throughput against batch limit")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
