@@ -145,7 +145,7 @@ def requests_from_args(args: argparse.Namespace, tokenizer, vocab_size: int,
             args.random_output_len, args.dataset_seed, token_range)
     else:
         r, n = args.random_range_ratio, args.random_input_len
-        lengths = (max(1, int(n * (1 - r))), max(1, int(n * (1 + r))))
+        lengths = (max(1, round(n * (1 - r))), max(1, round(n * (1 + r))))
         requests = random_requests(args.num_prompts, lengths, args.random_output_len,
                                    args.dataset_seed, token_range)
     too_long = [q for q in requests if q.prompt_len + q.output_len > max_len]

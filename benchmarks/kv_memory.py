@@ -27,16 +27,12 @@ import time
 
 import numpy as np
 
+from benchmarks.datasets import load_w1, w1_requests
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 PAGE = 16
-
-
-def load_workload() -> dict:
-    with open(os.path.join(ROOT, "configs", "workloads", "w1.json")) as f:
-        return json.load(f)
 
 
 def stretched_model(src: str, max_positions: int, tmp: str) -> str:
@@ -51,16 +47,8 @@ def stretched_model(src: str, max_positions: int, tmp: str) -> str:
     return dst
 
 
-def w1_prompts(w: dict, vocab: int) -> list[list[int]]:
-    rng = np.random.default_rng(w["seed"])
-    lo, hi = w["input_len"]
-    lengths = rng.integers(lo, hi + 1, size=w["num_requests"])
-    t_lo, t_hi = w["token_range"]
-    return [rng.integers(t_lo, min(t_hi, vocab), size=int(n)).tolist() for n in lengths]
-
-
 def memory_report(tmp: str, budget_requests: int) -> dict:
-    w = load_workload()
+    w = load_w1()
     max_model_len = 1024
     model = stretched_model(DEFAULT_MODEL, max_model_len, tmp)
     pages_per_request = max_model_len // PAGE
@@ -69,7 +57,7 @@ def memory_report(tmp: str, budget_requests: int) -> dict:
               num_gpu_blocks_override=budget_requests * pages_per_request + 1)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=w["output_len"], ignore_eos=True)
-    for i, prompt in enumerate(w1_prompts(w, 512)):
+    for i, prompt in enumerate(q.prompt for q in w1_requests(512)):
         engine.add_request(str(i), prompt, params)
     waste, running = [], []
     kv = engine.kv_cache_manager
@@ -97,7 +85,7 @@ def memory_report(tmp: str, budget_requests: int) -> dict:
 
 
 def ttft_report(tmp: str, questions: int) -> dict:
-    w = load_workload()
+    w = load_w1()
     model = stretched_model(os.path.join(ROOT, w["model"]), 2048, tmp)
     tokenizer = os.path.join(ROOT, w["tokenizer"])
     rng = np.random.default_rng(1)

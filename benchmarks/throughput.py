@@ -98,3 +98,9 @@ def main(args: argparse.Namespace) -> dict:
           f"{result['warmup_time']:.2f} s)")
     write_outputs(result, args.output_json)
     return result
+
+
+if __name__ == "__main__":   # without the jaxpaged CLI (e.g. on a machine without the server deps)
+    _parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_cli_args(_parser)
+    main(_parser.parse_args())

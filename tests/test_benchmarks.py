@@ -73,3 +73,19 @@ def test_sharegpt_file(tmp_path):
     assert set(by_prompt) == {"Tell me a story", "Hi"}
     assert by_prompt["Hi"].output_len == len(tok.encode("Hello there", add_special_tokens=False))
     assert by_prompt["Hi"].prompt_len == len(tok.encode("Hi"))
+
+
+def test_compare_small(tmp_path):
+    from benchmarks import compare
+
+    result = compare.main(["--small", "--output-dir", str(tmp_path), "--work-dir",
+                           str(tmp_path / "work")])
+    rows = {r["backend"]: r for r in result["rows"]}
+    assert set(rows) == {"jaxpaged", "contiguous-static-8"}
+    assert rows["jaxpaged"]["ratio_jaxpaged_over_this"] == 1.0
+    for row in rows.values():
+        assert row["elapsed_time"] > 0 and row["output_tokens_per_second"] > 0
+        assert 0 < row["mfu"] < 1
+    assert result["matmul_peak_gflops"] > 0 and result["roofline_seconds"] > 0
+    assert json.loads((tmp_path / "compare-small.json").read_text())["rows"][0]["backend"] == \
+        "jaxpaged"

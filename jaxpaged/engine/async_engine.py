@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.engine import Engine, Prompt
-from jaxpaged.metrics.loggers import StatLogger
+from jaxpaged.metrics.stats import StatLogger
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 

@@ -26,8 +26,8 @@ from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup, Sequ
 from jaxpaged.engine.request import Request
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.layers.attention import allocate_kv_pool, get_attention_backend, kv_bytes_per_page
-from jaxpaged.metrics.loggers import StatLogger
-from jaxpaged.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from jaxpaged.metrics.stats import (FinishedRequestStats, IterationStats, SchedulerStats,
+                                    StatLogger)
 from jaxpaged.models.loader import load_model
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.runner.model_runner import ModelRunner, RunnerLimits
