@@ -70,7 +70,10 @@ def sharegpt_requests(path: str, tokenizer, num: int, seed: int, output_len: int
         ValueError: the file is not such a list, or yields fewer than ``num`` requests.
     """
     with open(path) as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not JSON: {e}") from None
     if not isinstance(data, list):
         raise ValueError(f"{path}: a ShareGPT file is a JSON list of conversations")
     order = np.random.default_rng(seed).permutation(len(data))
@@ -129,6 +132,9 @@ def requests_from_args(args: argparse.Namespace, tokenizer, vocab_size: int,
         ValueError: inconsistent flags (no ``--dataset-path`` for sharegpt, requests longer
             than ``max_len``).
     """
+    for flag in ("num_prompts", "random_input_len", "random_output_len"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     token_range = (3, vocab_size)
     name = args.dataset_name
     if name == "w1":

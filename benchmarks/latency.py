@@ -32,8 +32,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> dict:
     """Run the benchmark the flags describe; returns (and prints) the result."""
+    for flag in ("input_len", "output_len", "batch_size", "num_iters"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     llm = LLM(**vars(EngineArgs.from_cli_args(args, enforce_eager_default=True)))
-    vocab = llm.engine.model_config.vocab_size
+    vocab, limit = llm.engine.model_config.vocab_size, llm.engine.max_model_len
+    if args.input_len + args.output_len > limit:
+        raise ValueError(f"--input-len + --output-len = {args.input_len + args.output_len} "
+                         f"exceeds max_model_len={limit}")
 
     def batch(i):
         return random_requests(args.batch_size, (args.input_len, args.input_len),

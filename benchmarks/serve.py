@@ -159,16 +159,31 @@ def main(args: argparse.Namespace) -> dict:
     """Run the benchmark the flags describe; returns (and prints) the result.
 
     Raises:
-        httpx.HTTPError: the server cannot be reached.
+        ValueError: no server at ``--base-url``, an unknown ``--model``, bad flags.
+        RuntimeError: every request failed.
     """
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    card = httpx.get(args.base_url + "/v1/models", headers=headers, timeout=30).json()["data"][0]
-    model = args.model or card["id"]
+    url = args.base_url.rstrip("/").removesuffix("/v1")
+    args.base_url = url
+    try:
+        r = httpx.get(url + "/v1/models", headers=headers, timeout=30)
+        cards = r.json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"no OpenAI-compatible server at {url} (GET /v1/models: {e!r})") from None
+    names = [c["id"] for c in cards]
+    if args.model is not None and args.model not in names:
+        raise ValueError(f"the server at {url} serves {names}, not {args.model!r}")
+    card = cards[names.index(args.model)] if args.model else cards[0]
+    model = card["id"]
     max_len = args.max_model_len or card.get("max_model_len") or 2**31
     tokenizer = load_tokenizer(args.tokenizer)
     requests = requests_from_args(args, tokenizer, len(tokenizer), max_len)
     results, duration = asyncio.run(run(args, model, requests))
     summary = summarize(results, duration)
+    if not summary["completed"]:
+        raise RuntimeError(f"every request failed, e.g.: {summary['errors'][0]}")
     print_table(summary)
     result = {"backend": "jaxpaged", "model": model, "dataset": args.dataset_name,
               "request_rate": args.request_rate if np.isfinite(args.request_rate) else "inf",

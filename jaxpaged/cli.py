@@ -49,7 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``jaxpaged`` console script; returns the exit status."""
+    """Entry point of the ``jaxpaged`` console script; returns the exit status (130 after
+    Ctrl-C)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     # transformers announces at import that torch is absent; jaxpaged never needs torch.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)

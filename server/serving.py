@@ -98,7 +98,7 @@ class OpenAIServing:
         Raises:
             APIError 400: a feature this server lacks, ``logit_bias`` outside [-100, 100]
                 (OpenAI's range), ``priority`` without ``--scheduling-policy priority``, or
-                an empty ``cache_salt``.
+                an empty ``cache_salt``, or ``stream_options`` without ``stream``.
         """
         name = body.unsupported()
         if name is not None:
@@ -112,6 +112,8 @@ class OpenAIServing:
                               "priority", "priority")
         if body.cache_salt == "":
             raise bad_request("cache_salt must be a non-empty string", "cache_salt")
+        if body.stream_options is not None and not body.stream:
+            raise bad_request("stream_options needs stream=true", "stream_options")
 
     # ---- limits and parameters --------------------------------------------------------------
 

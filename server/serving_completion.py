@@ -111,7 +111,11 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_positions = []
             if body.echo and first:
                 prompt_positions = list(zip(prompt.token_ids, final.prompt_logprobs or []))
-            logprobs, end = self._logprobs(prompt_positions + positions, body, end)
+            texts = self._prompt_token_texts(prompt.token_ids) if prompt_positions else None
+            logprobs, end = self._logprobs(prompt_positions, body, end, texts)
+            generated, end = self._logprobs(positions, body, end)
+            for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+                getattr(logprobs, name).extend(getattr(generated, name))
         finish = out.finish_reason
         if score_only and finish is not None:
             finish = "length"
@@ -125,21 +129,40 @@ class OpenAIServingCompletion(OpenAIServing):
                 for e in final.prompt_logprobs]
         return choice, len(ids), end
 
+    def _prompt_token_texts(self, ids: list[int]) -> list[str]:
+        """Each prompt token's share of the decoded prompt, so that they join to it exactly
+        (a token inside an unfinished UTF-8 sequence gets "" and the one completing it the
+        character). Quadratic in the prompt length; used only to echo logprobs."""
+        full = self.tokenizer.decode(ids, skip_special_tokens=True)
+        texts, done = [], 0
+        for i in range(1, len(ids) + 1):
+            part = self.tokenizer.decode(ids[:i], skip_special_tokens=True)
+            end = len(part) if full.startswith(part) else done
+            texts.append(full[done:end])
+            done = end
+        texts[-1] += full[done:]
+        return texts
+
     def _logprobs(self, positions: list[tuple[int, dict[int, Logprob] | None]],
-                  body: CompletionRequest, offset: int) -> tuple[CompletionLogprobs, int]:
+                  body: CompletionRequest, offset: int, texts: list[str] | None = None
+                  ) -> tuple[CompletionLogprobs, int]:
         """Completions-shaped logprobs of ``positions``, text offsets counted from
-        ``offset``; returns them and the offset after the last token."""
+        ``offset`` (``texts``: the tokens' texts, when not the engine's); returns them and
+        the offset after the last token."""
         lp = CompletionLogprobs()
         as_ids = body.return_tokens_as_token_ids
-        for token_id, entry in positions:
+        for i, (token_id, entry) in enumerate(positions):
+            if as_ids:
+                text = f"token_id:{token_id}"
+            elif texts is not None:
+                text = texts[i]
+            else:
+                text = entry[token_id].decoded_token or ""
             if entry is None:   # the first prompt token has no logprob
-                text = (f"token_id:{token_id}" if as_ids
-                        else self.tokenizer.decode([token_id], skip_special_tokens=True))
                 lp.tokens.append(text)
                 lp.token_logprobs.append(None)
                 lp.top_logprobs.append(None)
             else:
-                text = self.token_text(token_id, entry[token_id], as_ids)
                 lp.tokens.append(text)
                 lp.token_logprobs.append(clamp_logprob(entry[token_id].logprob))
                 top = {self.token_text(t, v, as_ids): clamp_logprob(v.logprob)

@@ -25,3 +25,13 @@ def test_bench_serve_small(live_server, tmp_path, rate):
         assert result[key] > 0, key
     assert result["p99_e2el_ms"] >= result["median_e2el_ms"] > result["median_ttft_ms"]
     live_server.wait_idle()
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--base-url", "http://127.0.0.1:9"], "no OpenAI-compatible server"),
+    (["--model", "nope"], "not 'nope'"), (["--request-rate", "-1"], "> 0")])
+def test_bench_serve_bad_arguments(live_server, flags, needle):
+    args = build_parser().parse_args(["bench", "serve", "--base-url", live_server.url,
+                                      "--num-prompts", "2", *flags])
+    with pytest.raises(ValueError, match=needle):
+        serve.main(args)

@@ -323,7 +323,8 @@ def test_b29_error_shapes_and_models(http):
     ("logprobs", True, "integer"), ("stop", "", "non-empty"), ("logit_bias", {"3": 1000}, "100"),
     ("stop_token_ids", [99999], "outside the vocabulary"), ("cache_salt", "", "non-empty"),
     ("priority", 5, "scheduling-policy"), ("response_format", {"type": "json_object"}, "not"),
-    ("tools", [{"type": "function"}], "not supported"), ("use_beam_search", True, "not")])
+    ("tools", [{"type": "function"}], "not supported"), ("use_beam_search", True, "not"),
+    ("stream_options", {"include_usage": True}, "stream=true")])
 def test_b30_out_of_range_parameters(http, live_server, field, value, needle):
     r = completion(http, **{"prompt": "Once", "max_tokens": 2, field: value})
     assert_error(r, 400, field, needle)
@@ -371,6 +372,12 @@ def test_completion_logprob_tokens_spell_the_text(http):
     events = sse_events(completion(http, stream=True, **body))
     offsets = [o for e in events[:-1] for c in e["choices"] for o in c["logprobs"]["text_offset"]]
     assert offsets == lp["text_offset"]
+    for prompt in ("Once upon a time", "A café 日本"):    # echo: prompt tokens spell it too
+        choice = completion(http, **{**body, "prompt": prompt, "echo": True}).json()["choices"][0]
+        lp = choice["logprobs"]
+        assert choice["text"].startswith(prompt) and "".join(lp["tokens"]) == choice["text"]
+        assert [choice["text"][o:o + len(t)] for o, t in zip(lp["text_offset"], lp["tokens"])] \
+            == lp["tokens"]
 
 
 def test_prompt_logprobs_and_per_request_chat_template(http):
