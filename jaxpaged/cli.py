@@ -42,9 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     from benchmarks import latency, serve as serve_bench, throughput
     bench = sub.add_parser("bench", help="benchmarks (vllm bench equivalents)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
-    for name, module in (("throughput", throughput), ("latency", latency),
-                         ("serve", serve_bench)):
-        module.add_cli_args(kinds.add_parser(name, help=module.__doc__.splitlines()[0]))
+    for name, module, text in (
+            ("throughput", throughput, "offline throughput through the engine"),
+            ("latency", latency, "end-to-end latency of one batch, repeated"),
+            ("serve", serve_bench, "online serving benchmark against a running jaxpaged serve")):
+        module.add_cli_args(kinds.add_parser(name, help=text))
     return parser
 
 
