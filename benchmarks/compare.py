@@ -34,7 +34,7 @@ from benchmarks.baselines.checkpoint import write_random_checkpoint
 from benchmarks.datasets import ROOT, SampleRequest, load_w1, random_requests, w1_requests
 from benchmarks.plots import plot_throughput_by_engine, plot_throughput_vs_max_num_seqs
 from benchmarks.results import plot_next_to, write_outputs
-from benchmarks.throughput import measure, run_requests
+from benchmarks.throughput import measure, run_requests, shifted
 from jaxpaged import LLM
 from jaxpaged.config import ModelConfig
 
@@ -78,8 +78,7 @@ def contiguous_static(model: str, requests: list[SampleRequest], slots: int, max
     batches = [requests[i:i + slots] for i in range(0, len(requests), slots)]
     vocab = llm.engine.model_config.vocab_size
     for b in batches:    # warm-up: the same shapes, other token ids
-        run_requests(llm, [SampleRequest([3 + (t + 1) % (vocab - 3) for t in q.prompt],
-                                         q.prompt_len, q.output_len) for q in b])
+        run_requests(llm, shifted(b, vocab))
     elapsed = sum(run_requests(llm, b) for b in batches)
     out = sum(q.output_len for q in requests)
     return {"backend": f"contiguous-static-{slots}", "elapsed_time": elapsed,

@@ -200,12 +200,14 @@ class SamplingParamsError(ValueError):
 
     Attributes:
         param: the field's name (the OpenAI/vLLM request parameter of the same name).
+        detail: the message without the class prefix (``"top_p must be in (0, 1], ..."``),
+            for callers that name the field their own way.
     """
 
     def __init__(self, param: str, message: str):
-        super().__init__(f"SamplingParams.{param}{'' if message.startswith('=') else ' '}"
-                         f"{message}")
         self.param = param
+        self.detail = f"{param}{'' if message.startswith('=') else ' '}{message}"
+        super().__init__(f"SamplingParams.{self.detail}")
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -181,6 +181,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
 def check_unicode(data) -> None:
     """Raises APIError 400 for a string with a lone surrogate (valid JSON, but no text: it
     cannot be tokenized or echoed), naming where it is."""
+    try:   # one C-speed pass for the common case; walk only to name the field
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+        return
+    except UnicodeEncodeError:
+        pass
     stack = [(data, "")]
     while stack:
         value, path = stack.pop()

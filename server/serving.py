@@ -187,9 +187,7 @@ class OpenAIServing:
                 bad_words=body.bad_words,
                 output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
         except SamplingParamsError as e:
-            param = (param_names or {}).get(e.param, e.param)
-            message = str(e).removeprefix(f"SamplingParams.{e.param}")
-            raise bad_request(f"{param}{message}", param) from None
+            raise sampling_error(e, param_names) from None
 
     # ---- running requests ---------------------------------------------------------------------
 
@@ -217,8 +215,7 @@ class OpenAIServing:
             for stream in streams:
                 self.engine.abort(stream.request_id)
             if isinstance(e, SamplingParamsError):
-                raise bad_request(f"{e.param}{str(e).removeprefix(f'SamplingParams.{e.param}')}",
-                                  e.param) from None
+                raise sampling_error(e) from None
             if isinstance(e, (ValueError, TypeError)):
                 raise bad_request(str(e), prompt_param) from None
             if isinstance(e, Exception):
@@ -289,6 +286,14 @@ class OpenAIServing:
             out.append(TopLogprob(token=text, logprob=clamp_logprob(lp.logprob),
                                   bytes=self.token_bytes(t, text)))
         return out
+
+
+def sampling_error(e: SamplingParamsError, param_names: dict[str, str] | None = None
+                   ) -> APIError:
+    """400 for a SamplingParams field, named as the request names it (``param_names`` maps
+    SamplingParams names to request names, e.g. ``logprobs`` -> ``top_logprobs`` for chat)."""
+    param = (param_names or {}).get(e.param, e.param)
+    return bad_request(param + e.detail[len(e.param):], param)
 
 
 def usage(prompts: list[PreparedPrompt], completion_tokens: int) -> UsageInfo:
