@@ -7,6 +7,11 @@ sequence (a row of the page table) and its tokens' positions, which is all a pag
 computation needs. The number of blocks is padded to depend only on the bucket sizes, so the
 jitted step compiles once per bucket. Memory and work then scale with the blocks, however
 prefill and decode tokens are mixed.
+
+Blocks are ordered by their last query position, longest first (padding blocks last), so a
+kernel that walks the page table can give each run of neighbouring blocks its own stopping
+point (see :mod:`jaxpaged.layers.attention.xla`). The order never changes a result, only
+how much padding a kernel touches.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ class QueryBlockBackend(AttentionBackend):
         Returns:
             ``block_tokens`` [NB, Bq] int32 token index of each block row (T for padding),
             ``block_seq`` [NB] int32 the block's sequence (row of the page table),
-            ``block_positions`` [NB, Bq] int32 query positions (-1 for padding).
+            ``block_positions`` [NB, Bq] int32 query positions (-1 for padding);
+            blocks sorted by last position, descending.
         """
         t_pad = layout.positions.shape[0]
         b_pad = layout.seq_lens.shape[0]
@@ -66,8 +72,9 @@ class QueryBlockBackend(AttentionBackend):
                     block_positions[b, : e - s] = layout.positions[s:e]
                     block_seq[b] = i
                     b += 1
-        return {"block_tokens": block_tokens, "block_seq": block_seq,
-                "block_positions": block_positions}
+        order = np.argsort(-block_positions.max(axis=1), kind="stable")
+        return {"block_tokens": block_tokens[order], "block_seq": block_seq[order],
+                "block_positions": block_positions[order]}
 
     def forward(self, q, k, v, kv_pages: KVPages, metadata, *, scale: float):
         """See :meth:`AttentionBackend.forward`."""

@@ -3,11 +3,18 @@
 Runs on every platform and is the CPU default. Instead of gathering every query block's whole
 sequence of pages at once (``pallas_kernels.reference``, the numerical oracle, which writes a
 ``[blocks, pages * page_size, heads, dim]`` copy of the KV cache per layer), it walks the page
-table a chunk of :data:`PAGES_PER_CHUNK` pages at a time with an online softmax, and stops
-after the last chunk any query of the step can see: each needed page is read once per query
-block, nothing is materialized, and the padding of the page-table bucket costs nothing.
-Chunk boundaries sit at fixed token positions, so a sequence's result does not depend on
-what else is in the batch.
+table a chunk of :data:`PAGES_PER_CHUNK` pages at a time with an online softmax. The query
+blocks are split into :data:`NUM_GROUPS` runs of neighbours, and each run stops after the
+last chunk any of its queries can see; since the blocks arrive sorted by last position
+(:mod:`jaxpaged.layers.attention.query_blocks`), short sequences and early prefill blocks
+stop early instead of walking to the batch's longest sequence. Each needed page is read once
+per query block, and the padding of the page-table bucket costs nothing. Chunk boundaries
+sit at fixed token positions, so a sequence's result does not depend on what else is in the
+batch.
+
+The chunk is small on purpose: on XLA:CPU the chunk's K/V gather is materialized, and two
+pages (32 keys at page size 16) keep it in cache; on W1 (``docs/benchmarks.md``) a decode
+step of 64 sequences took 440 ms with 8-page chunks and 310 ms with 2-page chunks.
 
 Reference: the online softmax of Milakov & Gimelshein, "Online normalizer calculation for
 softmax" (2018) as used by FlashAttention (Dao et al., 2022), over PagedAttention's page
@@ -20,31 +27,47 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpaged.layers.attention.query_blocks import QueryBlockBackend
 from pallas_kernels.reference import MASK_VALUE, write_kv_reference
 
-#: Pages per iteration of the chunk loop (128 keys at the default page size of 16).
-PAGES_PER_CHUNK = 8
+#: Pages per iteration of the chunk loop (32 keys at the default page size of 16).
+PAGES_PER_CHUNK = 2
+
+#: Runs of query blocks with their own loop trip count.
+NUM_GROUPS = 4
 
 
 def paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                             page_table: jax.Array, block_seq: jax.Array,
-                            block_positions: jax.Array, *, scale: float) -> jax.Array:
+                            block_positions: jax.Array, *, scale: float,
+                            num_groups: int = NUM_GROUPS) -> jax.Array:
     """Causal paged attention for query blocks, online softmax in float32.
 
     Args and result as :func:`pallas_kernels.reference.paged_attention_reference` (without
     sliding window and soft-cap): q [NB, Bq, H, D]; k_pages, v_pages [num_pages, page_size,
     KVH, D]; page_table [B, P] int32; block_seq [NB] int32; block_positions [NB, Bq] int32
     (-1 = padding). Returns [NB, Bq, H, D] in q's dtype (padding rows finite, unspecified).
+    ``num_groups`` runs of neighbouring blocks get their own trip count (any block order
+    is correct; blocks sorted by last position, descending, do the least work).
     """
-    nb, block_q, num_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_pages.shape
-    group = num_heads // num_kv_heads
     pages = page_table[block_seq]                                         # [NB, P]
     pad = -pages.shape[1] % PAGES_PER_CHUNK
     if pad:      # the null page fills the last chunk; its keys are beyond every query
         pages = jnp.pad(pages, ((0, 0), (0, pad)))
+    bounds = np.linspace(0, q.shape[0], min(num_groups, q.shape[0]) + 1).astype(int)
+    runs = [_attend_run(q[a:b], k_pages, v_pages, pages[a:b], block_positions[a:b], scale)
+            for a, b in zip(bounds[:-1], bounds[1:])]
+    return jnp.concatenate(runs) if len(runs) > 1 else runs[0]
+
+
+def _attend_run(q, k_pages, v_pages, pages, block_positions, scale):
+    """:func:`paged_attention_chunked` for one run of blocks; pages [NB, P] (P a multiple
+    of PAGES_PER_CHUNK). The chunk loop stops after the run's last visible chunk."""
+    nb, block_q, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    group = num_heads // num_kv_heads
     chunk = PAGES_PER_CHUNK * page_size
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     qb = q.reshape(nb, block_q, num_kv_heads, group, head_dim)
