@@ -2,9 +2,15 @@
 
 import os
 
-import pytest
+# Eight CPU devices for the tensor-parallel tests (read when JAX starts its backend, which
+# no test has done yet); everything else runs on the first device as before.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
 
-from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+import pytest  # noqa: E402
+
+from jaxpaged.engine.arg_utils import DEFAULT_MODEL  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 STORIES = DEFAULT_MODEL

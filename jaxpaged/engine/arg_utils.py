@@ -51,6 +51,8 @@ class EngineArgs:
         gpu_memory_utilization: fraction of GPU memory for weights, activations and KV pool.
         enforce_eager: skip the start-up precompile of every step shape (compile lazily).
         compilation_cache_dir: directory of JAX's persistent compilation cache (off if None).
+        tensor_parallel_size: devices the model's heads and MLP columns are split over
+            (``jaxpaged.distributed.tensor_parallel``).
     """
 
     model: str = DEFAULT_MODEL
@@ -72,6 +74,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.92
     enforce_eager: bool = False
     compilation_cache_dir: str | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def positive(name):
@@ -82,7 +85,7 @@ class EngineArgs:
 
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                      "num_gpu_blocks_override", "kv_cache_memory_bytes",
-                     "max_num_partial_prefills"):
+                     "max_num_partial_prefills", "tensor_parallel_size"):
             positive(name)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) \
                 or not 0 <= self.seed < 2**32:
@@ -143,6 +146,8 @@ class EngineArgs:
                             "serve)")
         g.add_argument("--compilation-cache-dir", default=None,
                        help="persistent compilation cache directory")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
+                       help="devices to split the model over (heads, MLP columns, KV pool)")
         return parser
 
     @classmethod

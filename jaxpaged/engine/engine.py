@@ -25,7 +25,9 @@ from jaxpaged.engine.kv_sizing import check_pool_fits, num_kv_pages
 from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup, SequenceState
 from jaxpaged.engine.request import Request
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.distributed.tensor_parallel import TensorParallel
 from jaxpaged.layers.attention import allocate_kv_pool, get_attention_backend, kv_bytes_per_page
+from jaxpaged.layers.attention.tensor_parallel import TensorParallelAttention
 from jaxpaged.metrics.stats import (FinishedRequestStats, IterationStats, SchedulerStats,
                                     StatLogger)
 from jaxpaged.models.loader import load_model
@@ -76,6 +78,7 @@ class Engine:
 
     Raises:
         FileNotFoundError / UnsupportedModelError / MissingWeightsError: bad model directory.
+        TensorParallelError: ``tensor_parallel_size`` does not fit the devices or the heads.
         ValueError: inconsistent limits (e.g. a pool too small for one ``max_model_len``
             request, or ``max_model_len`` beyond the model's trained context).
     """
@@ -98,17 +101,22 @@ class Engine:
             self.tokenizer, _eos_token_ids(cfg, generation_config, self.tokenizer),
             self.max_model_len)
 
+        tp = TensorParallel.create(args.tensor_parallel_size, cfg)
+        kv_heads = tp.physical_config(cfg).num_kv_heads
         backend = get_attention_backend(
             args.attention_backend, num_kv_heads=cfg.num_kv_heads, num_heads=cfg.num_heads,
             head_dim=cfg.head_dim, page_size=args.block_size, dtype=self.dtype)
+        if tp.size > 1:
+            backend = TensorParallelAttention(backend, tp.mesh)
         model = load_model(args.model, cfg, dtype=self.dtype, backend=backend,
-                           load_format=args.load_format, seed=args.seed)
+                           load_format=args.load_format, seed=args.seed, tp=tp)
         page_size = args.block_size
         pages_per_seq = -(-self.max_model_len // page_size)
         limits = RunnerLimits(args.max_num_batched_tokens, args.max_num_seqs, pages_per_seq)
-        pool = lambda n: allocate_kv_pool(cfg.num_layers, n, page_size, cfg.num_kv_heads,
-                                          cfg.head_dim, self.dtype)
-        bytes_per_page = kv_bytes_per_page(cfg.num_layers, page_size, cfg.num_kv_heads,
+        pool = lambda n: allocate_kv_pool(cfg.num_layers, n, page_size, kv_heads, cfg.head_dim,
+                                          self.dtype, tp.kv_pool_sharding)
+        # Budgets are per device: each holds kv_heads / tp heads of every page.
+        bytes_per_page = kv_bytes_per_page(cfg.num_layers, page_size, kv_heads // tp.size,
                                            cfg.head_dim, self.dtype)
         num_pages = num_kv_pages(
             bytes_per_page=bytes_per_page, pages_per_seq=pages_per_seq,
@@ -116,7 +124,7 @@ class Engine:
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization,
             profile_peak_bytes=lambda: ModelRunner(model, pool(2), backend, page_size, limits,
-                                                   frozenset()).profile_peak_bytes())
+                                                   frozenset(), tp.replicated).profile_peak_bytes())
         check_pool_fits(num_pages, bytes_per_page)
         self.kv_cache_manager = KVCacheManager(num_pages, page_size, args.enable_prefix_caching)
         if self.kv_cache_manager.num_usable_pages < pages_per_seq:
@@ -133,7 +141,7 @@ class Engine:
             args.max_num_partial_prefills, args.long_prefill_token_threshold,
             args.scheduling_policy), self.kv_cache_manager)
         self.runner = ModelRunner(model, pool(num_pages), backend, page_size, limits,
-                                  self.output_processor.eos_token_ids)
+                                  self.output_processor.eos_token_ids, tp.replicated)
         if not args.enforce_eager:
             seconds = self.runner.precompile()
             logger.info("precompiled %d step shapes in %.1f s", self.runner.num_compilations,
@@ -145,9 +153,9 @@ class Engine:
         self._reported = (0, 0, 0)   # prefix-cache queries, hits, preemptions already reported
         self._arrivals = 0
         self._seed_rng = np.random.default_rng(args.seed)
-        logger.info("model %s (%s, %d layers), dtype %s, max_model_len %d, attention %s",
-                    args.model, cfg.architecture, cfg.num_layers, jnp.dtype(self.dtype).name,
-                    self.max_model_len, backend.name)
+        logger.info("model %s (%s, %d layers), dtype %s, max_model_len %d, attention %s, "
+                    "tensor parallel %d", args.model, cfg.architecture, cfg.num_layers,
+                    jnp.dtype(self.dtype).name, self.max_model_len, backend.name, tp.size)
 
     # ---- requests -------------------------------------------------------------------------
 

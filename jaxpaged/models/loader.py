@@ -3,6 +3,10 @@
 A parameter at NNX path ``a.b.c.<leaf>`` comes from the safetensors tensor ``a.b.c.weight``
 (or ``.bias``): ``nnx.Linear`` kernels are stored transposed ([in, out]) relative to torch's
 ``[out, in]``; embeddings and norm scales are taken as they are.
+
+Every tensor goes straight to its devices with its tensor-parallel sharding
+(:mod:`jaxpaged.distributed.tensor_parallel`), so a device receives only its own slice; the
+whole model exists once, on the host, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from flax import nnx
 from safetensors import SafetensorError, safe_open
 
 from jaxpaged.config import ModelConfig, UnsupportedModelError
+from jaxpaged.distributed.tensor_parallel import TensorParallel
 from jaxpaged.layers.attention import AttentionBackend
 from jaxpaged.models.llama import LlamaForCausalLM
 
@@ -33,7 +38,8 @@ class MissingWeightsError(ValueError):
 
 
 def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: AttentionBackend,
-               load_format: str = "auto", seed: int = 0) -> nnx.Module:
+               load_format: str = "auto", seed: int = 0,
+               tp: TensorParallel | None = None) -> nnx.Module:
     """Build the model for ``config`` and fill its parameters.
 
     Args:
@@ -44,6 +50,8 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
         backend: attention backend the model's layers call.
         load_format: ``auto``/``safetensors`` read the checkpoint; ``dummy`` draws random
             weights (normal, std 0.02; norms at 1) from ``seed``, as vLLM's ``--load-format dummy``.
+        tp: the tensor-parallel mesh and rules (default: one device); the model is built
+            with ``tp.physical_config(config)`` (KV heads replicated when needed).
 
     Raises:
         UnsupportedModelError: no model class for the architecture.
@@ -56,11 +64,13 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
         raise UnsupportedModelError(f"no model class for architecture {config.architecture!r}")
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose from {list(LOAD_FORMATS)}")
-    if load_format == "dummy":
-        return _dummy_model(cls, config, backend, dtype, seed)
-
-    abstract = nnx.eval_shape(lambda: cls(config, backend, dtype, nnx.Rngs(seed)))
+    tp = tp or TensorParallel.create(1, config)
+    physical = tp.physical_config(config)
+    abstract = nnx.eval_shape(lambda: cls(physical, backend, dtype, nnx.Rngs(seed)))
     graphdef, abstract_state = nnx.split(abstract)
+    if load_format == "dummy":
+        return nnx.merge(graphdef, _dummy_state(cls, config, backend, dtype, seed, tp,
+                                                abstract_state))
     flat = nnx.to_flat_state(abstract_state)
     reader = _SafetensorsReader(model_dir)
     missing, bad_shapes = [], []
@@ -72,10 +82,11 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
             continue
         if transpose:
             arr = arr.T
-        if arr.shape != var.shape:
-            bad_shapes.append(f"{name}: checkpoint {arr.shape} != expected {var.shape}")
+        if tp.repeat_kv_heads(path, arr).shape != var.shape:
+            bad_shapes.append(f"{name}: checkpoint {arr.shape} does not fit {var.shape}")
             continue
-        var.set_value(jnp.asarray(arr, dtype=dtype))
+        arr = tp.repeat_kv_heads(path, arr).astype(dtype)
+        var.set_value(jax.device_put(arr, tp.param_sharding(path, arr.shape)))
     if missing or bad_shapes:
         raise MissingWeightsError(
             f"checkpoint {model_dir!r} does not match the {config.architecture} config: "
@@ -85,13 +96,21 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def _dummy_model(cls, config, backend, dtype, seed):
-    @jax.jit
-    def init():
-        return nnx.split(cls(config, backend, dtype, nnx.Rngs(seed)))[1]
+def _dummy_state(cls, config, backend, dtype, seed, tp, abstract_state):
+    """Random weights of the checkpoint-shaped model, KV heads replicated, each array
+    created directly with its sharding."""
+    def names(key_path):
+        keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in key_path]
+        return tuple(keys[:-1] if keys and keys[-1] == "value" else keys)
 
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: cls(config, backend, dtype, nnx.Rngs(seed))))
-    return nnx.merge(graphdef, init())
+    def init():
+        state = nnx.split(cls(config, backend, dtype, nnx.Rngs(seed)))[1]
+        return jax.tree_util.tree_map_with_path(
+            lambda kp, x: tp.repeat_kv_heads(names(kp), x, xp=jnp), state)
+
+    shardings = jax.tree_util.tree_map_with_path(
+        lambda kp, x: tp.param_sharding(names(kp), x.shape), abstract_state)
+    return jax.jit(init, out_shardings=shardings)()
 
 
 def _hf_name(path: tuple) -> tuple[str, bool]:

@@ -105,10 +105,13 @@ class ModelRunner:
         page_size: tokens per page.
         limits: the largest padded shapes.
         eos_token_ids: the model's EOS ids (masked before a request's ``min_tokens``).
+        replicated: the sharding of every per-step input and output (the whole mesh); the
+            parameters and the pool keep the shardings they arrived with.
     """
 
     def __init__(self, model: nnx.Module, kv_caches: list[KVPages], backend: AttentionBackend,
-                 page_size: int, limits: RunnerLimits, eos_token_ids: frozenset[int]):
+                 page_size: int, limits: RunnerLimits, eos_token_ids: frozenset[int],
+                 replicated: jax.sharding.Sharding):
         graphdef, self._state = nnx.split(model)
         self._kv_caches = kv_caches
         self._backend = backend
@@ -132,13 +135,19 @@ class ModelRunner:
                 out["prompt"] = token_logprobs(model.compute_logits(hidden), targets)
             return out, kv_caches
 
-        self._step = jax.jit(step, donate_argnums=(1,),
-                             static_argnames=("with_logprobs", "with_prompt_logprobs"))
+        state_sharding = jax.tree.map(lambda a: a.sharding, self._state)
+        kv_sharding = jax.tree.map(lambda a: a.sharding, kv_caches)
+        rep = replicated
+        self._step = jax.jit(step, donate_argnums=(1,), static_argnums=(8, 9),
+                             in_shardings=(state_sharding, kv_sharding, rep, rep, rep, rep, rep,
+                                           rep),
+                             out_shardings=(rep, kv_sharding))
 
         def copy_pages(kv_caches, src, dst):
             return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv_caches]
 
-        self._copy_pages = jax.jit(copy_pages, donate_argnums=(0,))
+        self._copy_pages = jax.jit(copy_pages, donate_argnums=(0,),
+                                   in_shardings=(kv_sharding, rep, rep), out_shardings=kv_sharding)
 
     @property
     def backend(self) -> AttentionBackend:
@@ -235,8 +244,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             fn = self._step.lower(self._state, self._kv_caches, input_ids, layout.positions,
                                   logits_indices, metadata, sampling, adjust,
-                                  with_logprobs=logprob_flags[0],
-                                  with_prompt_logprobs=logprob_flags[1]).compile()
+                                  *logprob_flags).compile()
             self._executables[key] = fn
             logger.debug("compiled step %s in %.2fs", key, time.perf_counter() - t0)
         return fn

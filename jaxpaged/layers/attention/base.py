@@ -106,11 +106,14 @@ class AttentionBackend(abc.ABC):
 
 
 def allocate_kv_pool(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                     head_dim: int, dtype) -> list[KVPages]:
+                     head_dim: int, dtype, sharding: jax.sharding.Sharding | None = None
+                     ) -> list[KVPages]:
     """Preallocate the zero-filled pool: ``num_layers`` pairs of
-    [num_pages, page_size, num_kv_heads, head_dim] arrays of ``dtype``."""
+    [num_pages, page_size, num_kv_heads, head_dim] arrays of ``dtype``, each placed with
+    ``sharding`` (every device allocates only its own slice) or on the default device."""
     shape = (num_pages, page_size, num_kv_heads, head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return [(zeros(), zeros()) for _ in range(num_layers)]
 
 
 def kv_bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,

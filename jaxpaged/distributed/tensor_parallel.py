@@ -1,0 +1,137 @@
+"""Tensor parallelism over a one-axis device mesh (``--tensor-parallel-size``).
+
+Layout (Megatron-LM: Shoeybi et al., "Megatron-LM: Training Multi-Billion Parameter Language
+Models Using Model Parallelism", 2019, section 3):
+
+- ``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``, ``up_proj``: column-parallel (the output
+  features, i.e. whole heads / intermediate columns, split over the ``tp`` axis);
+- ``o_proj``, ``down_proj``: row-parallel (input features split), so each decoder block
+  needs one all-reduce after attention and one after the MLP; XLA's SPMD partitioner inserts
+  them from the parameter shardings;
+- ``embed_tokens`` and ``lm_head``: vocab-parallel (rows of the vocabulary split); logits
+  are gathered before sampling;
+- norms and row-parallel biases: replicated; so is any weight whose split dimension the
+  mesh does not divide (e.g. an intermediate size of 172 over 8 devices);
+- the KV pool: split over KV heads, ``[num_pages, page_size, KVH / tp, head_dim]`` per device.
+  When ``tp`` exceeds the KV head count, each KV head is replicated ``tp / KVH`` times (as
+  vLLM does) so that every device holds exactly the KV head its query heads use.
+
+Attention itself runs under ``shard_map`` (``TensorParallelAttention``): every device calls
+the ordinary paged-attention backend on its own heads and its own slice of the pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpaged.config import ModelConfig
+
+#: The mesh axis tensor parallelism splits over.
+TP_AXIS = "tp"
+
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+class TensorParallelError(ValueError):
+    """``tensor_parallel_size`` does not fit the devices or the model's heads."""
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The mesh and the sharding rules of one engine.
+
+    Attributes:
+        mesh: a 1-D mesh of ``size`` devices, axis :data:`TP_AXIS`.
+        size: the tensor-parallel degree.
+        kv_head_repeats: copies of each checkpoint KV head (1 unless ``size`` exceeds the
+            model's KV head count).
+        head_dim: the model's head width (to replicate KV-head columns).
+    """
+
+    mesh: Mesh
+    size: int
+    kv_head_repeats: int
+    head_dim: int
+
+    @classmethod
+    def create(cls, size: int, config: ModelConfig, devices: list | None = None
+               ) -> "TensorParallel":
+        """Check ``size`` against the devices and the model, and build the mesh.
+
+        Raises:
+            TensorParallelError: fewer than ``size`` devices; query heads not divisible by
+                ``size``; KV heads and ``size`` not multiples of one another. (A vocabulary
+                that ``size`` does not divide is no error: its weights are replicated.)
+        """
+        devices = list(jax.devices() if devices is None else devices)
+        if not isinstance(size, int) or size < 1:
+            raise TensorParallelError(f"tensor_parallel_size must be a positive integer, got {size!r}")
+        if size > len(devices):
+            hint = (" (on a CPU, start Python with XLA_FLAGS=--xla_force_host_platform_device_count"
+                    f"={size})" if devices[0].platform == "cpu" else "")
+            raise TensorParallelError(f"tensor_parallel_size={size} needs {size} devices, but "
+                                      f"{len(devices)} are visible{hint}")
+        if config.num_heads % size:
+            raise TensorParallelError(f"tensor_parallel_size={size} does not divide the model's "
+                                      f"{config.num_heads} attention heads")
+        kvh = config.num_kv_heads
+        if kvh % size and size % kvh:
+            raise TensorParallelError(f"tensor_parallel_size={size} and the model's {kvh} KV heads "
+                                      "must be multiples of one another")
+        repeats = max(1, size // kvh)
+        return cls(Mesh(np.array(devices[:size]), (TP_AXIS,)), size, repeats, config.head_dim)
+
+    def physical_config(self, config: ModelConfig) -> ModelConfig:
+        """``config`` with the KV head count the devices hold together (replicas counted)."""
+        return dataclasses.replace(config, num_kv_heads=config.num_kv_heads * self.kv_head_repeats)
+
+    @property
+    def replicated(self) -> NamedSharding:
+        """Every device holds the whole array."""
+        return NamedSharding(self.mesh, P())
+
+    @property
+    def kv_pool_sharding(self) -> NamedSharding:
+        """One layer's ``[num_pages, page_size, KVH, head_dim]`` K or V pages, split by head."""
+        return NamedSharding(self.mesh, P(None, None, TP_AXIS, None))
+
+    def param_sharding(self, path: tuple, shape: tuple[int, ...]) -> NamedSharding:
+        """Sharding of the parameter at NNX ``path`` (e.g. ``(..., 'q_proj', 'kernel')``)
+        with ``shape`` (kernels are ``[in, out]``, embeddings ``[vocab, hidden]``). A
+        dimension the mesh does not divide evenly (e.g. an intermediate size of 172 over 8
+        devices) is replicated instead of split."""
+        names = [str(p) for p in path]
+        module, leaf = names[-2], names[-1]
+        axis = None
+        if module in _COLUMN_PARALLEL:
+            axis = len(shape) - 1                 # kernel [in, out] -> out; bias [out]
+        elif module in _ROW_PARALLEL and leaf == "kernel":
+            axis = 0
+        elif module == "embed_tokens":
+            axis = 0                              # vocab rows
+        elif module == "lm_head" and leaf == "kernel":
+            axis = 1                              # vocab columns
+        if axis is None or shape[axis] % self.size:
+            return self.replicated
+        spec = [None] * len(shape)
+        spec[axis] = TP_AXIS
+        return NamedSharding(self.mesh, P(*spec))
+
+    def repeat_kv_heads(self, path: tuple, value, xp=np):
+        """Replicate a ``k_proj``/``v_proj`` kernel's or bias's head columns
+        ``kv_head_repeats`` times (head j of the result is checkpoint head
+        ``j // kv_head_repeats``); other parameters are returned unchanged.
+
+        ``xp`` is ``numpy`` for host arrays or ``jax.numpy`` inside jit.
+        """
+        if self.kv_head_repeats == 1 or str(path[-2]) not in ("k_proj", "v_proj"):
+            return value
+        lead = value.shape[:-1]
+        heads = value.reshape(*lead, -1, self.head_dim)
+        return xp.repeat(heads, self.kv_head_repeats, axis=-2).reshape(*lead, -1)

@@ -1,0 +1,51 @@
+"""Attention under ``shard_map``: each device attends with its own heads and pool slice.
+
+The wrapped backend runs unchanged on every device of the mesh's ``tp`` axis with
+``num_heads / tp`` query heads, ``num_kv_heads / tp`` KV heads and its slice of the KV pool
+(see :mod:`jaxpaged.distributed.tensor_parallel` for the layout). Step metadata is
+replicated. No communication happens inside attention (Megatron-LM, section 3: heads are
+independent); the all-reduce follows in the row-parallel ``o_proj``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+from jax import shard_map
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxpaged.distributed.tensor_parallel import TP_AXIS
+from jaxpaged.layers.attention.base import AttentionBackend, BatchLayout, KVPages
+
+_HEADS = P(None, TP_AXIS, None)             # [T, heads, head_dim]
+_POOL = P(None, None, TP_AXIS, None)        # [num_pages, page_size, kv_heads, head_dim]
+
+
+@dataclass(frozen=True)
+class TensorParallelAttention(AttentionBackend):
+    """``inner`` run per device over ``mesh``'s ``tp`` axis.
+
+    Attributes:
+        inner: the single-device backend (``xla`` or ``pallas``).
+        mesh: the engine's mesh.
+    """
+
+    inner: AttentionBackend
+    mesh: Mesh
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        """The wrapped backend's name."""
+        return self.inner.name
+
+    def build_metadata(self, layout: BatchLayout):
+        """The wrapped backend's metadata (replicated on every device)."""
+        return self.inner.build_metadata(layout)
+
+    def forward(self, q, k, v, kv_pages: KVPages, metadata, *, scale: float):
+        """See :meth:`AttentionBackend.forward`; q, k, v and the pool split by head."""
+        per_device = shard_map(partial(self.inner.forward, scale=scale), mesh=self.mesh,
+                               in_specs=(_HEADS, _HEADS, _HEADS, (_POOL, _POOL), P()),
+                               out_specs=(_HEADS, (_POOL, _POOL)), check_vma=False)
+        return per_device(q, k, v, kv_pages, metadata)
