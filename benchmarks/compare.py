@@ -37,6 +37,7 @@ from benchmarks.results import plot_next_to, write_outputs
 from benchmarks.throughput import measure, run_requests, shifted
 from jaxpaged import LLM
 from jaxpaged.config import ModelConfig
+from jaxpaged.distributed.tensor_parallel import request_host_devices
 
 
 def matmul_peak_flops(n: int = 2048, repeats: int = 10) -> float:
@@ -113,9 +114,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--sweep-max-num-seqs", default="",
                    help="also measure jaxpaged at these --max-num-seqs values (e.g. 8,16,32)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="run the jaxpaged rows over this many devices (on a CPU: host devices "
+                        "that split the cores); adds a tp=1 row for comparison")
     p.add_argument("--small", action="store_true",
                    help="a seconds-long version on the bundled model (CI)")
     args = p.parse_args(argv)
+    tp = args.tensor_parallel_size
+    request_host_devices(tp)      # before anything starts JAX
     w = load_w1()
     page, max_len = 16, 1024
     if args.small:
@@ -130,15 +136,20 @@ def main(argv: list[str] | None = None) -> dict:
     os.makedirs(args.output_dir, exist_ok=True)
     cfg = ModelConfig.from_pretrained(model)
     engine = dict(max_model_len=max_len, block_size=page, enforce_eager=True,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=tp)
     llm = LLM(model=model, max_num_seqs=args.max_num_seqs, **engine)
-    rows = [{"backend": "jaxpaged", **measure(llm, requests)}]
+    rows = [{"backend": "jaxpaged" + (f" tp={tp}" if tp > 1 else ""), **measure(llm, requests)}]
     kv = llm.engine.kv_cache_manager
     slots = max(1, kv.num_usable_pages // -(-max_len // page))
     del llm
+    if tp > 1:
+        llm = LLM(model=model, max_num_seqs=args.max_num_seqs, **{**engine,
+                                                                   "tensor_parallel_size": 1})
+        rows.append({"backend": "jaxpaged tp=1", **measure(llm, requests)})
+        del llm
     rows.append(contiguous_static(model, requests, min(slots, len(requests)), max_len, page,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enforce_eager=True))
+                                  enforce_eager=True, tensor_parallel_size=tp))
     if args.hf_python:
         for b in (int(x) for x in args.hf_batch_sizes.split(",")):
             rows.append(transformers_row(args.hf_python, model, requests, b, args.work_dir))
@@ -156,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"workload": "small" if args.small else "W1", "model": model,
               "num_requests": len(requests), "matmul_peak_gflops": peak / 1e9,
               "model_tflops": flops / 1e12, "roofline_seconds": flops / peak,
-              "kv_slots_for_contiguous": slots, "rows": rows,
+              "kv_slots_for_contiguous": slots, "tensor_parallel_size": tp, "rows": rows,
               "max_num_seqs_sweep": [{"max_num_seqs": n, "output_tokens_per_second": v}
                                      for n, v in sorted(sweep)]}
     print(f"{'engine':<28}{'time (s)':>10}{'out tok/s':>12}{'jaxpaged x':>12}{'MFU':>8}")

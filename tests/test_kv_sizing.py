@@ -25,6 +25,15 @@ def test_cpu_default_is_capped_by_what_requests_can_use():
     assert kv_sizing.num_kv_pages(**ARGS, profile_peak_bytes=lambda: None) == 10 * 4 + 1
 
 
+def test_cpu_default_budget_is_shared_by_host_devices(monkeypatch):
+    monkeypatch.setattr(kv_sizing, "DEFAULT_CPU_KV_CACHE_BYTES", 20_000)
+    big = {**ARGS, "max_num_seqs": 1000}
+    assert kv_sizing.num_kv_pages(**big, profile_peak_bytes=lambda: None) == 20
+    # two devices each hold half of a page (500 bytes each), in the same host memory
+    assert kv_sizing.num_kv_pages(**{**big, "bytes_per_page": 500}, num_devices=2,
+                                  profile_peak_bytes=lambda: None) == 20
+
+
 def test_gpu_budget_is_utilization_minus_profiled_peak(monkeypatch):
     monkeypatch.setattr(kv_sizing.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(kv_sizing.jax, "devices", lambda: [FakeDevice()])

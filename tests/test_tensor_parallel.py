@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -121,3 +123,20 @@ def test_kv_head_replication_order():
         np.testing.assert_array_equal(heads[:, j], kernel.reshape(2, 4, 8)[:, j // 2])
     q = tp.repeat_kv_heads(("layers", 0, "self_attn", "q_proj", "kernel"), kernel)
     assert q is kernel
+
+
+def test_cli_splits_the_host_cpu_by_itself():
+    """No XLA_FLAGS: ``--tensor-parallel-size 2`` asks XLA for 2 host devices; the text
+    equals the committed single-device reference."""
+    with open(os.path.join(STORIES, "reference",
+                           "expected_greedy_prompt_OnceUponATime_n64.txt")) as f:
+        expected = f.read()
+    prompt = "Once upon a time"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxpaged.cli", "generate", "--tensor-parallel-size", "2",
+         "--temperature", "0", "--max-tokens", "60", "-v", prompt],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == expected[len(prompt):]
+    assert "tensor parallel 2" in proc.stderr

@@ -23,9 +23,11 @@ the ordinary paged-attention backend on its own heads and its own slice of the p
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import jax
+from jax._src import xla_bridge
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -40,6 +42,17 @@ _ROW_PARALLEL = ("o_proj", "down_proj")
 
 class TensorParallelError(ValueError):
     """``tensor_parallel_size`` does not fit the devices or the model's heads."""
+
+
+def request_host_devices(n: int) -> None:
+    """Ask XLA to split the host CPU into ``n`` devices, if JAX has not started its backends
+    yet and nobody chose a count (``--xla_force_host_platform_device_count`` in
+    ``XLA_FLAGS``). The flag only concerns the CPU platform, so this is harmless on a GPU
+    machine; it is what lets ``--tensor-parallel-size N`` run on a CPU without setup."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and "xla_force_host_platform_device_count" not in flags \
+            and not xla_bridge.backends_are_initialized():
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 @dataclass(frozen=True)

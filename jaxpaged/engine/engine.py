@@ -19,13 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.distributed.tensor_parallel import TensorParallel, request_host_devices
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
 from jaxpaged.engine.kv_sizing import check_pool_fits, num_kv_pages
 from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup, SequenceState
 from jaxpaged.engine.request import Request
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
-from jaxpaged.distributed.tensor_parallel import TensorParallel
 from jaxpaged.layers.attention import allocate_kv_pool, get_attention_backend, kv_bytes_per_page
 from jaxpaged.layers.attention.tensor_parallel import TensorParallelAttention
 from jaxpaged.metrics.stats import (FinishedRequestStats, IterationStats, SchedulerStats,
@@ -85,6 +85,7 @@ class Engine:
 
     def __init__(self, args: EngineArgs):
         self.args = args
+        request_host_devices(args.tensor_parallel_size)   # before anything starts JAX
         if args.compilation_cache_dir:
             _enable_compilation_cache(args.compilation_cache_dir)
         self.model_config = cfg = ModelConfig.from_pretrained(args.model)
@@ -124,8 +125,9 @@ class Engine:
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             gpu_memory_utilization=args.gpu_memory_utilization,
             profile_peak_bytes=lambda: ModelRunner(model, pool(2), backend, page_size, limits,
-                                                   frozenset(), tp.replicated).profile_peak_bytes())
-        check_pool_fits(num_pages, bytes_per_page)
+                                                   frozenset(), tp.replicated).profile_peak_bytes(),
+            num_devices=tp.size)
+        check_pool_fits(num_pages, bytes_per_page, tp.size)
         self.kv_cache_manager = KVCacheManager(num_pages, page_size, args.enable_prefix_caching)
         if self.kv_cache_manager.num_usable_pages < pages_per_seq:
             raise ValueError(

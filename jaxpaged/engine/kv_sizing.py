@@ -24,11 +24,13 @@ DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
 def num_kv_pages(*, bytes_per_page: int, pages_per_seq: int, max_num_seqs: int,
                  num_gpu_blocks_override: int | None, kv_cache_memory_bytes: int | None,
                  gpu_memory_utilization: float,
-                 profile_peak_bytes: Callable[[], int | None]) -> int:
+                 profile_peak_bytes: Callable[[], int | None], num_devices: int = 1) -> int:
     """Pages for the pool (the null page included).
 
     Args:
-        bytes_per_page: K and V bytes of one page across all layers.
+        bytes_per_page: K and V bytes of one page across all layers, on one device.
+        num_devices: devices holding a slice of every page; CPU devices share the host's
+            memory, so the CPU default budget covers all of them together.
         pages_per_seq: pages of one ``max_model_len`` request.
         max_num_seqs: the most concurrent requests.
         num_gpu_blocks_override, kv_cache_memory_bytes, gpu_memory_utilization: the flags.
@@ -55,7 +57,8 @@ def num_kv_pages(*, bytes_per_page: int, pages_per_seq: int, max_num_seqs: int,
         logger.info("GPU memory: %.1f GiB total, %.1f GiB peak in the profiling step, "
                     "%.1f GiB for KV", total / 2**30, peak / 2**30, budget / 2**30)
         return budget // bytes_per_page
-    return min(DEFAULT_CPU_KV_CACHE_BYTES // bytes_per_page, max_num_seqs * pages_per_seq + 1)
+    return min(DEFAULT_CPU_KV_CACHE_BYTES // (bytes_per_page * num_devices),
+               max_num_seqs * pages_per_seq + 1)
 
 
 def device_memory_bytes() -> int | None:
@@ -70,14 +73,16 @@ def device_memory_bytes() -> int | None:
         return None
 
 
-def check_pool_fits(num_pages: int, bytes_per_page: int) -> None:
-    """Refuse a pool larger than the device's memory before trying to allocate it.
+def check_pool_fits(num_pages: int, bytes_per_page: int, num_devices: int = 1) -> None:
+    """Refuse a pool larger than the device's memory before trying to allocate it
+    (``bytes_per_page`` per device; on a CPU the ``num_devices`` share the host's memory).
 
     Raises:
         ValueError: stating the pool's and the device's sizes.
     """
     total = device_memory_bytes()
-    need = num_pages * bytes_per_page
+    shared = num_devices if jax.default_backend() == "cpu" else 1
+    need = num_pages * bytes_per_page * shared
     if total is not None and need > total:
         raise ValueError(f"a KV pool of {num_pages} pages ({need / 2**30:.1f} GiB) does not fit in "
                          f"the device's {total / 2**30:.1f} GiB; lower --kv-cache-memory-bytes or "
