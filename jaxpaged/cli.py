@@ -9,11 +9,27 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 
 from jaxpaged.engine.arg_utils import EngineArgs
+
+
+@contextlib.contextmanager
+def _native_output_to_stderr():
+    """Send file descriptor 1 to stderr for a while: native libraries (Gloo's connection
+    messages in a multi-host job) print there, and stdout carries only the completions."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,13 +105,17 @@ def _main(argv: list[str] | None) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k,
                                 stop=args.stop, ignore_eos=args.ignore_eos)
-        llm = LLM(**vars(EngineArgs.from_cli_args(args, enforce_eager_default=True)))
-        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+        with _native_output_to_stderr():
+            llm = LLM(**vars(EngineArgs.from_cli_args(args, enforce_eager_default=True)))
+            outputs = llm.generate(args.prompts, params, use_tqdm=False)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"jaxpaged: error: {e}", file=sys.stderr)
         return 2
-    for out in outputs:
-        print(out.outputs[0].text)
+    from jaxpaged.distributed.multihost import is_leader
+
+    if is_leader():          # every process of a multi-host job computed the same outputs
+        for out in outputs:
+            print(out.outputs[0].text)
     return 0
 
 

@@ -71,8 +71,12 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
     Raises:
         FileNotFoundError: ``--chat-template`` names a missing ``.jinja`` file.
-        ValueError: an invalid template, or empty or repeated served model names.
+        ValueError: an invalid template, empty or repeated served model names, or
+            ``--num-processes`` > 1 (the server is single-process).
     """
+    if args.num_processes > 1:
+        raise ValueError("jaxpaged serve runs in one process; --num-processes > 1 is for "
+                         "offline generation (docs/distributed.md)")
     names = args.served_model_name or [
         "stories260K" if args.model == DEFAULT_MODEL else args.model]
     if not all(names) or len(set(names)) != len(names):

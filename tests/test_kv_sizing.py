@@ -36,7 +36,7 @@ def test_cpu_default_budget_is_shared_by_host_devices(monkeypatch):
 
 def test_gpu_budget_is_utilization_minus_profiled_peak(monkeypatch):
     monkeypatch.setattr(kv_sizing.jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(kv_sizing.jax, "devices", lambda: [FakeDevice()])
+    monkeypatch.setattr(kv_sizing.jax, "local_devices", lambda: [FakeDevice()])
     # 0.92 * 1e6 - 250e3 peak = 670e3 bytes -> 670 pages
     assert kv_sizing.num_kv_pages(**ARGS, profile_peak_bytes=lambda: 250_000) == 670
     with pytest.raises(ValueError, match="no room for the KV cache"):

@@ -97,6 +97,11 @@ class TensorParallel:
         if kvh % size and size % kvh:
             raise TensorParallelError(f"tensor_parallel_size={size} and the model's {kvh} KV heads "
                                       "must be multiples of one another")
+        if jax.process_count() > 1 and size != len(devices):
+            raise TensorParallelError(
+                f"tensor_parallel_size={size} must equal the {len(devices)} devices of the "
+                f"{jax.process_count()} processes (each process runs the same step on its own "
+                "devices of one mesh)")
         repeats = max(1, size // kvh)
         return cls(Mesh(np.array(devices[:size]), (TP_AXIS,)), size, repeats, config.head_dim)
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.distributed.multihost import initialize as initialize_multihost
 from jaxpaged.distributed.tensor_parallel import TensorParallel, request_host_devices
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
@@ -79,13 +80,16 @@ class Engine:
     Raises:
         FileNotFoundError / UnsupportedModelError / MissingWeightsError: bad model directory.
         TensorParallelError: ``tensor_parallel_size`` does not fit the devices or the heads.
+        MultiHostError: inconsistent multi-host flags.
         ValueError: inconsistent limits (e.g. a pool too small for one ``max_model_len``
             request, or ``max_model_len`` beyond the model's trained context).
     """
 
     def __init__(self, args: EngineArgs):
         self.args = args
-        request_host_devices(args.tensor_parallel_size)   # before anything starts JAX
+        # Both before anything starts JAX's backends:
+        request_host_devices(args.tensor_parallel_size // args.num_processes)
+        initialize_multihost(args.coordinator_address, args.num_processes, args.process_id)
         if args.compilation_cache_dir:
             _enable_compilation_cache(args.compilation_cache_dir)
         self.model_config = cfg = ModelConfig.from_pretrained(args.model)

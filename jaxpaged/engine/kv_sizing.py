@@ -45,7 +45,7 @@ def num_kv_pages(*, bytes_per_page: int, pages_per_seq: int, max_num_seqs: int,
     if kv_cache_memory_bytes is not None:
         return kv_cache_memory_bytes // bytes_per_page
     if jax.default_backend() == "gpu":
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}
         total = stats.get("bytes_limit", 0)
         peak = profile_peak_bytes() or stats.get("bytes_in_use", 0)
         budget = int(total * gpu_memory_utilization) - peak
@@ -64,7 +64,7 @@ def num_kv_pages(*, bytes_per_page: int, pages_per_seq: int, max_num_seqs: int,
 def device_memory_bytes() -> int | None:
     """Memory of the default device: the GPU's ``bytes_limit``, or the host's physical
     memory for a CPU; None if unknown."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
     try:

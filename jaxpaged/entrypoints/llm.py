@@ -8,6 +8,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpaged.chat_utils import encode_chat, render_chat
+from jaxpaged.distributed.multihost import is_leader
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs
 from jaxpaged.engine.engine import Engine, Prompt
 from jaxpaged.outputs import RequestOutput
@@ -133,7 +134,8 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+        with tqdm(total=len(ids), desc="Processed prompts",
+                  disable=not use_tqdm or not is_leader()) as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:

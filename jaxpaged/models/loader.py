@@ -5,8 +5,9 @@ A parameter at NNX path ``a.b.c.<leaf>`` comes from the safetensors tensor ``a.b
 ``[out, in]``; embeddings and norm scales are taken as they are.
 
 Every tensor goes straight to its devices with its tensor-parallel sharding
-(:mod:`jaxpaged.distributed.tensor_parallel`), so a device receives only its own slice; the
-whole model exists once, on the host, one tensor at a time.
+(:mod:`jaxpaged.distributed.tensor_parallel`), so a device receives only its own slice (and a
+process only its own devices' slices); the whole model exists once, on the host, one tensor
+at a time.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
             bad_shapes.append(f"{name}: checkpoint {arr.shape} does not fit {var.shape}")
             continue
         arr = tp.repeat_kv_heads(path, arr).astype(dtype)
-        var.set_value(jax.device_put(arr, tp.param_sharding(path, arr.shape)))
+        var.set_value(jax.make_array_from_callback(arr.shape, tp.param_sharding(path, arr.shape),
+                                                   lambda index, arr=arr: arr[index]))
     if missing or bad_shapes:
         raise MissingWeightsError(
             f"checkpoint {model_dir!r} does not match the {config.architecture} config: "

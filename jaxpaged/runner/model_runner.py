@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpaged.distributed.multihost import to_host
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
 from jaxpaged.engine.scheduler import SchedulerOutput
 from jaxpaged.layers.attention import NULL_PAGE, AttentionBackend, BatchLayout, KVPages
@@ -205,7 +206,7 @@ class ModelRunner:
                               metadata, sampling, adjust)
         out, self._kv_caches = fn(self._state, self._kv_caches, input_ids, layout.positions,
                                   logits_indices, metadata, sampling, adjust)
-        out = jax.tree.map(np.asarray, out)
+        out = jax.tree.map(to_host, out)
         results: list[list[int]] = [[] for _ in sched.scheduled]
         for r, i in enumerate(owners):
             results[i].append(r)
@@ -325,7 +326,7 @@ class ModelRunner:
         out, self._kv_caches = fn(self._state, self._kv_caches, input_ids, layout.positions,
                                   logits_indices, metadata, sampling, adjust)
         jax.block_until_ready(out)
-        stats = jax.devices()[0].memory_stats()
+        stats = jax.local_devices()[0].memory_stats()
         return None if not stats else stats.get("peak_bytes_in_use")
 
     def precompile(self) -> float:
