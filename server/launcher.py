@@ -18,7 +18,7 @@ import uvicorn
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs
-from jaxpaged.engine.async_engine import AsyncEngine
+from jaxpaged.engine.async_engine import AsyncEngine, run_follower
 from jaxpaged.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from jaxpaged.tokenizer import load_tokenizer
 from server.app import build_app
@@ -71,12 +71,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
     Raises:
         FileNotFoundError: ``--chat-template`` names a missing ``.jinja`` file.
-        ValueError: an invalid template, empty or repeated served model names, or
-            ``--num-processes`` > 1 (the server is single-process).
+        ValueError: an invalid template, or empty or repeated served model names.
     """
-    if args.num_processes > 1:
-        raise ValueError("jaxpaged serve runs in one process; --num-processes > 1 is for "
-                         "offline generation (docs/distributed.md)")
     names = args.served_model_name or [
         "stories260K" if args.model == DEFAULT_MODEL else args.model]
     if not all(names) or len(set(names)) != len(names):
@@ -117,10 +113,15 @@ def make_server(engine_args: EngineArgs, config: ServerConfig, log_stats: bool =
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """Serve until interrupted; returns the exit status."""
+    """Serve until interrupted; returns the exit status. In a multi-host job only process 0
+    serves HTTP; the others run the engine on process 0's commands
+    (:func:`jaxpaged.engine.async_engine.run_follower`) until it stops."""
     try:
         engine_args = EngineArgs.from_cli_args(args)
         config = server_config(args)
+        if engine_args.num_processes > 1 and engine_args.process_id != 0:
+            run_follower(engine_args)
+            return 0
         engine, app = make_server(engine_args, config, not args.disable_log_stats)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"jaxpaged: error: {e}", file=sys.stderr)

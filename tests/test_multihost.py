@@ -66,3 +66,53 @@ def test_missing_coordinator_is_a_clear_error():
         initialize(None, 2, 0)
     with pytest.raises(MultiHostError, match=r"--process-id must be in \[0, 2\)"):
         initialize("127.0.0.1:1", 2, 5)
+
+
+def test_two_process_server_answers_like_one_process():
+    """Process 0 serves HTTP; process 1 follows its commands; a greedy completion equals
+    LLM.generate on one device, streamed or not; SIGINT to process 0 stops both."""
+    import signal
+    import time
+
+    import httpx
+
+    from jaxpaged import LLM, SamplingParams
+
+    port, http_port = free_port(), free_port()
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "jaxpaged.cli", "serve", "--tensor-parallel-size", "2",
+         "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
+         "--process-id", str(i), "--port", str(http_port), "--enforce-eager",
+         "--max-num-seqs", "4", "--max-num-batched-tokens", "64"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    try:
+        url = f"http://127.0.0.1:{http_port}"
+        deadline = time.monotonic() + 240
+        while True:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        body = {"model": "stories260K", "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+        texts = [httpx.post(url + "/v1/completions", json=body, timeout=120)
+                 .json()["choices"][0]["text"] for _ in range(2)]
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                          timeout=120) as r:
+            chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+        import json
+        streamed = "".join(json.loads(c[6:])["choices"][0]["text"] for c in chunks)
+        expected = LLM(enforce_eager=True).generate(
+            [PROMPT], SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0]
+        assert texts == [expected.outputs[0].text] * 2
+        assert streamed == expected.outputs[0].text
+        procs[0].send_signal(signal.SIGINT)
+        assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

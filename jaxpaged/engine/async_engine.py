@@ -8,6 +8,11 @@ connections) and the engine needs no locks. Each request's outputs arrive on its
 
 The split mirrors vLLM's ``AsyncLLM`` (``vllm/v1/engine/async_llm.py``) with a thread in place of
 its engine-core process.
+
+In a multi-host job (``--num-processes`` > 1) this runs in process 0, which sends each step's
+commands to the other processes before applying them (``jaxpaged.distributed.multihost``);
+those run :func:`run_follower`, the same loop without HTTP, so every engine takes the same
+steps.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 
+from jaxpaged.distributed.multihost import broadcast_commands
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.engine import Engine, Prompt
 from jaxpaged.metrics.stats import StatLogger
@@ -25,6 +31,10 @@ from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+#: Seconds an idle multi-host leader waits for a command before it sends an empty list, so
+#: the other processes never sit in one collective for long.
+HEARTBEAT_S = 0.5
 
 
 class EngineNotReadyError(RuntimeError):
@@ -89,6 +99,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._multihost = args.num_processes > 1
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -205,7 +216,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self.engine = Engine(self.args)
-            self._warm_up()
+            warm_up(self.engine)
             self.engine.stat_loggers.extend(self._stat_loggers)
             self.engine.record_stats()          # every gauge has a value from the start
             self._ready.set()
@@ -218,26 +229,12 @@ class AsyncEngine:
             self._call_soon(self._fail_all, e)
             self._reject_queued(e)
 
-    def _warm_up(self) -> None:
-        """Run one one-token request end to end, so that the first user request does not
-        pay for anything that a precompile leaves out (and a broken step fails here)."""
-        engine = self.engine
-        bos = engine.tokenizer.bos_token_id
-        engine.add_request("__warmup__", [bos if bos is not None else 0],
-                           SamplingParams(max_tokens=1, temperature=0))
-        while engine.has_unfinished_requests():
-            engine.step()
-
     def _loop_forever(self) -> None:
         engine = self.engine
         while True:
-            block = not engine.has_unfinished_requests()
-            commands = [self._commands.get()] if block else []
-            while True:
-                try:
-                    commands.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
+            commands = self._take_commands(block=not engine.has_unfinished_requests())
+            if self._multihost:
+                broadcast_commands([cmd[:5] if cmd[0] == "add" else cmd for cmd in commands])
             for cmd in commands:
                 if cmd[0] == "stop":
                     return
@@ -249,6 +246,22 @@ class AsyncEngine:
                 outputs = engine.step()
                 if outputs:
                     self._call_soon(self._deliver, outputs)
+
+    def _take_commands(self, block: bool) -> list[tuple]:
+        """Every queued command; when ``block``, wait for one first (a multi-host leader
+        waits at most :data:`HEARTBEAT_S` and may return none)."""
+        commands = []
+        if block:
+            try:
+                commands.append(self._commands.get(timeout=HEARTBEAT_S if self._multihost
+                                                   else None))
+            except queue.Empty:
+                return commands
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
 
     def _handle_add(self, request_id, prompt, params, priority, accepted) -> None:
         try:
@@ -270,6 +283,37 @@ class AsyncEngine:
     def _call_soon(self, fn, *args) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(fn, *args)
+
+
+def warm_up(engine: Engine) -> None:
+    """Run one one-token request end to end, so that the first user request does not pay
+    for anything that a precompile leaves out (and a broken step fails here)."""
+    bos = engine.tokenizer.bos_token_id
+    engine.add_request("__warmup__", [bos if bos is not None else 0],
+                       SamplingParams(max_tokens=1, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def run_follower(args: EngineArgs) -> None:
+    """A non-leader process of a multi-host server: the same engine as process 0's
+    :class:`AsyncEngine`, fed with process 0's commands, stepping when it steps, until a
+    stop command. Requests that process 0 refused are refused here the same way."""
+    engine = Engine(args)
+    warm_up(engine)
+    while True:
+        for cmd in broadcast_commands(None):
+            if cmd[0] == "stop":
+                return
+            if cmd[0] == "add":
+                try:
+                    engine.add_request(*cmd[1:])
+                except Exception:   # noqa: BLE001 - process 0 answered the client already
+                    pass
+            else:
+                engine.abort_request(cmd[1])
+        if engine.has_unfinished_requests():
+            engine.step()
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:
