@@ -1,19 +1,13 @@
 """Two local processes (coordinator on 127.0.0.1), 2 CPU devices each, one tp=4 engine."""
 
 import os
-import socket
 import subprocess
 import sys
 
 from tests.conftest import STORIES_REFERENCE
+from tests.helpers.processes import free_port, wait_for_health
 
 PROMPT = "Once upon a time"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_job(num_processes: int, tp: int, extra: list[str], timeout: float = 300):
@@ -72,7 +66,6 @@ def test_two_process_server_answers_like_one_process():
     """Process 0 serves HTTP; process 1 follows its commands; a greedy completion equals
     LLM.generate on one device, streamed or not; SIGINT to process 0 stops both."""
     import signal
-    import time
 
     import httpx
 
@@ -88,15 +81,7 @@ def test_two_process_server_answers_like_one_process():
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in range(2)]
     try:
         url = f"http://127.0.0.1:{http_port}"
-        deadline = time.monotonic() + 240
-        while True:
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        wait_for_health(url, 200, procs, timeout=240)
         body = {"model": "stories260K", "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
         texts = [httpx.post(url + "/v1/completions", json=body, timeout=120)
                  .json()["choices"][0]["text"] for _ in range(2)]

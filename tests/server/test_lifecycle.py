@@ -16,6 +16,7 @@ from starlette.testclient import TestClient
 
 from server.launcher import make_server
 from server.serving import ServerConfig
+from tests.helpers.processes import free_port, wait_for_health
 from tests.server.conftest import MAX_BODY_BYTES, MODEL, LiveServer, engine_args
 
 
@@ -104,10 +105,7 @@ def wait_health(url, proc, timeout=120):
 
 
 def test_jaxpaged_serve_command_with_api_key(tmp_path):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     env = {**os.environ, "JAXPAGED_API_KEY": "s3cret"}
@@ -156,23 +154,11 @@ def test_jaxpaged_serve_bad_arguments_exit_with_error(tmp_path, flags, needle):
 
 
 def test_interrupt_while_loading_exits_promptly():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # Without --enforce-eager the start-up precompiles for many seconds: interrupt that.
     proc = subprocess.Popen([sys.executable, "-m", "jaxpaged.cli", "serve", "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        assert time.monotonic() < deadline and proc.poll() is None
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 503:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
+    wait_for_health(f"http://127.0.0.1:{port}", 503, [proc], timeout=60, poll=0.1)
     time.sleep(2)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
