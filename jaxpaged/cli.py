@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.engine.arg_utils import EngineArgs, cli_error_message
 
 
 @contextlib.contextmanager
@@ -100,6 +100,8 @@ def _main(argv: list[str] | None) -> int:
             args.model = args.model_tag
         return run_server(args)
     from jaxpaged import LLM, SamplingParams  # heavy imports after argument errors
+    from jaxpaged.distributed.multihost import JobFailed, is_leader, leave_failed_job
+    from jaxpaged.distributed.step_sync import JobStopped
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -109,10 +111,13 @@ def _main(argv: list[str] | None) -> int:
             llm = LLM(**vars(EngineArgs.from_cli_args(args, enforce_eager_default=True)))
             outputs = llm.generate(args.prompts, params, use_tqdm=False)
     except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"jaxpaged: error: {e}", file=sys.stderr)
+        print(f"jaxpaged: error: {cli_error_message(e)}", file=sys.stderr)
         return 2
-    from jaxpaged.distributed.multihost import is_leader
-
+    except JobStopped as e:      # every process of the job stops at the same step
+        print(f"jaxpaged: {e}", file=sys.stderr)
+        return 128 + e.signum
+    except JobFailed as e:
+        leave_failed_job(e)
     if is_leader():          # every process of a multi-host job computed the same outputs
         for out in outputs:
             print(out.outputs[0].text)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 
@@ -17,7 +18,8 @@ import jinja2
 import uvicorn
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs
+from jaxpaged.distributed.multihost import leave_failed_job
+from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs, cli_error_message
 from jaxpaged.engine.async_engine import AsyncEngine, run_follower
 from jaxpaged.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from jaxpaged.tokenizer import load_tokenizer
@@ -120,22 +122,35 @@ def run_server(args: argparse.Namespace) -> int:
         engine_args = EngineArgs.from_cli_args(args)
         config = server_config(args)
         if engine_args.num_processes > 1 and engine_args.process_id != 0:
-            run_follower(engine_args)
-            return 0
+            return run_follower(engine_args)
         engine, app = make_server(engine_args, config, not args.disable_log_stats)
     except (ValueError, TypeError, FileNotFoundError) as e:
-        print(f"jaxpaged: error: {e}", file=sys.stderr)
+        print(f"jaxpaged: error: {cli_error_message(e)}", file=sys.stderr)
         return 2
     server = GracefulServer(engine, uvicorn.Config(
         app, host=args.host, port=args.port, log_level="info",
         access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5))
+    multihost = engine_args.num_processes > 1
 
     def stop_if_load_fails():
         if not engine.wait_ready():
-            print(f"jaxpaged: error: the engine failed to start: {engine.error}", file=sys.stderr)
+            print(f"jaxpaged: error: the engine failed to start: "
+                  f"{cli_error_message(engine.error)}", file=sys.stderr)
             server.should_exit = True
 
+    def stop_when_the_job_ends():
+        # A multi-host engine ends by itself when another process is stopped or dies; one
+        # process cannot serve alone, so the server stops too.
+        engine.wait_ready()
+        engine.join()
+        server.should_exit = True
+
     threading.Thread(target=stop_if_load_fails, daemon=True).start()
+    if multihost:
+        threading.Thread(target=stop_when_the_job_ends, daemon=True).start()
+        # uvicorn re-raises SIGTERM after its graceful shutdown; as an exception (not the
+        # default action) it lets the process pass JAX's shutdown barrier with the others.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     logger.info("serving %s as %s on http://%s:%d", engine_args.model,
                 config.served_model_names, args.host, args.port)
     try:
@@ -143,6 +158,8 @@ def run_server(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:   # uvicorn re-raises the signal after its graceful shutdown
         pass
     status = 1 if engine.error is not None else 0
+    if multihost and engine.error is not None and engine.engine is not None:
+        leave_failed_job(engine.error)     # a step failed, a peer is gone: skip JAX's barrier
     if engine.is_loading:
         # Interrupted while the engine thread is inside XLA (loading or compiling): leave
         # without finalizing the interpreter around it, which can crash in native code.

@@ -86,10 +86,18 @@ class TensorParallel:
         if not isinstance(size, int) or size < 1:
             raise TensorParallelError(f"tensor_parallel_size must be a positive integer, got {size!r}")
         if size > len(devices):
-            hint = (" (on a CPU, start Python with XLA_FLAGS=--xla_force_host_platform_device_count"
-                    f"={size})" if devices[0].platform == "cpu" else "")
-            raise TensorParallelError(f"tensor_parallel_size={size} needs {size} devices, but "
-                                      f"{len(devices)} are visible{hint}")
+            processes = jax.process_count()
+            where = (f"this process has {len(devices)}" if processes == 1 else
+                     f"the {processes} processes have {len(devices)} in all")
+            hint = ""
+            if devices[0].platform == "cpu":
+                hint = (f"; a CPU is split into {size // processes} host devices per process "
+                        "only if tensor parallelism is the first use of JAX in the process "
+                        "(start a new Python process, or set XLA_FLAGS="
+                        f"--xla_force_host_platform_device_count={size // processes} before "
+                        "starting it)")
+            raise TensorParallelError(f"tensor_parallel_size={size} needs {size} devices but "
+                                      f"{where}{hint}")
         if config.num_heads % size:
             raise TensorParallelError(f"tensor_parallel_size={size} does not divide the model's "
                                       f"{config.num_heads} attention heads")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 
 #: The model shipped inside the package (stories260K, MIT licence); the default ``--model``.
@@ -175,3 +176,15 @@ class EngineArgs:
         if values["enforce_eager"] is None:
             values["enforce_eager"] = enforce_eager_default
         return cls(**values)
+
+
+def cli_error_message(error: BaseException) -> str:
+    """``error``'s message with engine settings named as command-line flags
+    (``EngineArgs.max_num_seqs`` and ``max_num_seqs`` become ``--max-num-seqs``)."""
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+
+    def flag(match: re.Match) -> str:
+        name = match.group(1)
+        return "--" + name.replace("_", "-") if name in fields else match.group(0)
+
+    return re.sub(r"(?:EngineArgs\.)?\b([a-z]+_[a-z_]+)\b", flag, str(error))

@@ -10,9 +10,9 @@ The split mirrors vLLM's ``AsyncLLM`` (``vllm/v1/engine/async_llm.py``) with a t
 its engine-core process.
 
 In a multi-host job (``--num-processes`` > 1) this runs in process 0, which sends each step's
-commands to the other processes before applying them (``jaxpaged.distributed.multihost``);
+commands to the other processes before applying them (``jaxpaged.distributed.step_sync``);
 those run :func:`run_follower`, the same loop without HTTP, so every engine takes the same
-steps.
+steps. A stop signal to any process ends the loop on all of them at the same step.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 
-from jaxpaged.distributed.multihost import broadcast_commands
+from jaxpaged.distributed.multihost import first_line, leave_failed_job
+from jaxpaged.distributed.step_sync import JobStopped, sync_step
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.engine import Engine, Prompt
 from jaxpaged.metrics.stats import StatLogger
@@ -100,6 +101,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._multihost = args.num_processes > 1
+        #: Why the engine stopped by itself (a stop signal to another process of the job).
+        self.stop_reason: JobStopped | None = None
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -150,6 +153,12 @@ class AsyncEngine:
     def is_loading(self) -> bool:
         """True while the engine thread is still building or warming up the engine."""
         return self._thread is not None and self._thread.is_alive() and not self._ready.is_set()
+
+    def join(self) -> None:
+        """Block (not in the event loop) until the engine thread has ended: a failure, a
+        stop command, or (multi-host) a stop signal to another process."""
+        if self._thread is not None:
+            self._thread.join()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine thread after its current step (without waiting for a load or
@@ -206,10 +215,10 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _end_streams(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
-            stream.put(EngineDeadError(f"the engine failed: {error!r}"))
+            stream.put(error)
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -221,20 +230,35 @@ class AsyncEngine:
             self.engine.record_stats()          # every gauge has a value from the start
             self._ready.set()
             self._loop_forever()
+        except JobStopped as e:   # another process of the job was told to stop
+            logger.info("%s", e)
+            self.stop_reason = e
+            self._stopping = True
+            self._end_everything(EngineStoppedError(f"the server is shutting down: {e}"))
         except BaseException as e:   # noqa: BLE001 - the thread must report every failure
-            if self._ready.is_set():
+            if self._multihost and self.engine is not None:
+                logger.error("the multi-host job failed: %s", first_line(e))
+            elif self._ready.is_set():
                 logger.exception("the engine thread failed")
             self.error = e
             self._ready.set()
-            self._call_soon(self._fail_all, e)
-            self._reject_queued(e)
+            self._end_everything(EngineDeadError(f"the engine failed: {e!r}"))
+
+    def _end_everything(self, error: BaseException) -> None:
+        self._call_soon(self._end_streams, error)
+        self._reject_queued(error)
 
     def _loop_forever(self) -> None:
         engine = self.engine
         while True:
             commands = self._take_commands(block=not engine.has_unfinished_requests())
             if self._multihost:
-                broadcast_commands([cmd[:5] if cmd[0] == "add" else cmd for cmd in commands])
+                try:
+                    sync_step([cmd[:5] if cmd[0] == "add" else cmd for cmd in commands])
+                except BaseException:
+                    for cmd in commands:       # put back, to be refused with the others
+                        self._commands.put(cmd)
+                    raise
             for cmd in commands:
                 if cmd[0] == "stop":
                     return
@@ -278,7 +302,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                self._call_soon(_settle, cmd[-1], EngineDeadError(f"the engine failed: {error!r}"))
+                self._call_soon(_settle, cmd[-1], error)
 
     def _call_soon(self, fn, *args) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -295,25 +319,37 @@ def warm_up(engine: Engine) -> None:
         engine.step()
 
 
-def run_follower(args: EngineArgs) -> None:
+def run_follower(args: EngineArgs) -> int:
     """A non-leader process of a multi-host server: the same engine as process 0's
     :class:`AsyncEngine`, fed with process 0's commands, stepping when it steps, until a
-    stop command. Requests that process 0 refused are refused here the same way."""
+    stop command or a stop signal to any process. Requests that process 0 refused are refused
+    here the same way.
+
+    Returns:
+        The exit status: 0 after a stop. If the job breaks (a peer died), the process prints
+        the error and leaves at once with status 1 (:func:`leave_failed_job`).
+    """
     engine = Engine(args)
-    warm_up(engine)
-    while True:
-        for cmd in broadcast_commands(None):
-            if cmd[0] == "stop":
-                return
-            if cmd[0] == "add":
-                try:
-                    engine.add_request(*cmd[1:])
-                except Exception:   # noqa: BLE001 - process 0 answered the client already
-                    pass
-            else:
-                engine.abort_request(cmd[1])
-        if engine.has_unfinished_requests():
-            engine.step()
+    try:
+        warm_up(engine)
+        while True:
+            for cmd in sync_step():
+                if cmd[0] == "stop":
+                    return 0
+                if cmd[0] == "add":
+                    try:
+                        engine.add_request(*cmd[1:])
+                    except Exception:   # noqa: BLE001 - process 0 answered the client already
+                        pass
+                else:
+                    engine.abort_request(cmd[1])
+            if engine.has_unfinished_requests():
+                engine.step()
+    except JobStopped as e:
+        logger.info("%s", e)
+        return 0
+    except Exception as e:   # noqa: BLE001 - a broken job: say why in one line and leave
+        leave_failed_job(e)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

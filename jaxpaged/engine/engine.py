@@ -8,6 +8,7 @@ themselves (``add_request`` / ``step`` / ``abort_request``) or through :class:`j
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.distributed.multihost import check_same_everywhere
 from jaxpaged.distributed.multihost import initialize as initialize_multihost
 from jaxpaged.distributed.tensor_parallel import TensorParallel, request_host_devices
 from jaxpaged.engine.arg_utils import EngineArgs
@@ -80,7 +82,8 @@ class Engine:
     Raises:
         FileNotFoundError / UnsupportedModelError / MissingWeightsError: bad model directory.
         TensorParallelError: ``tensor_parallel_size`` does not fit the devices or the heads.
-        MultiHostError: inconsistent multi-host flags.
+        MultiHostError: inconsistent multi-host flags, or processes of one job started
+            with different settings.
         ValueError: inconsistent limits (e.g. a pool too small for one ``max_model_len``
             request, or ``max_model_len`` beyond the model's trained context).
     """
@@ -90,6 +93,8 @@ class Engine:
         # Both before anything starts JAX's backends:
         request_host_devices(args.tensor_parallel_size // args.num_processes)
         initialize_multihost(args.coordinator_address, args.num_processes, args.process_id)
+        check_same_everywhere("engine settings", {
+            k: v for k, v in dataclasses.asdict(args).items() if k != "process_id"})
         if args.compilation_cache_dir:
             _enable_compilation_cache(args.compilation_cache_dir)
         self.model_config = cfg = ModelConfig.from_pretrained(args.model)

@@ -8,7 +8,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxpaged.chat_utils import encode_chat, render_chat
-from jaxpaged.distributed.multihost import is_leader
+from jaxpaged.distributed.multihost import (JobFailed, check_same_everywhere, digest,
+                                           first_line, is_leader)
+from jaxpaged.distributed.step_sync import JobStopped, sync_step
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs
 from jaxpaged.engine.engine import Engine, Prompt
 from jaxpaged.outputs import RequestOutput
@@ -100,6 +102,10 @@ class LLM:
             ValueError / TypeError: a bad prompt or params, or a params list of the wrong
                 length. Whatever is raised (an interrupt too), no request of this call is
                 left queued.
+            MultiHostError: (multi-host) the processes were given different prompts or params.
+            JobStopped: (multi-host) a process of the job received SIGINT or SIGTERM; raised
+                on every process at the same step.
+            JobFailed: (multi-host) a step failed, typically because a process died.
         """
         if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
             prompts = prompts.tolist()
@@ -119,6 +125,10 @@ class LLM:
         else:
             raise TypeError("sampling_params must be a SamplingParams or a list of them, "
                             f"got {type(sampling_params).__name__}")
+        if self.engine.args.num_processes > 1:
+            check_same_everywhere("inputs", {"the prompts": digest(prompts),
+                                             "the sampling parameters": digest(params)},
+                                  show_values=False)
         ids = []
         try:
             for prompt, p in zip(prompts, params):
@@ -134,11 +144,23 @@ class LLM:
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
+        multihost = self.engine.args.num_processes > 1
         with tqdm(total=len(ids), desc="Processed prompts",
                   disable=not use_tqdm or not is_leader()) as bar:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for out in self._step(multihost):
                     if out.finished:
                         final[out.request_id] = out
                         bar.update(1)
         return [final[i] for i in ids]
+
+    def _step(self, multihost: bool) -> list[RequestOutput]:
+        if not multihost:
+            return self.engine.step()
+        try:
+            sync_step()     # raises JobStopped on every process after a stop signal
+            return self.engine.step()
+        except JobStopped:
+            raise
+        except Exception as e:   # noqa: BLE001 - in a collective: the job is broken
+            raise JobFailed(first_line(e)) from e

@@ -25,3 +25,12 @@ def wait_for_health(url: str, status: int, procs, timeout: float, poll: float = 
         except httpx.TransportError:
             pass
         time.sleep(poll)
+
+
+def wait_for_text(path, text: str, procs, timeout: float, poll: float = 0.1) -> None:
+    """Poll the file at ``path`` (a subprocess's redirected output) until it contains
+    ``text``; fail if ``timeout`` seconds pass or any of ``procs`` exits first."""
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+        time.sleep(poll)
