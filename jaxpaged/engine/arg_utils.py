@@ -54,6 +54,8 @@ class EngineArgs:
         compilation_cache_dir: directory of JAX's persistent compilation cache (off if None).
         tensor_parallel_size: devices the model's heads and MLP columns are split over
             (``jaxpaged.distributed.tensor_parallel``).
+        data_parallel_size: engine replicas, each on its own ``tensor_parallel_size``
+            devices, sharing the requests (``jaxpaged.engine.data_parallel``).
         coordinator_address, num_processes, process_id: a multi-host job
             (``jaxpaged.distributed.multihost``): process 0's ``host:port``, the process
             count, and this process's index.
@@ -79,6 +81,7 @@ class EngineArgs:
     enforce_eager: bool = False
     compilation_cache_dir: str | None = None
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
     coordinator_address: str | None = None
     num_processes: int = 1
     process_id: int | None = None
@@ -92,7 +95,8 @@ class EngineArgs:
 
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                      "num_gpu_blocks_override", "kv_cache_memory_bytes",
-                     "max_num_partial_prefills", "tensor_parallel_size", "num_processes"):
+                     "max_num_partial_prefills", "tensor_parallel_size", "data_parallel_size",
+                     "num_processes"):
             positive(name)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) \
                 or not 0 <= self.seed < 2**32:
@@ -101,6 +105,9 @@ class EngineArgs:
             raise ValueError(f"EngineArgs.tensor_parallel_size={self.tensor_parallel_size} must be "
                              f"a multiple of num_processes={self.num_processes} (every process "
                              "holds the same number of devices)")
+        if self.data_parallel_size > 1 and self.num_processes > 1:
+            raise ValueError("EngineArgs.data_parallel_size > 1 runs in one process; it cannot "
+                             "be combined with num_processes > 1")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"EngineArgs.block_size must be a power of two, got {self.block_size}")
         if self.dtype not in DTYPES:
@@ -159,6 +166,9 @@ class EngineArgs:
                        help="persistent compilation cache directory")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                        help="devices to split the model over (heads, MLP columns, KV pool)")
+        g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
+                       help="engine replicas, each on its own --tensor-parallel-size devices, "
+                            "sharing the requests")
         g.add_argument("--coordinator-address", default=None,
                        help="multi-host: HOST:PORT of process 0's coordinator")
         g.add_argument("--num-processes", type=int, default=d.num_processes,

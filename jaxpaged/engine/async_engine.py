@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from jaxpaged.distributed.multihost import first_line, leave_failed_job
 from jaxpaged.distributed.step_sync import JobStopped, sync_step
 from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.engine.data_parallel import DataParallelEngine, make_engine
 from jaxpaged.engine.engine import Engine, Prompt
 from jaxpaged.metrics.stats import StatLogger
 from jaxpaged.outputs import RequestOutput
@@ -91,7 +92,7 @@ class AsyncEngine:
 
     def __init__(self, args: EngineArgs, stat_loggers: list[StatLogger] | None = None):
         self.args = args
-        self.engine: Engine | None = None
+        self.engine: Engine | DataParallelEngine | None = None
         self.error: BaseException | None = None
         self._stat_loggers = list(stat_loggers or ())
         self._ready = threading.Event()
@@ -111,7 +112,7 @@ class AsyncEngine:
         """True once the engine is built and warmed up, and while it has not failed."""
         return self._ready.is_set() and self.error is None
 
-    def check_ready(self) -> Engine:
+    def check_ready(self) -> Engine | DataParallelEngine:
         """The engine, if it can take requests.
 
         Raises:
@@ -224,7 +225,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            self.engine = Engine(self.args)
+            self.engine = make_engine(self.args)
             warm_up(self.engine)
             self.engine.stat_loggers.extend(self._stat_loggers)
             self.engine.record_stats()          # every gauge has a value from the start
@@ -309,12 +310,14 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(fn, *args)
 
 
-def warm_up(engine: Engine) -> None:
-    """Run one one-token request end to end, so that the first user request does not pay
-    for anything that a precompile leaves out (and a broken step fails here)."""
+def warm_up(engine: Engine | DataParallelEngine) -> None:
+    """Run a one-token request end to end on every replica, so that the first user request
+    does not pay for anything that a precompile leaves out (and a broken step fails here).
+    The requests carry a seed, so the engine's seed sequence is left as it was."""
     bos = engine.tokenizer.bos_token_id
-    engine.add_request("__warmup__", [bos if bos is not None else 0],
-                       SamplingParams(max_tokens=1, temperature=0))
+    for i in range(engine.args.data_parallel_size):     # one per replica (least busy first)
+        engine.add_request(f"__warmup__{i}", [bos if bos is not None else 0],
+                           SamplingParams(max_tokens=1, temperature=0, seed=0))
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -329,7 +332,7 @@ def run_follower(args: EngineArgs) -> int:
         The exit status: 0 after a stop. If the job breaks (a peer died), the process prints
         the error and leaves at once with status 1 (:func:`leave_failed_job`).
     """
-    engine = Engine(args)
+    engine = make_engine(args)
     try:
         warm_up(engine)
         while True:

@@ -74,6 +74,11 @@ class Engine:
 
     Args:
         args: the engine configuration.
+        devices: the ``tensor_parallel_size`` devices this engine runs on (default: the
+            first ones); a data-parallel replica gets its own
+            (``jaxpaged.engine.data_parallel``).
+        seed_rng: where seeds of requests without one come from (default: a generator
+            seeded with ``args.seed``; data-parallel replicas share one).
 
     Attributes:
         stat_loggers: sinks called with :class:`SchedulerStats` and :class:`IterationStats`
@@ -88,10 +93,12 @@ class Engine:
             request, or ``max_model_len`` beyond the model's trained context).
     """
 
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, devices: list | None = None,
+                 seed_rng: np.random.Generator | None = None):
         self.args = args
         # Both before anything starts JAX's backends:
-        request_host_devices(args.tensor_parallel_size // args.num_processes)
+        request_host_devices(
+            args.tensor_parallel_size * args.data_parallel_size // args.num_processes)
         initialize_multihost(args.coordinator_address, args.num_processes, args.process_id)
         check_same_everywhere("engine settings", {
             k: v for k, v in dataclasses.asdict(args).items() if k != "process_id"})
@@ -111,7 +118,7 @@ class Engine:
             self.tokenizer, _eos_token_ids(cfg, generation_config, self.tokenizer),
             self.max_model_len)
 
-        tp = TensorParallel.create(args.tensor_parallel_size, cfg)
+        tp = TensorParallel.create(args.tensor_parallel_size, cfg, devices)
         kv_heads = tp.physical_config(cfg).num_kv_heads
         backend = get_attention_backend(
             args.attention_backend, num_kv_heads=cfg.num_kv_heads, num_heads=cfg.num_heads,
@@ -135,8 +142,8 @@ class Engine:
             gpu_memory_utilization=args.gpu_memory_utilization,
             profile_peak_bytes=lambda: ModelRunner(model, pool(2), backend, page_size, limits,
                                                    frozenset(), tp.replicated).profile_peak_bytes(),
-            num_devices=tp.size)
-        check_pool_fits(num_pages, bytes_per_page, tp.size)
+            num_devices=tp.size * args.data_parallel_size, device=tp.mesh.devices.flat[0])
+        check_pool_fits(num_pages, bytes_per_page, tp.size * args.data_parallel_size)
         self.kv_cache_manager = KVCacheManager(num_pages, page_size, args.enable_prefix_caching)
         if self.kv_cache_manager.num_usable_pages < pages_per_seq:
             raise ValueError(
@@ -163,7 +170,7 @@ class Engine:
         self._iteration = IterationStats()
         self._reported = (0, 0, 0)   # prefix-cache queries, hits, preemptions already reported
         self._arrivals = 0
-        self._seed_rng = np.random.default_rng(args.seed)
+        self._seed_rng = seed_rng or np.random.default_rng(args.seed)
         logger.info("model %s (%s, %d layers), dtype %s, max_model_len %d, attention %s, "
                     "tensor parallel %d", args.model, cfg.architecture, cfg.num_layers,
                     jnp.dtype(self.dtype).name, self.max_model_len, backend.name, tp.size)

@@ -24,13 +24,16 @@ DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
 def num_kv_pages(*, bytes_per_page: int, pages_per_seq: int, max_num_seqs: int,
                  num_gpu_blocks_override: int | None, kv_cache_memory_bytes: int | None,
                  gpu_memory_utilization: float,
-                 profile_peak_bytes: Callable[[], int | None], num_devices: int = 1) -> int:
+                 profile_peak_bytes: Callable[[], int | None], num_devices: int = 1,
+                 device=None) -> int:
     """Pages for the pool (the null page included).
 
     Args:
         bytes_per_page: K and V bytes of one page across all layers, on one device.
-        num_devices: devices holding a slice of every page; CPU devices share the host's
-            memory, so the CPU default budget covers all of them together.
+        num_devices: devices holding pools (every replica's slices of every page); CPU
+            devices share the host's memory, so the CPU default budget covers all of them
+            together.
+        device: the device whose memory a GPU budget comes from (default: the first local one).
         pages_per_seq: pages of one ``max_model_len`` request.
         max_num_seqs: the most concurrent requests.
         num_gpu_blocks_override, kv_cache_memory_bytes, gpu_memory_utilization: the flags.
@@ -45,7 +48,7 @@ def num_kv_pages(*, bytes_per_page: int, pages_per_seq: int, max_num_seqs: int,
     if kv_cache_memory_bytes is not None:
         return kv_cache_memory_bytes // bytes_per_page
     if jax.default_backend() == "gpu":
-        stats = jax.local_devices()[0].memory_stats() or {}
+        stats = (device or jax.local_devices()[0]).memory_stats() or {}
         total = stats.get("bytes_limit", 0)
         peak = profile_peak_bytes() or stats.get("bytes_in_use", 0)
         budget = int(total * gpu_memory_utilization) - peak

@@ -12,7 +12,8 @@ from jaxpaged.distributed.multihost import (JobFailed, check_same_everywhere, di
                                            first_line, is_leader)
 from jaxpaged.distributed.step_sync import JobStopped, sync_step
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs
-from jaxpaged.engine.engine import Engine, Prompt
+from jaxpaged.engine.data_parallel import make_engine
+from jaxpaged.engine.engine import Prompt
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
@@ -25,7 +26,8 @@ class LLM:
         **engine_args: any :class:`EngineArgs` field (``block_size``, ``max_num_seqs``, ...).
 
     Raises:
-        TypeError: an unknown engine argument. Model-loading errors as in :class:`Engine`.
+        TypeError: an unknown engine argument. Model-loading errors as in
+            :class:`~jaxpaged.engine.engine.Engine`.
 
     Example::
 
@@ -35,7 +37,7 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args):
-        self.engine = Engine(EngineArgs(model=model, **engine_args))
+        self.engine = make_engine(EngineArgs(model=model, **engine_args))
         self._counter = 0
 
     def get_tokenizer(self):
