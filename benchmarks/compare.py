@@ -71,9 +71,11 @@ def model_flops(cfg: ModelConfig, requests: list[SampleRequest]) -> float:
 def contiguous_static(model: str, requests: list[SampleRequest], slots: int, max_model_len: int,
                       page: int, **engine_kwargs) -> dict:
     """The contiguous-KV, static-batch row: batches of ``slots`` requests, each finished
-    before the next starts, in a KV pool of exactly ``slots`` full-length requests."""
-    pages = slots * (-(-max_model_len // page)) + 1
-    llm = LLM(model=model, max_num_seqs=slots, num_gpu_blocks_override=pages,
+    before the next starts, in a KV pool of exactly ``slots`` full-length requests (split
+    evenly over the replicas when ``data_parallel_size`` > 1)."""
+    per_replica = slots // engine_kwargs.get("data_parallel_size", 1)
+    pages = per_replica * (-(-max_model_len // page)) + 1
+    llm = LLM(model=model, max_num_seqs=per_replica, num_gpu_blocks_override=pages,
               enable_prefix_caching=False, max_model_len=max_model_len, block_size=page,
               **engine_kwargs)
     batches = [requests[i:i + slots] for i in range(0, len(requests), slots)]
@@ -110,18 +112,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--hf-batch-sizes", default="16,1")
     p.add_argument("--output-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "jaxpaged-w1"))
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="concurrent requests in all (each of N replicas gets 1/N)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--sweep-max-num-seqs", default="",
                    help="also measure jaxpaged at these --max-num-seqs values (e.g. 8,16,32)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="run the jaxpaged rows over this many devices (on a CPU: host devices "
                         "that split the cores); adds a tp=1 row for comparison")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="run the jaxpaged rows as this many replicas (on a CPU: one host "
+                        "device each); adds a tp=1 row for comparison")
     p.add_argument("--small", action="store_true",
                    help="a seconds-long version on the bundled model (CI)")
     args = p.parse_args(argv)
-    tp = args.tensor_parallel_size
-    request_host_devices(tp)      # before anything starts JAX
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    request_host_devices(tp * dp)      # before anything starts JAX
     w = load_w1()
     page, max_len = 16, 1024
     if args.small:
@@ -136,27 +142,29 @@ def main(argv: list[str] | None = None) -> dict:
     os.makedirs(args.output_dir, exist_ok=True)
     cfg = ModelConfig.from_pretrained(model)
     engine = dict(max_model_len=max_len, block_size=page, enforce_eager=True,
-                  max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=tp)
-    llm = LLM(model=model, max_num_seqs=args.max_num_seqs, **engine)
-    rows = [{"backend": "jaxpaged" + (f" tp={tp}" if tp > 1 else ""), **measure(llm, requests)}]
-    kv = llm.engine.kv_cache_manager
-    slots = max(1, kv.num_usable_pages // -(-max_len // page))
+                  max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=tp,
+                  data_parallel_size=dp)
+    llm = LLM(model=model, max_num_seqs=args.max_num_seqs // dp, **engine)
+    label = "jaxpaged" + (f" tp={tp}" if tp > 1 else "") + (f" dp={dp}" if dp > 1 else "")
+    rows = [{"backend": label, **measure(llm, requests)}]
+    slots = max(dp, llm.engine.stats().num_pages // -(-max_len // page))
     del llm
-    if tp > 1:
-        llm = LLM(model=model, max_num_seqs=args.max_num_seqs, **{**engine,
-                                                                   "tensor_parallel_size": 1})
+    if tp * dp > 1:
+        llm = LLM(model=model, max_num_seqs=args.max_num_seqs,
+                  **{**engine, "tensor_parallel_size": 1, "data_parallel_size": 1})
         rows.append({"backend": "jaxpaged tp=1", **measure(llm, requests)})
         del llm
     rows.append(contiguous_static(model, requests, min(slots, len(requests)), max_len, page,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enforce_eager=True, tensor_parallel_size=tp))
+                                  enforce_eager=True, tensor_parallel_size=tp,
+                                  data_parallel_size=dp))
     if args.hf_python:
         for b in (int(x) for x in args.hf_batch_sizes.split(",")):
             rows.append(transformers_row(args.hf_python, model, requests, b, args.work_dir))
     sweep = [(args.max_num_seqs, rows[0]["output_tokens_per_second"])]
     for n in (int(x) for x in args.sweep_max_num_seqs.split(",") if x):
         if n != args.max_num_seqs:
-            sweep.append((n, measure(LLM(model=model, max_num_seqs=n, **engine),
+            sweep.append((n, measure(LLM(model=model, max_num_seqs=n // dp, **engine),
                                      requests)["output_tokens_per_second"]))
     peak = matmul_peak_flops(512 if args.small else 2048)
     flops = model_flops(cfg, requests)
@@ -167,7 +175,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"workload": "small" if args.small else "W1", "model": model,
               "num_requests": len(requests), "matmul_peak_gflops": peak / 1e9,
               "model_tflops": flops / 1e12, "roofline_seconds": flops / peak,
-              "kv_slots_for_contiguous": slots, "tensor_parallel_size": tp, "rows": rows,
+              "kv_slots_for_contiguous": slots, "tensor_parallel_size": tp,
+              "data_parallel_size": dp, "rows": rows,
               "max_num_seqs_sweep": [{"max_num_seqs": n, "output_tokens_per_second": v}
                                      for n, v in sorted(sweep)]}
     print(f"{'engine':<28}{'time (s)':>10}{'out tok/s':>12}{'jaxpaged x':>12}{'MFU':>8}")

@@ -65,7 +65,7 @@ def measure(llm: LLM, requests: list[SampleRequest], warmup: bool = True) -> dic
     """Throughput of ``requests`` on ``llm`` (the figures every engine row reports)."""
     vocab = llm.engine.model_config.vocab_size
     warmup_time = run_requests(llm, shifted(requests, vocab)) if warmup else 0.0
-    compilations = llm.engine.runner.num_compilations
+    compilations = llm.engine.stats().num_compilations
     elapsed = run_requests(llm, requests)
     prompt_tokens = sum(q.prompt_len for q in requests)
     output_tokens = sum(q.output_len for q in requests)
@@ -79,7 +79,7 @@ def measure(llm: LLM, requests: list[SampleRequest], warmup: bool = True) -> dic
         "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
         "output_tokens_per_second": output_tokens / elapsed,
         "warmup_time": warmup_time,
-        "num_compilations_during_run": llm.engine.runner.num_compilations - compilations,
+        "num_compilations_during_run": llm.engine.stats().num_compilations - compilations,
     }
 
 

@@ -18,7 +18,8 @@ import jinja2
 import uvicorn
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.distributed.multihost import leave_failed_job
+from jaxpaged.distributed.multihost import abandon, leave_failed_job
+from jaxpaged.distributed.step_sync import request_job_stop
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs, cli_error_message
 from jaxpaged.engine.async_engine import AsyncEngine, run_follower
 from jaxpaged.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
@@ -121,12 +122,19 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         engine_args = EngineArgs.from_cli_args(args)
         config = server_config(args)
-        if engine_args.num_processes > 1 and engine_args.process_id != 0:
-            return run_follower(engine_args)
-        engine, app = make_server(engine_args, config, not args.disable_log_stats)
+        follower = engine_args.num_processes > 1 and engine_args.process_id != 0
+        if not follower:
+            engine, app = make_server(engine_args, config, not args.disable_log_stats)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"jaxpaged: error: {cli_error_message(e)}", file=sys.stderr)
         return 2
+    if follower:
+        try:
+            return run_follower(engine_args)
+        except (ValueError, TypeError, FileNotFoundError) as e:   # as process 0 reports it
+            print(f"jaxpaged: error: the engine failed to start: {cli_error_message(e)}",
+                  file=sys.stderr)
+            return 1
     server = GracefulServer(engine, uvicorn.Config(
         app, host=args.host, port=args.port, log_level="info",
         access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5))
@@ -157,17 +165,30 @@ def run_server(args: argparse.Namespace) -> int:
         server.run()
     except KeyboardInterrupt:   # uvicorn re-raises the signal after its graceful shutdown
         pass
+    if multihost and engine.is_loading:
+        _stop_the_starting_job(engine)
     status = 1 if engine.error is not None else 0
     if multihost and engine.error is not None and engine.engine is not None:
         leave_failed_job(engine.error)     # a step failed, a peer is gone: skip JAX's barrier
     if engine.is_loading:
         # Interrupted while the engine thread is inside XLA (loading or compiling): leave
         # without finalizing the interpreter around it, which can crash in native code.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
+        abandon(status)
     return status
+
+
+def _stop_the_starting_job(engine: AsyncEngine) -> None:
+    """Stopped while the multi-host engine is still starting: the other processes cannot be
+    told at a step yet, so post the stop (every process cuts its precompile short) and wait
+    until the engine reaches its first step and sends them the stop command. A second
+    signal leaves at once (the others are then ended by JAX)."""
+    logger.warning("stopping: the other processes stop when the engine has started "
+                   "(precompile cut short); press Ctrl-C again to leave now")
+    try:
+        request_job_stop()
+        engine.join()
+    except KeyboardInterrupt:
+        abandon(130)
 
 
 class GracefulServer(uvicorn.Server):

@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from benchmarks import latency, throughput
 from benchmarks.datasets import (prefix_repetition_requests, random_requests, sharegpt_requests,
@@ -75,17 +76,20 @@ def test_sharegpt_file(tmp_path):
     assert by_prompt["Hi"].prompt_len == len(tok.encode("Hi"))
 
 
-def test_compare_small(tmp_path):
+@pytest.mark.parametrize("flags, ours, others", [
+    ([], "jaxpaged", {"contiguous-static-8"}),
+    (["--data-parallel-size", "2"], "jaxpaged dp=2", {"jaxpaged tp=1", "contiguous-static-8"}),
+])
+def test_compare_small(tmp_path, flags, ours, others):
     from benchmarks import compare
 
     result = compare.main(["--small", "--output-dir", str(tmp_path), "--work-dir",
-                           str(tmp_path / "work")])
+                           str(tmp_path / "work"), *flags])
     rows = {r["backend"]: r for r in result["rows"]}
-    assert set(rows) == {"jaxpaged", "contiguous-static-8"}
-    assert rows["jaxpaged"]["ratio_jaxpaged_over_this"] == 1.0
+    assert set(rows) == {ours} | others
+    assert rows[ours]["ratio_jaxpaged_over_this"] == 1.0
     for row in rows.values():
         assert row["elapsed_time"] > 0 and row["output_tokens_per_second"] > 0
         assert 0 < row["mfu"] < 1
     assert result["matmul_peak_gflops"] > 0 and result["roofline_seconds"] > 0
-    assert json.loads((tmp_path / "compare-small.json").read_text())["rows"][0]["backend"] == \
-        "jaxpaged"
+    assert json.loads((tmp_path / "compare-small.json").read_text())["rows"][0]["backend"] == ours

@@ -19,8 +19,6 @@ from tests.conftest import STORIES_REFERENCE
 from tests.helpers.processes import free_port, wait_for_health, wait_for_text
 
 PROMPT = "Once upon a time"
-#: Logged by every process once its engine is built (after joining the job).
-ENGINE_BUILT = "INFO jaxpaged.engine.engine: model "
 
 
 class Job:
@@ -117,9 +115,10 @@ def test_a_process_whose_peers_never_come_says_so_in_one_line(job):
     (1, signal.SIGKILL, [1, -9]),       # process 0 sees the broken collective at once
 ])
 def test_generate_ends_on_every_process_when_one_is_stopped_or_killed(job, target, sig, expected):
-    j = job("generate", 2, generate_flags("-v", "--max-tokens", "400", "--ignore-eos",
+    j = job("generate", 2, generate_flags("--max-tokens", "400", "--ignore-eos",
                                           *[PROMPT] * 8))
-    wait_for_text(j.err[target], ENGINE_BUILT, j.procs, timeout=120)
+    for err in j.err:    # past the first collective: Gloo has connected the two processes
+        wait_for_text(err, "is connected to 1 peer ranks", j.procs, timeout=120)
     j.procs[target].send_signal(sig)
     assert j.wait(60) == expected
     assert j.stdout(0) == ""
@@ -235,3 +234,16 @@ def test_server_stops_when_the_other_process_is_stopped_or_killed(job, sig, expe
     if sig == signal.SIGKILL:
         assert j.stderr(0).strip().splitlines()[-1].startswith(
             "jaxpaged: error: the multi-host job failed: ")
+
+
+@pytest.mark.parametrize("target", [0, 1])
+def test_a_stop_while_the_server_starts_stops_every_process(job, target):
+    """SIGTERM during the precompile: every process cuts it short, meets at the first step,
+    and exits 0 (none is left alone with a vanished coordinator)."""
+    j = job("serve", 2, [["--process-id", str(i), "--port", str(free_port()),
+                          "--max-num-seqs", "8"] for i in range(2)])
+    wait_for_text(j.err[target], "INFO jaxpaged.engine.engine: KV cache:", j.procs, timeout=120)
+    j.procs[target].send_signal(signal.SIGTERM)
+    assert j.wait(120) == [0, 0], j.stderr(0) + j.stderr(1)
+    assert "process 0 stopped the job" in j.stderr(1) if target == 0 else \
+        "process 1 received SIGTERM; the job is stopping" in j.stderr(0)

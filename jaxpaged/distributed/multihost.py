@@ -137,7 +137,9 @@ def _check_port_free(port: int) -> None:
             s.bind(("", port))
         except OSError as e:
             raise MultiHostError(f"process 0 cannot listen on --coordinator-address port {port}: "
-                                 f"{e.strerror}") from None
+                                 f"{e.strerror} (is another process of this job also started "
+                                 "with --process-id 0, or another program using the port?)"
+                                 ) from None
 
 
 def join_timeout_s() -> int:
@@ -195,8 +197,8 @@ def check_same_everywhere(what: str, values: dict[str, object], show_values: boo
     verdict = ""
     for name in sorted(set(values) | set(reference)):
         if values.get(name) != reference.get(name):
-            verdict = (f"{name} is {values.get(name)!r} on process {me} but "
-                       f"{reference.get(name)!r} on process 0" if show_values else
+            verdict = (f"{name} is {_shown(values.get(name))} on process {me} but "
+                       f"{_shown(reference.get(name))} on process 0" if show_values else
                        f"{name} differ between process 0 and process {me}")
             break
     client.key_value_set(f"{key}/verdict/{me}", verdict)
@@ -206,6 +208,10 @@ def check_same_everywhere(what: str, values: dict[str, object], show_values: boo
         raise MultiHostError(f"the processes of the job were given different {what}: "
                              f"{problems[0]} (every process must run the same command, apart "
                              "from --process-id)")
+
+
+def _shown(value: object) -> str:
+    return "unset (the default)" if value is None else repr(value)
 
 
 def digest(value: object) -> str:

@@ -14,6 +14,11 @@ Both travel through ``jax.experimental.multihost_utils`` collectives over the jo
 an all-gather of one ``[payload bytes, stop signal]`` word per process, then, only when
 process 0 has commands, a broadcast of their pickled bytes (padded to a power of two so few
 sizes compile). Pickle is safe here: the bytes come only from process 0 of the same job.
+
+While the processes are still starting up (loading, precompiling) there is no step to meet
+at: a stop is then posted in JAX's coordination key-value store (:func:`request_job_stop`),
+every process cuts its precompile short (:func:`stop_requested_anywhere`), and the job stops
+at its first step.
 """
 
 from __future__ import annotations
@@ -21,13 +26,17 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import sys
 import threading
 
 import jax
 import numpy as np
+from jax._src import distributed
 from jax.experimental import multihost_utils
 
 _stop_signal = 0     # the signal this process received (0: none)
+_stop_posted = False
+_STOP_KEY = "jaxpaged/stop"
 
 
 class JobStopped(Exception):
@@ -59,6 +68,33 @@ def _request_stop(signum, frame) -> None:
     if _stop_signal:
         os._exit(128 + signum)
     _stop_signal = signum
+    sys.stderr.write(f"jaxpaged: process {jax.process_index()} received "
+                     f"{signal.Signals(signum).name}; the job stops at its next step (send it "
+                     "again to end this process now)\n")
+
+
+def request_job_stop() -> None:
+    """Ask every process of the job to stop (also while they are still starting up)."""
+    global _stop_posted
+    if jax.process_count() > 1 and not _stop_posted:
+        distributed.global_state.client.key_value_set(_STOP_KEY, str(jax.process_index()))
+        _stop_posted = True
+
+
+def stop_requested_anywhere() -> bool:
+    """True once this process has received a stop signal or any process has called
+    :func:`request_job_stop` (checked while starting up, e.g. between precompiled shapes,
+    where no step collective runs yet)."""
+    if _stop_signal:
+        request_job_stop()
+        return True
+    if jax.process_count() == 1:
+        return False
+    try:
+        distributed.global_state.client.key_value_try_get(_STOP_KEY)
+    except Exception:   # noqa: BLE001 - NOT_FOUND: nobody asked
+        return False
+    return True
 
 
 def sync_step(commands: list | None = None) -> list:

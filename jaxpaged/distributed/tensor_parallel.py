@@ -89,13 +89,16 @@ class TensorParallel:
             processes = jax.process_count()
             where = (f"this process has {len(devices)}" if processes == 1 else
                      f"the {processes} processes have {len(devices)} in all")
-            hint = ""
-            if devices[0].platform == "cpu":
-                hint = (f"; a CPU is split into {size // processes} host devices per process "
-                        "only if tensor parallelism is the first use of JAX in the process "
-                        "(start a new Python process, or set XLA_FLAGS="
-                        f"--xla_force_host_platform_device_count={size // processes} before "
-                        "starting it)")
+            hint, per_process = "", size // processes
+            if devices[0].platform == "cpu" and "host_platform_device_count" in os.environ.get(
+                    "XLA_FLAGS", ""):
+                hint = (f"; XLA_FLAGS sets the host device count: make it "
+                        f"--xla_force_host_platform_device_count={per_process} or leave it out")
+            elif devices[0].platform == "cpu":
+                hint = (f"; a CPU is split into {per_process} host devices per process only if "
+                        "tensor parallelism is the first use of JAX in the process (start a new "
+                        "Python process, or set XLA_FLAGS=--xla_force_host_platform_device_count"
+                        f"={per_process} before starting it)")
             raise TensorParallelError(f"tensor_parallel_size={size} needs {size} devices but "
                                       f"{where}{hint}")
         if config.num_heads % size:

@@ -338,6 +338,7 @@ def run_follower(args: EngineArgs) -> int:
         while True:
             for cmd in sync_step():
                 if cmd[0] == "stop":
+                    logger.info("process 0 stopped the job")
                     return 0
                 if cmd[0] == "add":
                     try:

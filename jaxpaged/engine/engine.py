@@ -22,6 +22,7 @@ import numpy as np
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.multihost import check_same_everywhere
 from jaxpaged.distributed.multihost import initialize as initialize_multihost
+from jaxpaged.distributed.step_sync import stop_requested_anywhere
 from jaxpaged.distributed.tensor_parallel import TensorParallel, request_host_devices
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
@@ -161,7 +162,7 @@ class Engine:
         self.runner = ModelRunner(model, pool(num_pages), backend, page_size, limits,
                                   self.output_processor.eos_token_ids, tp.replicated)
         if not args.enforce_eager:
-            seconds = self.runner.precompile()
+            seconds = self.runner.precompile(should_stop=stop_requested_anywhere)
             logger.info("precompiled %d step shapes in %.1f s", self.runner.num_compilations,
                         seconds)
         self._groups: dict[str, RequestGroup] = {}

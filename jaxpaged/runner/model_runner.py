@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -329,14 +330,17 @@ class ModelRunner:
         stats = jax.local_devices()[0].memory_stats()
         return None if not stats else stats.get("peak_bytes_in_use")
 
-    def precompile(self) -> float:
-        """Compile every step shape a run without logprobs can meet; returns seconds taken."""
+    def precompile(self, should_stop: Callable[[], bool] = lambda: False) -> float:
+        """Compile every step shape a run without logprobs can meet, unless ``should_stop``
+        turns true between two shapes (the rest then compile lazily); returns seconds taken."""
         t0 = time.perf_counter()
         shapes = {(b, b, p, True) for b in self._seq_buckets for p in self._page_buckets}
         for t in self._token_buckets:
             _, b, _ = self._pad_sizes(t, 1, 1, 1, False)
             shapes.update((t, b, p, False) for p in self._page_buckets)
         for shape in sorted(shapes):
+            if should_stop():
+                break
             layout = self._dummy_layout(*shape)
             self._executable(layout, (False, False), *self._dummy_args(layout))
         return time.perf_counter() - t0
