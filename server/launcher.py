@@ -18,7 +18,7 @@ import jinja2
 import uvicorn
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.distributed.multihost import abandon, leave_failed_job
+from jaxpaged.distributed.multihost import abandon, job_formed, leave_failed_job
 from jaxpaged.distributed.step_sync import request_job_stop
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs, cli_error_message
 from jaxpaged.engine.async_engine import AsyncEngine, run_follower
@@ -182,6 +182,9 @@ def _stop_the_starting_job(engine: AsyncEngine) -> None:
     told at a step yet, so post the stop (every process cuts its precompile short) and wait
     until the engine reaches its first step and sends them the stop command. A second
     signal leaves at once (the others are then ended by JAX)."""
+    if not job_formed():        # still waiting for the others: nobody to tell yet
+        logger.warning("stopping before the other processes joined")
+        abandon(0)
     logger.warning("stopping: the other processes stop when the engine has started "
                    "(precompile cut short); press Ctrl-C again to leave now")
     try:

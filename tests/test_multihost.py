@@ -96,8 +96,24 @@ def test_processes_given_different_settings_or_prompts_all_refuse(job):
     for i in range(2):
         assert ("the processes of the job were given different engine settings: "
                 "--max-num-seqs is 256 on process 1 but 8 on process 0") in settings.stderr(i)
-        assert ("given different inputs: the prompts differ between process 0 and process 1"
-                in prompts.stderr(i))
+        assert ("given different inputs: the prompt list is not the same on process 0 and "
+                "process 1" in prompts.stderr(i))
+
+
+@pytest.mark.parametrize("command, process, sig, status", [
+    ("generate", 1, signal.SIGINT, 130),
+    ("serve", 0, signal.SIGTERM, 0),
+])
+def test_a_process_stopped_while_waiting_for_its_peers_leaves_at_once(job, command, process,
+                                                                        sig, status):
+    own = [PROMPT] if command == "generate" else ["--enforce-eager", "--port", str(free_port())]
+    lone = job(command, 2, [["--process-id", str(process), *own]], num_processes=2)
+    time.sleep(3)                                     # waiting in the join by now
+    assert lone.procs[0].poll() is None
+    lone.procs[0].send_signal(sig)
+    assert lone.wait(20) == [status]
+    assert ("while waiting for the other processes" if command == "generate" else
+            "stopping before the other processes joined") in lone.stderr(0)
 
 
 def test_a_process_whose_peers_never_come_says_so_in_one_line(job):

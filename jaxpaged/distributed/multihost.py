@@ -24,9 +24,11 @@ import json
 import logging
 import os
 import pickle
+import signal
 import socket
 import sys
 import threading
+import time
 
 import jax
 import numpy as np
@@ -44,6 +46,7 @@ HEARTBEAT_TIMEOUT_S = 30
 SHUTDOWN_TIMEOUT_S = 30
 
 _checks = 0     # consistency checks made so far (each gets its own keys)
+_formed = False     # this process has joined a multi-process job
 
 
 class MultiHostError(ValueError):
@@ -78,8 +81,7 @@ def initialize(coordinator_address: str | None, num_processes: int, process_id: 
     Process 0 starts JAX's coordination service on the address's port; every process
     connects to it. A process whose peers have not all joined after :func:`join_timeout_s`
     seconds prints one line naming the likely causes and
-    exits with status 1. In the main thread, SIGINT and SIGTERM then ask the whole job to stop
-    (``jaxpaged.distributed.step_sync``).
+    exits with status 1; one that receives SIGINT or SIGTERM meanwhile leaves at once.
 
     Args:
         coordinator_address: ``host:port`` of process 0's coordinator service.
@@ -115,19 +117,65 @@ def initialize(coordinator_address: str | None, num_processes: int, process_id: 
         _check_port_free(port)
     timeout = join_timeout_s()
     jax.config.update("jax_enable_preemption_service", False)   # let SIGTERM reach Python
-    joined = threading.Event()
-    threading.Thread(target=_give_up_unless, daemon=True, name="jaxpaged-join-timeout",
-                     args=(joined, timeout, coordinator_address, num_processes,
-                           process_id)).start()
-    # JAX's own timeout is longer than ours: when it fires, it aborts the process in C++.
-    jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id,
-                               initialization_timeout=timeout + 30,
-                               heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
-                               shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
-    joined.set()
-    from jaxpaged.distributed.step_sync import install_signal_handlers
-    install_signal_handlers()
+    _join(timeout, coordinator_address, num_processes, process_id)
+    global _formed
+    _formed = True
+
+
+def _join(timeout: int, address: str, num_processes: int, process_id: int) -> None:
+    """``jax.distributed.initialize`` on a helper thread, so that this thread can give up
+    after ``timeout`` seconds with one line (JAX, whose own timeout is set longer, would
+    abort in C++) and, in the main thread, leave at once on SIGINT or SIGTERM (a thread
+    blocked inside JAX's connect would not see them)."""
+    joined, failure = threading.Event(), []
+
+    def connect():
+        try:
+            jax.distributed.initialize(coordinator_address=address,
+                                       num_processes=num_processes, process_id=process_id,
+                                       initialization_timeout=timeout + 30,
+                                       heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+                                       shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
+        except BaseException as e:   # noqa: BLE001 - re-raised in the caller's thread
+            failure.append(e)
+        finally:
+            joined.set()
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main else None
+    try:
+        threading.Thread(target=connect, daemon=True, name="jaxpaged-join").start()
+        deadline = time.monotonic() + timeout
+        # Short waits: a signal delivered to another thread runs its Python handler only
+        # when this thread next runs Python code.
+        while not joined.wait(0.2) and time.monotonic() < deadline:
+            pass
+        if not joined.is_set():
+            waiting_for = "the other processes" if process_id == 0 else f"process 0 at {address}"
+            print(f"jaxpaged: error: process {process_id} of {num_processes} could not form "
+                  f"the job within {timeout} s (waiting for {waiting_for}); start every process "
+                  "with the same --coordinator-address and --num-processes and its own "
+                  f"--process-id in 0..{num_processes - 1}", file=sys.stderr)
+            abandon(1)
+    except KeyboardInterrupt as e:
+        signum = e.args[0] if e.args else signal.SIGINT
+        print(f"jaxpaged: process {process_id} received {signal.Signals(signum).name} while "
+              "waiting for the other processes; leaving", file=sys.stderr)
+        abandon(128 + signum)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+    if failure:
+        raise failure[0]
+
+
+def job_formed() -> bool:
+    """True once this process has joined a multi-process job (every process connected)."""
+    return _formed
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(signum)
 
 
 def _check_port_free(port: int) -> None:
@@ -153,18 +201,6 @@ def join_timeout_s() -> int:
     if not text.isdigit() or int(text) < 1:
         raise MultiHostError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {text!r}")
     return int(text)
-
-
-def _give_up_unless(joined: threading.Event, timeout: int, address: str, num_processes: int,
-                    process_id: int) -> None:
-    if joined.wait(timeout):
-        return
-    waiting_for = "the other processes" if process_id == 0 else f"process 0 at {address}"
-    print(f"jaxpaged: error: process {process_id} of {num_processes} could not form the job "
-          f"within {timeout} s (waiting for {waiting_for}); start every "
-          f"process with the same --coordinator-address and --num-processes and its own "
-          f"--process-id in 0..{num_processes - 1}", file=sys.stderr)
-    abandon(1)
 
 
 def check_same_everywhere(what: str, values: dict[str, object], show_values: bool = True
@@ -199,7 +235,7 @@ def check_same_everywhere(what: str, values: dict[str, object], show_values: boo
         if values.get(name) != reference.get(name):
             verdict = (f"{name} is {_shown(values.get(name))} on process {me} but "
                        f"{_shown(reference.get(name))} on process 0" if show_values else
-                       f"{name} differ between process 0 and process {me}")
+                       f"{name} is not the same on process 0 and process {me}")
             break
     client.key_value_set(f"{key}/verdict/{me}", verdict)
     client.wait_at_barrier(key, timeout_ms)

@@ -34,6 +34,8 @@ import numpy as np
 from jax._src import distributed
 from jax.experimental import multihost_utils
 
+from jaxpaged.distributed.multihost import job_formed
+
 _stop_signal = 0     # the signal this process received (0: none)
 _stop_posted = False
 _STOP_KEY = "jaxpaged/stop"
@@ -76,7 +78,7 @@ def _request_stop(signum, frame) -> None:
 def request_job_stop() -> None:
     """Ask every process of the job to stop (also while they are still starting up)."""
     global _stop_posted
-    if jax.process_count() > 1 and not _stop_posted:
+    if job_formed() and not _stop_posted:
         distributed.global_state.client.key_value_set(_STOP_KEY, str(jax.process_index()))
         _stop_posted = True
 
@@ -88,7 +90,7 @@ def stop_requested_anywhere() -> bool:
     if _stop_signal:
         request_job_stop()
         return True
-    if jax.process_count() == 1:
+    if not job_formed():
         return False
     try:
         distributed.global_state.client.key_value_try_get(_STOP_KEY)

@@ -102,8 +102,6 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._multihost = args.num_processes > 1
-        #: Why the engine stopped by itself (a stop signal to another process of the job).
-        self.stop_reason: JobStopped | None = None
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -233,7 +231,6 @@ class AsyncEngine:
             self._loop_forever()
         except JobStopped as e:   # another process of the job was told to stop
             logger.info("%s", e)
-            self.stop_reason = e
             self._stopping = True
             self._end_everything(EngineStoppedError(f"the server is shutting down: {e}"))
         except BaseException as e:   # noqa: BLE001 - the thread must report every failure

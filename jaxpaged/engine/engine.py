@@ -22,7 +22,7 @@ import numpy as np
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.multihost import check_same_everywhere
 from jaxpaged.distributed.multihost import initialize as initialize_multihost
-from jaxpaged.distributed.step_sync import stop_requested_anywhere
+from jaxpaged.distributed.step_sync import install_signal_handlers, stop_requested_anywhere
 from jaxpaged.distributed.tensor_parallel import TensorParallel, request_host_devices
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
@@ -101,6 +101,8 @@ class Engine:
         request_host_devices(
             args.tensor_parallel_size * args.data_parallel_size // args.num_processes)
         initialize_multihost(args.coordinator_address, args.num_processes, args.process_id)
+        if args.num_processes > 1:
+            install_signal_handlers()   # SIGINT / SIGTERM to any process stop the whole job
         check_same_everywhere("engine settings", {
             k: v for k, v in dataclasses.asdict(args).items() if k != "process_id"})
         if args.compilation_cache_dir:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -128,9 +129,9 @@ class LLM:
             raise TypeError("sampling_params must be a SamplingParams or a list of them, "
                             f"got {type(sampling_params).__name__}")
         if self.engine.args.num_processes > 1:
-            check_same_everywhere("inputs", {"the prompts": digest(prompts),
-                                             "the sampling parameters": digest(params)},
-                                  show_values=False)
+            check_same_everywhere("inputs", {"the prompt list": digest(prompts), **{
+                f"SamplingParams.{f.name}": digest([getattr(p, f.name) for p in params])
+                for f in dataclasses.fields(SamplingParams)}}, show_values=False)
         ids = []
         try:
             for prompt, p in zip(prompts, params):
