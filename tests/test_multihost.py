@@ -106,10 +106,10 @@ def test_processes_given_different_settings_or_prompts_all_refuse(job):
 ])
 def test_a_process_stopped_while_waiting_for_its_peers_leaves_at_once(job, command, process,
                                                                         sig, status):
-    own = [PROMPT] if command == "generate" else ["--enforce-eager", "--port", str(free_port())]
+    own = ["-v", PROMPT] if command == "generate" else ["--enforce-eager", "--port",
+                                                        str(free_port())]
     lone = job(command, 2, [["--process-id", str(process), *own]], num_processes=2)
-    time.sleep(3)                                     # waiting in the join by now
-    assert lone.procs[0].poll() is None
+    wait_for_text(lone.err[0], "waiting up to 60 s for the job to form", lone.procs, timeout=120)
     lone.procs[0].send_signal(sig)
     assert lone.wait(20) == [status]
     assert ("while waiting for the other processes" if command == "generate" else

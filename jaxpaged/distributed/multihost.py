@@ -145,6 +145,8 @@ def _join(timeout: int, address: str, num_processes: int, process_id: int) -> No
     previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main else None
     try:
         threading.Thread(target=connect, daemon=True, name="jaxpaged-join").start()
+        logger.info("process %d of %d: waiting up to %d s for the job to form at %s",
+                    process_id, num_processes, timeout, address)
         deadline = time.monotonic() + timeout
         # Short waits: a signal delivered to another thread runs its Python handler only
         # when this thread next runs Python code.
