@@ -142,7 +142,9 @@ def _join(timeout: int, address: str, num_processes: int, process_id: int) -> No
             joined.set()
 
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt) if main else None
+    # Both signals explicitly: a process started in the background inherits SIGINT ignored.
+    previous = {sig: signal.signal(sig, _raise_interrupt)
+                for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
         threading.Thread(target=connect, daemon=True, name="jaxpaged-join").start()
         logger.info("process %d of %d: waiting up to %d s for the job to form at %s",
@@ -165,8 +167,8 @@ def _join(timeout: int, address: str, num_processes: int, process_id: int) -> No
               "waiting for the other processes; leaving", file=sys.stderr)
         abandon(128 + signum)
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if failure:
         raise failure[0]
 
