@@ -14,7 +14,9 @@ batch.
 
 The chunk is small on purpose: on XLA:CPU the chunk's K/V gather is materialized, and two
 pages (32 keys at page size 16) keep it in cache; on W1 (``docs/benchmarks.md``) a decode
-step of 64 sequences took 440 ms with 8-page chunks and 310 ms with 2-page chunks.
+step of 64 sequences took 440 ms with 8-page chunks and 310 ms with 2-page chunks. Decode
+blocks (one query row) compute their scores and weighted values as multiply-and-reduce
+instead of matrix-vector products, which XLA:CPU runs one small dot at a time.
 
 Reference: the online softmax of Milakov & Gimelshein, "Online normalizer calculation for
 softmax" (2018) as used by FlashAttention (Dao et al., 2022), over PagedAttention's page
@@ -69,35 +71,97 @@ def _attend_run(q, k_pages, v_pages, pages, block_positions, scale):
     _, page_size, num_kv_heads, _ = k_pages.shape
     group = num_heads // num_kv_heads
     chunk = PAGES_PER_CHUNK * page_size
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    products = _DecodeProducts if block_q == 1 else _MatmulProducts
     qb = q.reshape(nb, block_q, num_kv_heads, group, head_dim)
-    query_pos = block_positions[:, None, None, :, None]                  # [NB, 1, 1, Bq, 1]
 
     def body(c, carry):
         m, l, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(pages, c * PAGES_PER_CHUNK, PAGES_PER_CHUNK, axis=1)
         kc = k_pages[ids].reshape(nb, chunk, num_kv_heads, head_dim)
         vc = v_pages[ids].reshape(nb, chunk, num_kv_heads, head_dim)
-        s = jnp.einsum("nqhgd,nlhd->nhgql", qb, kc, preferred_element_type=jnp.float32,
-                       precision=precision) * scale
         key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        s = jnp.where(key_pos <= query_pos, s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
+        s = products.scores(qb, kc) * scale
+        s = jnp.where(products.visible(key_pos, block_positions), s, MASK_VALUE)
+        axis = products.KEY_AXIS
+        m_new = jnp.maximum(m, s.max(axis))
+        p = jnp.exp(s - jnp.expand_dims(m_new, axis))
         correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(-1)
-        acc = acc * correction[..., None] + jnp.einsum(
-            "nhgql,nlhd->nhgqd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32,
-            precision=precision)
+        l = l * correction + p.sum(axis)
+        acc = acc * correction[..., None] + products.weighted_values(p, vc)
         return m_new, l, acc
 
-    shape = (nb, num_kv_heads, group, block_q)
+    shape = products.row_shape(nb, block_q, num_kv_heads, group)
     init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros(shape + (head_dim,), jnp.float32))
     num_chunks = jnp.max(block_positions) // chunk + 1                   # the rest is unseen
     _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
-    out = acc / l[..., None]                                             # [NB, KVH, G, Bq, D]
-    return out.transpose(0, 3, 1, 2, 4).reshape(nb, block_q, num_heads, head_dim).astype(q.dtype)
+    return products.to_blocks(acc / l[..., None]).astype(q.dtype)
+
+
+class _MatmulProducts:
+    """Prefill blocks (Bq = 16): scores and values as batched matmuls, rows laid out
+    [NB, KVH, G, Bq] (the dot's own output order, so nothing is transposed per chunk)."""
+
+    KEY_AXIS = -1
+
+    @staticmethod
+    def row_shape(nb, block_q, num_kv_heads, group):
+        return nb, num_kv_heads, group, block_q
+
+    @staticmethod
+    def scores(qb, kc):                                     # -> [NB, KVH, G, Bq, L]
+        return jnp.einsum("nqhgd,nlhd->nhgql", qb, kc, preferred_element_type=jnp.float32,
+                          precision=_precision(qb))
+
+    @staticmethod
+    def visible(key_pos, block_positions):
+        return key_pos <= block_positions[:, None, None, :, None]
+
+    @staticmethod
+    def weighted_values(p, vc):                             # -> [NB, KVH, G, Bq, D]
+        return jnp.einsum("nhgql,nlhd->nhgqd", p.astype(vc.dtype), vc,
+                          preferred_element_type=jnp.float32, precision=_precision(vc))
+
+    @staticmethod
+    def to_blocks(out):
+        nb, num_kv_heads, group, block_q, head_dim = out.shape
+        return out.transpose(0, 3, 1, 2, 4).reshape(nb, block_q, num_kv_heads * group, head_dim)
+
+
+class _DecodeProducts:
+    """Decode blocks (Bq = 1): scores and values as multiply-and-reduce, rows laid out
+    [NB, KVH, G] and scores [NB, L, KVH, G]. A one-row query makes every matmul a
+    matrix-vector product; XLA:CPU runs those batched over (block, head) one small dot at a
+    time, while the elementwise form is one fused loop nest over the chunk (a decode step
+    of 64 W1 sequences: 5.8 ms against 11.9 ms per layer per device)."""
+
+    KEY_AXIS = 1
+
+    @staticmethod
+    def row_shape(nb, block_q, num_kv_heads, group):
+        return nb, num_kv_heads, group
+
+    @staticmethod
+    def scores(qb, kc):                                     # -> [NB, L, KVH, G]
+        q = qb[:, 0].astype(jnp.float32)
+        return (q[:, None] * kc[:, :, :, None, :].astype(jnp.float32)).sum(-1)
+
+    @staticmethod
+    def visible(key_pos, block_positions):
+        return key_pos[None, :, None, None] <= block_positions[:, :1, None, None]
+
+    @staticmethod
+    def weighted_values(p, vc):                             # -> [NB, KVH, G, D]
+        return (p[..., None] * vc[:, :, :, None, :].astype(jnp.float32)).sum(1)
+
+    @staticmethod
+    def to_blocks(out):
+        nb, num_kv_heads, group, head_dim = out.shape
+        return out.reshape(nb, 1, num_kv_heads * group, head_dim)
+
+
+def _precision(x):
+    return jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
 
 
 @dataclass(frozen=True)
