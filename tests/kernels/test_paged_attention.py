@@ -85,15 +85,18 @@ def block_inputs(rng, *, nb, block_q, group, head_dim=64, page_size=16, dtype=jn
     return (q, pool(), pool(), page_table, block_seq, jnp.asarray(positions)), positions >= 0
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("num_groups", [1, 3, 4, 9])
 @pytest.mark.parametrize("block_q", [1, 16])
-def test_xla_chunked_runs_match_reference_in_any_block_order(num_groups, block_q):
-    """Each run of blocks stops at its own last chunk; correct whatever the block order."""
+def test_xla_chunked_runs_match_reference_in_any_block_order(num_groups, block_q, dtype):
+    """Each run of blocks stops at its own last chunk; correct whatever the block order, for
+    decode blocks (multiply-and-reduce) and prefill blocks (matmuls) in either dtype."""
     rng = np.random.default_rng(num_groups * 10 + block_q)
-    args, valid = block_inputs(rng, nb=7, block_q=block_q, group=2)
-    ref = np.asarray(paged_attention_reference(*args, scale=0.125))
-    out = np.asarray(paged_attention_chunked(*args, scale=0.125, num_groups=num_groups))
-    assert np.abs(out - ref)[valid].max() <= 1e-5
+    args, valid = block_inputs(rng, nb=7, block_q=block_q, group=2, dtype=dtype)
+    ref = np.asarray(paged_attention_reference(*args, scale=0.125), np.float32)
+    out = paged_attention_chunked(*args, scale=0.125, num_groups=num_groups)
+    assert out.dtype == dtype
+    assert np.abs(np.asarray(out, np.float32) - ref)[valid].max() <= TOL[dtype]
 
 
 def test_query_blocks_sorted_longest_first():
