@@ -18,13 +18,9 @@ from flax import nnx
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.layers.attention import AttentionBackend, KVPages
+from jaxpaged.layers.linear import linear
 from jaxpaged.layers.normalization import RMSNorm
 from jaxpaged.layers.rotary import apply_rope
-
-
-def _linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
-                      kernel_init=nnx.initializers.normal(0.02))
 
 
 class LlamaAttention(nnx.Module):
@@ -33,10 +29,10 @@ class LlamaAttention(nnx.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype, rngs: nnx.Rngs):
         h, d = config.hidden_size, config.head_dim
         bias = config.attention_bias
-        self.q_proj = _linear(h, config.num_heads * d, bias, dtype, rngs)
-        self.k_proj = _linear(h, config.num_kv_heads * d, bias, dtype, rngs)
-        self.v_proj = _linear(h, config.num_kv_heads * d, bias, dtype, rngs)
-        self.o_proj = _linear(config.num_heads * d, h, bias, dtype, rngs)
+        self.q_proj = linear(h, config.num_heads * d, bias, dtype, rngs)
+        self.k_proj = linear(h, config.num_kv_heads * d, bias, dtype, rngs)
+        self.v_proj = linear(h, config.num_kv_heads * d, bias, dtype, rngs)
+        self.o_proj = linear(config.num_heads * d, h, bias, dtype, rngs)
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
         self.rope_theta = config.rope_theta
         self.backend = backend
@@ -59,9 +55,9 @@ class LlamaMLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = _linear(h, i, False, dtype, rngs)
-        self.up_proj = _linear(h, i, False, dtype, rngs)
-        self.down_proj = _linear(i, h, False, dtype, rngs)
+        self.gate_proj = linear(h, i, False, dtype, rngs)
+        self.up_proj = linear(h, i, False, dtype, rngs)
+        self.down_proj = linear(i, h, False, dtype, rngs)
 
     def __call__(self, x):
         """x: [T, H] -> [T, H]."""
@@ -116,7 +112,7 @@ class LlamaForCausalLM(nnx.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype, rngs: nnx.Rngs):
         self.model = LlamaModel(config, backend, dtype, rngs)
         self.lm_head = (None if config.tie_word_embeddings else
-                        _linear(config.hidden_size, config.vocab_size, False, dtype, rngs))
+                        linear(config.hidden_size, config.vocab_size, False, dtype, rngs))
 
     def __call__(self, input_ids, positions, kv_caches: list[KVPages], metadata):
         """Run the decoder over one ragged batch.

@@ -1,0 +1,17 @@
+"""Linear projections of the decoder layers.
+
+Every dense projection of every model family is built by :func:`linear`, so that checkpoint
+naming (``nnx.Linear``'s ``kernel`` [in, out] is torch's ``weight`` [out, in] transposed) and
+tensor-parallel sharding rules (keyed by the module's name) hold for all of them.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+
+
+def linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    """A [din] -> [dout] projection with ``kernel`` [din, dout] (and ``bias`` [dout]) of
+    ``dtype``, initialised N(0, 0.02) (used only by ``--load-format dummy``)."""
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
+                      kernel_init=nnx.initializers.normal(0.02))
