@@ -120,14 +120,27 @@ def test_split_k_matches_reference(num_splits):
     assert np.abs(out - ref)[valid].max() <= 1e-5
 
 
-@pytest.mark.parametrize("sliding_window, soft_cap", [(24, None), (None, 3.0), (5, 10.0)])
-@pytest.mark.parametrize("num_splits", [1, 2])
-def test_sliding_window_and_soft_cap(sliding_window, soft_cap, num_splits):
-    rng = np.random.default_rng(11)
-    args, valid = block_inputs(rng, nb=5, block_q=16, group=2)
+SLIDING_KERNELS = {
+    "pallas": lambda *a, **kw: paged_attention(*a, **kw, num_splits=1),
+    "pallas-split2": lambda *a, **kw: paged_attention(*a, **kw, num_splits=2),
+    "xla": lambda *a, **kw: paged_attention_chunked(*a, **kw, num_groups=3),
+}
+
+
+@pytest.mark.parametrize("sliding_window, soft_cap", [(24, None), (None, 3.0), (5, 10.0),
+                                                     (40, None)])
+@pytest.mark.parametrize("block_q", [1, 16])
+@pytest.mark.parametrize("kernel", list(SLIDING_KERNELS))
+def test_sliding_window_and_soft_cap(sliding_window, soft_cap, block_q, kernel):
+    """Both backends' kernels, for prefill and decode blocks; windows shorter and longer
+    than the xla backend's 32-key chunk (so whole chunks are skipped)."""
+    rng = np.random.default_rng(11 + block_q)
+    args, valid = block_inputs(rng, nb=6, block_q=block_q, group=2)
     kw = dict(scale=0.125, sliding_window=sliding_window, soft_cap=soft_cap)
     ref = np.asarray(paged_attention_reference(*args, **kw))
-    out = np.asarray(paged_attention(*args, **kw, num_splits=num_splits))
+    causal = np.asarray(paged_attention_reference(*args, scale=0.125))
+    assert np.abs(causal - ref)[valid].max() > 1e-2     # the option changes the result
+    out = np.asarray(SLIDING_KERNELS[kernel](*args, **kw))
     assert np.abs(out - ref)[valid].max() <= 1e-5
 
 

@@ -87,7 +87,9 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_pages: KVPages,
-                metadata: dict[str, jax.Array], *, scale: float) -> tuple[jax.Array, KVPages]:
+                metadata: dict[str, jax.Array], *, scale: float,
+                sliding_window: int | None = None, soft_cap: float | None = None
+                ) -> tuple[jax.Array, KVPages]:
         """Write this step's K/V into the pool, then attend.
 
         Args:
@@ -98,6 +100,10 @@ class AttentionBackend(abc.ABC):
             metadata: device copies of ``build_metadata``'s arrays plus the common
                 ``slot_mapping``, ``page_table``, ``seq_lens``, ``query_start_loc``, ``positions``.
             scale: softmax scale, normally ``head_dim ** -0.5``.
+            sliding_window: if set, a query at position p sees only keys at positions in
+                (p - sliding_window, p] (Mistral; Beltagy et al., "Longformer", 2020).
+            soft_cap: if set, scaled scores s become ``soft_cap * tanh(s / soft_cap)``
+                (Gemma 2).
 
         Returns:
             ([T, num_heads, head_dim] attention output in q's dtype, updated kv_pages).

@@ -29,7 +29,9 @@ class PallasAttentionBackend(QueryBlockBackend):
         """Pallas KV-write kernel, pool aliased in place."""
         return write_kv(*kv_pages, k, v, slot_mapping, interpret=self.interpret)
 
-    def attend(self, q_blocks, kv_pages, page_table, block_seq, block_positions, *, scale):
+    def attend(self, q_blocks, kv_pages, page_table, block_seq, block_positions, *, scale,
+               sliding_window=None, soft_cap=None):
         """Pallas ragged paged attention."""
         return paged_attention(q_blocks, *kv_pages, page_table, block_seq, block_positions,
-                               scale=scale, interpret=self.interpret)
+                               scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                               interpret=self.interpret)

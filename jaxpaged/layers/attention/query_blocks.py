@@ -76,14 +76,16 @@ class QueryBlockBackend(AttentionBackend):
         return {"block_tokens": block_tokens[order], "block_seq": block_seq[order],
                 "block_positions": block_positions[order]}
 
-    def forward(self, q, k, v, kv_pages: KVPages, metadata, *, scale: float):
+    def forward(self, q, k, v, kv_pages: KVPages, metadata, *, scale: float,
+                sliding_window: int | None = None, soft_cap: float | None = None):
         """See :meth:`AttentionBackend.forward`."""
         kv_pages = self.write_kv(kv_pages, k, v, metadata["slot_mapping"])
         t, num_heads, head_dim = q.shape
         block_tokens = metadata["block_tokens"]
         q_padded = jnp.concatenate([q, jnp.zeros((1, num_heads, head_dim), q.dtype)])
         out = self.attend(q_padded[block_tokens], kv_pages, metadata["page_table"],
-                          metadata["block_seq"], metadata["block_positions"], scale=scale)
+                          metadata["block_seq"], metadata["block_positions"], scale=scale,
+                          sliding_window=sliding_window, soft_cap=soft_cap)
         result = jnp.zeros((t + 1, num_heads, head_dim), q.dtype).at[block_tokens].set(out)
         return result[:t], kv_pages
 
@@ -94,5 +96,7 @@ class QueryBlockBackend(AttentionBackend):
 
     @abc.abstractmethod
     def attend(self, q_blocks: jax.Array, kv_pages: KVPages, page_table: jax.Array,
-               block_seq: jax.Array, block_positions: jax.Array, *, scale: float) -> jax.Array:
-        """[NB, Bq, num_heads, D] queries -> [NB, Bq, num_heads, D] attention outputs."""
+               block_seq: jax.Array, block_positions: jax.Array, *, scale: float,
+               sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
+        """[NB, Bq, num_heads, D] queries -> [NB, Bq, num_heads, D] attention outputs
+        (``sliding_window`` and ``soft_cap`` as in :meth:`AttentionBackend.forward`)."""

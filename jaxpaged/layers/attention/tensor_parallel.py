@@ -43,9 +43,12 @@ class TensorParallelAttention(AttentionBackend):
         """The wrapped backend's metadata (replicated on every device)."""
         return self.inner.build_metadata(layout)
 
-    def forward(self, q, k, v, kv_pages: KVPages, metadata, *, scale: float):
+    def forward(self, q, k, v, kv_pages: KVPages, metadata, *, scale: float,
+                sliding_window: int | None = None, soft_cap: float | None = None):
         """See :meth:`AttentionBackend.forward`; q, k, v and the pool split by head."""
-        per_device = shard_map(partial(self.inner.forward, scale=scale), mesh=self.mesh,
+        inner = partial(self.inner.forward, scale=scale, sliding_window=sliding_window,
+                        soft_cap=soft_cap)
+        per_device = shard_map(inner, mesh=self.mesh,
                                in_specs=(_HEADS, _HEADS, _HEADS, (_POOL, _POOL), P()),
                                out_specs=(_HEADS, (_POOL, _POOL)), check_vma=False)
         return per_device(q, k, v, kv_pages, metadata)

@@ -44,29 +44,34 @@ NUM_GROUPS = 4
 def paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                             page_table: jax.Array, block_seq: jax.Array,
                             block_positions: jax.Array, *, scale: float,
+                            sliding_window: int | None = None, soft_cap: float | None = None,
                             num_groups: int = NUM_GROUPS) -> jax.Array:
     """Causal paged attention for query blocks, online softmax in float32.
 
-    Args and result as :func:`pallas_kernels.reference.paged_attention_reference` (without
-    sliding window and soft-cap): q [NB, Bq, H, D]; k_pages, v_pages [num_pages, page_size,
-    KVH, D]; page_table [B, P] int32; block_seq [NB] int32; block_positions [NB, Bq] int32
-    (-1 = padding). Returns [NB, Bq, H, D] in q's dtype (padding rows finite, unspecified).
-    ``num_groups`` runs of neighbouring blocks get their own trip count (any block order
-    is correct; blocks sorted by last position, descending, do the least work).
+    Args and result as :func:`pallas_kernels.reference.paged_attention_reference`:
+    q [NB, Bq, H, D]; k_pages, v_pages [num_pages, page_size, KVH, D]; page_table [B, P]
+    int32; block_seq [NB] int32; block_positions [NB, Bq] int32 (-1 = padding);
+    ``sliding_window`` (a query at p sees keys in (p - window, p]) and ``soft_cap``
+    (scores -> cap * tanh(scores / cap)) optional. Returns [NB, Bq, H, D] in q's dtype
+    (padding rows finite, unspecified). ``num_groups`` runs of neighbouring blocks get
+    their own trip counts (any block order is correct; blocks sorted by last position,
+    descending, do the least work); with a sliding window a run also starts at the first
+    chunk any of its queries can see.
     """
     pages = page_table[block_seq]                                         # [NB, P]
     pad = -pages.shape[1] % PAGES_PER_CHUNK
     if pad:      # the null page fills the last chunk; its keys are beyond every query
         pages = jnp.pad(pages, ((0, 0), (0, pad)))
     bounds = np.linspace(0, q.shape[0], min(num_groups, q.shape[0]) + 1).astype(int)
-    runs = [_attend_run(q[a:b], k_pages, v_pages, pages[a:b], block_positions[a:b], scale)
+    runs = [_attend_run(q[a:b], k_pages, v_pages, pages[a:b], block_positions[a:b], scale,
+                        sliding_window, soft_cap)
             for a, b in zip(bounds[:-1], bounds[1:])]
     return jnp.concatenate(runs) if len(runs) > 1 else runs[0]
 
 
-def _attend_run(q, k_pages, v_pages, pages, block_positions, scale):
+def _attend_run(q, k_pages, v_pages, pages, block_positions, scale, sliding_window, soft_cap):
     """:func:`paged_attention_chunked` for one run of blocks; pages [NB, P] (P a multiple
-    of PAGES_PER_CHUNK). The chunk loop stops after the run's last visible chunk."""
+    of PAGES_PER_CHUNK). The chunk loop covers only the chunks the run's queries can see."""
     nb, block_q, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     group = num_heads // num_kv_heads
@@ -81,7 +86,13 @@ def _attend_run(q, k_pages, v_pages, pages, block_positions, scale):
         vc = v_pages[ids].reshape(nb, chunk, num_kv_heads, head_dim)
         key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
         s = products.scores(qb, kc) * scale
-        s = jnp.where(products.visible(key_pos, block_positions), s, MASK_VALUE)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        key_pos, query_pos = products.broadcast_positions(key_pos, block_positions)
+        visible = key_pos <= query_pos
+        if sliding_window is not None:
+            visible &= key_pos > query_pos - sliding_window
+        s = jnp.where(visible, s, MASK_VALUE)
         axis = products.KEY_AXIS
         m_new = jnp.maximum(m, s.max(axis))
         p = jnp.exp(s - jnp.expand_dims(m_new, axis))
@@ -94,7 +105,12 @@ def _attend_run(q, k_pages, v_pages, pages, block_positions, scale):
     init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros(shape + (head_dim,), jnp.float32))
     num_chunks = jnp.max(block_positions) // chunk + 1                   # the rest is unseen
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, init)
+    first_chunk = 0
+    if sliding_window is not None:      # chunks wholly before every query's window are unseen
+        lowest = jnp.min(jnp.where(block_positions >= 0, block_positions, num_chunks * chunk))
+        first_chunk = jnp.minimum(jnp.maximum(lowest - sliding_window + 1, 0) // chunk,
+                                  num_chunks)
+    _, l, acc = jax.lax.fori_loop(first_chunk, num_chunks, body, init)
     return products.to_blocks(acc / l[..., None]).astype(q.dtype)
 
 
@@ -114,8 +130,8 @@ class _MatmulProducts:
                           precision=_precision(qb))
 
     @staticmethod
-    def visible(key_pos, block_positions):
-        return key_pos <= block_positions[:, None, None, :, None]
+    def broadcast_positions(key_pos, block_positions):      # to the scores' [.., Bq, L]
+        return key_pos, block_positions[:, None, None, :, None]
 
     @staticmethod
     def weighted_values(p, vc):                             # -> [NB, KVH, G, Bq, D]
@@ -147,8 +163,8 @@ class _DecodeProducts:
         return (q[:, None] * kc[:, :, :, None, :].astype(jnp.float32)).sum(-1)
 
     @staticmethod
-    def visible(key_pos, block_positions):
-        return key_pos[None, :, None, None] <= block_positions[:, :1, None, None]
+    def broadcast_positions(key_pos, block_positions):      # to the scores' [NB, L, ..]
+        return key_pos[None, :, None, None], block_positions[:, :1, None, None]
 
     @staticmethod
     def weighted_values(p, vc):                             # -> [NB, KVH, G, D]
@@ -174,7 +190,9 @@ class XlaAttentionBackend(QueryBlockBackend):
         """jnp scatter (in place under donation)."""
         return write_kv_reference(*kv_pages, k, v, slot_mapping)
 
-    def attend(self, q_blocks, kv_pages, page_table, block_seq, block_positions, *, scale):
+    def attend(self, q_blocks, kv_pages, page_table, block_seq, block_positions, *, scale,
+               sliding_window=None, soft_cap=None):
         """Chunked online-softmax attention (:func:`paged_attention_chunked`)."""
         return paged_attention_chunked(q_blocks, *kv_pages, page_table, block_seq,
-                                       block_positions, scale=scale)
+                                       block_positions, scale=scale,
+                                       sliding_window=sliding_window, soft_cap=soft_cap)
