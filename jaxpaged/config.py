@@ -10,8 +10,12 @@ import json
 import os
 from dataclasses import dataclass
 
-#: Architectures (``config.json``'s ``architectures``) that the Llama module serves.
-LLAMA_ARCHITECTURES = ("LlamaForCausalLM",)
+#: Architectures (``config.json``'s ``architectures``) with a model class in
+#: :mod:`jaxpaged.models`.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM", "MixtralForCausalLM", "Gemma2ForCausalLM")
+#: MLP activations by their transformers name.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 class UnsupportedModelError(ValueError):
@@ -31,10 +35,22 @@ class ModelConfig:
         rms_norm_eps: epsilon of every RMSNorm.
         max_position_embeddings: trained context length, the default ``max_model_len``.
         tie_word_embeddings: the LM head reuses the input embedding matrix.
-        attention_bias: q/k/v/o projections carry biases.
+        qkv_bias: the q/k/v projections carry biases (Llama's ``attention_bias``; always for
+            Qwen2); ``o_bias``: so does the output projection (Llama's ``attention_bias``).
         bos_token_id, eos_token_ids: special ids (several EOS ids are allowed).
         checkpoint_dtype: the stored weights' dtype name (``torch_dtype`` or transformers 5's
             ``dtype``; ``"float32"`` when absent).
+        rope_scaling: Llama 3's RoPE frequency scaling, or None.
+        sliding_windows: per layer, the sliding-window size (a query at p sees keys in
+            (p - window, p]) or None for full causal attention.
+        qk_norm: per-head RMSNorm of queries and keys before RoPE (Qwen3).
+        num_experts, num_experts_per_tok: a sparse mixture-of-experts MLP with top-k routing
+            (Mixtral); 0 experts means a dense MLP.
+        hidden_act: the MLP's gating activation (one of :data:`ACTIVATIONS`).
+        query_pre_attn_scalar: attention scores are scaled by its inverse square root instead
+            of ``head_dim``'s (Gemma 2).
+        attn_logit_softcapping, final_logit_softcapping: Gemma 2's tanh soft caps of attention
+            scores and of the output logits (None: off).
     """
 
     architecture: str
@@ -49,10 +65,20 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    qkv_bias: bool
+    o_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: str = "float32"
+    rope_scaling: RopeScaling | None = None
+    sliding_windows: tuple[int | None, ...] = ()
+    qk_norm: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
@@ -67,16 +93,15 @@ class ModelConfig:
         if missing:
             raise UnsupportedModelError(f"config.json lacks {missing}")
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in LLAMA_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(
-                f"unsupported architecture {archs!r}; supported: {list(LLAMA_ARCHITECTURES)}")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"unsupported hidden_act {act!r}; only 'silu' is supported")
-        rope_theta, rope_type = _rope(cfg)
-        if rope_type not in (None, "default"):
-            raise UnsupportedModelError(f"unsupported rope scaling type {rope_type!r}")
+                f"unsupported architecture {archs!r}; supported: {list(SUPPORTED_ARCHITECTURES)}")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r}; supported: "
+                                        f"{list(ACTIVATIONS)}")
+        rope_theta, rope_scaling = _rope(cfg)
         if cfg.get("mlp_bias", False):
             raise UnsupportedModelError("mlp_bias=true is not supported")
         num_heads = int(cfg["num_attention_heads"])
@@ -89,6 +114,12 @@ class ModelConfig:
         head_dim = int(cfg.get("head_dim") or hidden // num_heads)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        attention_bias = bool(cfg.get("attention_bias", False))
+        num_experts = int(cfg.get("num_local_experts") or 0)
+        top_k = int(cfg.get("num_experts_per_tok") or 0)
+        if num_experts and not 1 <= top_k <= num_experts:
+            raise UnsupportedModelError(f"num_experts_per_tok={top_k} must be in "
+                                        f"[1, num_local_experts={num_experts}]")
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -102,10 +133,20 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
+            qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
+            o_bias=attention_bias and arch != "Qwen2ForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            rope_scaling=rope_scaling,
+            sliding_windows=_sliding_windows(cfg, arch),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            num_experts=num_experts,
+            num_experts_per_tok=top_k if num_experts else 0,
+            hidden_act=act,
+            query_pre_attn_scalar=_optional_float(cfg, "query_pre_attn_scalar"),
+            attn_logit_softcapping=_optional_float(cfg, "attn_logit_softcapping"),
+            final_logit_softcapping=_optional_float(cfg, "final_logit_softcapping"),
         )
 
     @classmethod
@@ -132,17 +173,85 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
 
-def _rope(cfg: dict) -> tuple[float, str | None]:
-    """RoPE theta and scaling type from either layout.
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's RoPE frequency scaling (``rope_type: llama3``).
+
+    Frequencies whose wavelength exceeds ``original_max_position_embeddings /
+    low_freq_factor`` are divided by ``factor``, those shorter than ``... /
+    high_freq_factor`` are kept, and the band between is interpolated (Meta's Llama 3.1
+    release, as implemented by transformers' ``_compute_llama3_parameters``).
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+def _rope(cfg: dict) -> tuple[float, RopeScaling | None]:
+    """RoPE theta and scaling from either layout.
 
     transformers < 5 writes ``rope_theta`` and ``rope_scaling``; transformers 5 writes one
-    ``rope_parameters`` dict holding ``rope_theta`` and ``rope_type``.
+    ``rope_parameters`` dict holding ``rope_theta``, ``rope_type`` and the scaling fields.
+
+    Raises:
+        UnsupportedModelError: a scaling type other than ``default`` and ``llama3``, or a
+            llama3 scaling that lacks a field.
     """
     params = cfg.get("rope_parameters")
     if isinstance(params, dict):
-        return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))), params.get("rope_type")
-    scaling = cfg.get("rope_scaling")
-    rope_type = None
-    if isinstance(scaling, dict):
-        rope_type = scaling.get("rope_type", scaling.get("type"))
-    return float(cfg.get("rope_theta", 10000.0)), rope_type
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    else:
+        params = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else {}
+        theta = cfg.get("rope_theta", 10000.0)
+    rope_type = params.get("rope_type", params.get("type"))
+    if rope_type in (None, "default"):
+        return float(theta), None
+    if rope_type != "llama3":
+        raise UnsupportedModelError(f"unsupported rope scaling type {rope_type!r}; "
+                                    "supported: default, llama3")
+    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [f for f in fields if f not in params]
+    if missing:
+        raise UnsupportedModelError(f"llama3 rope scaling lacks {missing}")
+    return float(theta), RopeScaling(float(params["factor"]), float(params["low_freq_factor"]),
+                                     float(params["high_freq_factor"]),
+                                     int(params["original_max_position_embeddings"]))
+
+
+def _sliding_windows(cfg: dict, arch: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention).
+
+    transformers 5 writes ``layer_types`` (``sliding_attention`` / ``full_attention``) for the
+    families that mix them; older configs are read as transformers did: Qwen2/3 slide only
+    with ``use_sliding_window`` and from layer ``max_window_layers`` on, Gemma 2 slides on
+    even layers, Mistral and Mixtral on every layer whenever ``sliding_window`` is set.
+
+    Raises:
+        UnsupportedModelError: ``layer_types`` of the wrong length or with unknown kinds.
+    """
+    n = int(cfg["num_hidden_layers"])
+    window = cfg.get("sliding_window")
+    if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return (None,) * n
+    window = int(window)
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        if arch.startswith("Qwen"):
+            first = int(cfg.get("max_window_layers", n))
+            kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+        elif arch == "Gemma2ForCausalLM":
+            kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        else:
+            kinds = ["sliding_attention"] * n
+    if len(kinds) != n or not set(kinds) <= {"sliding_attention", "full_attention"}:
+        raise UnsupportedModelError(f"layer_types {kinds!r} must name sliding_attention or "
+                                    f"full_attention for each of the {n} layers")
+    return tuple(window if k == "sliding_attention" else None for k in kinds)
+
+
+def _optional_float(cfg: dict, key: str) -> float | None:
+    return None if cfg.get(key) is None else float(cfg[key])

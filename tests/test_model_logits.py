@@ -13,10 +13,10 @@ from tests.conftest import FIXTURES, STORIES, STORIES_REFERENCE
 
 
 def full_sequence_logits(model_dir: str, ids: np.ndarray, dtype=jnp.float32,
-                         page_size: int = 16) -> np.ndarray:
-    """Logits at every position of one prefill of ``ids`` through the paged xla backend."""
+                         page_size: int = 16, backend: str = "xla") -> np.ndarray:
+    """Logits at every position of one prefill of ``ids`` through a paged attention backend."""
     cfg = ModelConfig.from_pretrained(model_dir)
-    backend = get_attention_backend("xla")
+    backend = get_attention_backend(backend)
     model = load_model(model_dir, cfg, dtype=dtype, backend=backend)
     t = len(ids)
     num_pages = -(-t // page_size)

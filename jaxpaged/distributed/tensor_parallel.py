@@ -10,6 +10,9 @@ Models Using Model Parallelism", 2019, section 3):
   them from the parameter shardings;
 - ``embed_tokens`` and ``lm_head``: vocab-parallel (rows of the vocabulary split); logits
   are gathered before sampling;
+- mixture-of-experts kernels (``experts.w1|w3`` [E, H, I], ``experts.w2`` [E, I, H]): every
+  expert's intermediate columns split like a dense MLP's (w1/w3 column-, w2 row-parallel),
+  as vLLM's fused MoE layer does without expert parallelism; the router is replicated;
 - norms and row-parallel biases: replicated; so is any weight whose split dimension the
   mesh does not divide (e.g. an intermediate size of 172 over 8 devices);
 - the KV pool: split over KV heads, ``[num_pages, page_size, KVH / tp, head_dim]`` per device.
@@ -142,6 +145,8 @@ class TensorParallel:
             axis = len(shape) - 1                 # kernel [in, out] -> out; bias [out]
         elif module in _ROW_PARALLEL and leaf == "kernel":
             axis = 0
+        elif module == "experts":
+            axis = 1 if leaf == "w2" else 2       # the intermediate dimension
         elif module == "embed_tokens":
             axis = 0                              # vocab rows
         elif module == "lm_head" and leaf == "kernel":

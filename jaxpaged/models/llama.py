@@ -1,9 +1,13 @@
-"""Llama-family decoder (Llama 2/3 shapes, GQA/MQA, tied or untied embeddings) in Flax NNX.
+"""Llama-family decoder in Flax NNX: Llama 2/3, Mistral, Qwen2/2.5 and Qwen3.
 
 Reference: Touvron et al., "Llama 2: Open Foundation and Fine-Tuned Chat Models" (2023),
 section 2.2 (pre-norm RMSNorm, SwiGLU MLP, RoPE, grouped-query attention); parameter names and
 numerics follow Hugging Face transformers' ``LlamaForCausalLM`` so that checkpoints load
-one-to-one (module path + ``.weight``/``.bias``).
+one-to-one (module path + ``.weight``/``.bias``). The families this module also serves differ
+only in settings its :class:`ModelConfig` carries: Llama 3's RoPE scaling, Mistral's sliding
+window (Jiang et al., "Mistral 7B", 2023), Qwen2's q/k/v biases, and Qwen3's per-head RMSNorm
+of queries and keys before RoPE. Other families reuse these layers
+(:mod:`jaxpaged.models.mixtral`, :mod:`jaxpaged.models.gemma2`).
 
 The model works on a flat, ragged batch: T tokens from any mix of prefill chunks and decodes.
 The KV pool is not part of the module: it is passed in and returned (see
@@ -20,21 +24,38 @@ from jaxpaged.config import ModelConfig
 from jaxpaged.layers.attention import AttentionBackend, KVPages
 from jaxpaged.layers.linear import linear
 from jaxpaged.layers.normalization import RMSNorm
-from jaxpaged.layers.rotary import apply_rope
+from jaxpaged.layers.rotary import apply_rope, rope_inv_freq
+
+_ACTIVATIONS = {"silu": jax.nn.silu,
+                "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 class LlamaAttention(nnx.Module):
-    """Multi-head attention with GQA over the paged KV pool."""
+    """Multi-head attention with GQA over the paged KV pool.
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype, rngs: nnx.Rngs):
+    Args:
+        config: the model's settings (biases, q/k norm, RoPE, scale, soft cap).
+        layer_idx: the layer's index (selects its sliding window).
+        backend: the paged-attention backend.
+        dtype: parameter and activation dtype.
+        rngs: initialisers' randomness.
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, dtype,
+                 rngs: nnx.Rngs):
         h, d = config.hidden_size, config.head_dim
-        bias = config.attention_bias
-        self.q_proj = linear(h, config.num_heads * d, bias, dtype, rngs)
-        self.k_proj = linear(h, config.num_kv_heads * d, bias, dtype, rngs)
-        self.v_proj = linear(h, config.num_kv_heads * d, bias, dtype, rngs)
-        self.o_proj = linear(config.num_heads * d, h, bias, dtype, rngs)
+        self.q_proj = linear(h, config.num_heads * d, config.qkv_bias, dtype, rngs)
+        self.k_proj = linear(h, config.num_kv_heads * d, config.qkv_bias, dtype, rngs)
+        self.v_proj = linear(h, config.num_kv_heads * d, config.qkv_bias, dtype, rngs)
+        self.o_proj = linear(config.num_heads * d, h, config.o_bias, dtype, rngs)
+        norm = lambda: RMSNorm(d, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.q_norm, self.k_norm = norm(), norm()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.rope_theta = config.rope_theta
+        self.inv_freq = tuple(rope_inv_freq(d, config.rope_theta, config.rope_scaling).tolist())
+        self.scale = (config.query_pre_attn_scalar or d) ** -0.5
+        self.sliding_window = (config.sliding_windows[layer_idx] if config.sliding_windows
+                               else None)
+        self.soft_cap = config.attn_logit_softcapping
         self.backend = backend
 
     def __call__(self, x, positions, kv_pages: KVPages, metadata):
@@ -43,55 +64,80 @@ class LlamaAttention(nnx.Module):
         q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, positions, self.rope_theta)
-        k = apply_rope(k, positions, self.rope_theta)
-        out, kv_pages = self.backend.forward(q, k, v, kv_pages, metadata,
-                                             scale=self.head_dim ** -0.5)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, positions, self.inv_freq)
+        k = apply_rope(k, positions, self.inv_freq)
+        out, kv_pages = self.backend.forward(q, k, v, kv_pages, metadata, scale=self.scale,
+                                             sliding_window=self.sliding_window,
+                                             soft_cap=self.soft_cap)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), kv_pages
 
 
 class LlamaMLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)), act = SiLU (SwiGLU) or tanh-GELU."""
 
     def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
         h, i = config.hidden_size, config.intermediate_size
         self.gate_proj = linear(h, i, False, dtype, rngs)
         self.up_proj = linear(h, i, False, dtype, rngs)
         self.down_proj = linear(i, h, False, dtype, rngs)
+        self.act = _ACTIVATIONS[config.hidden_act]
 
     def __call__(self, x):
         """x: [T, H] -> [T, H]."""
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nnx.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then the feed-forward (:meth:`feed_forward`)."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, dtype,
+                 rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, backend, dtype, rngs)
+        self.self_attn = LlamaAttention(config, layer_idx, backend, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.build_feed_forward(config, dtype, rngs)
+
+    def build_feed_forward(self, config: ModelConfig, dtype, rngs: nnx.Rngs) -> None:
+        """Create the feed-forward sub-module (a dense :class:`LlamaMLP` named ``mlp``)."""
         self.mlp = LlamaMLP(config, dtype, rngs)
+
+    def feed_forward(self, x):
+        """x: [T, H] -> [T, H] through the block's feed-forward."""
+        return self.mlp(x)
 
     def __call__(self, x, positions, kv_pages, metadata):
         attn, kv_pages = self.self_attn(self.input_layernorm(x), positions, kv_pages, metadata)
         x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_pages
+        return x + self.feed_forward(self.post_attention_layernorm(x)), kv_pages
 
 
 class LlamaModel(nnx.Module):
-    """Embedding, decoder layers and final norm."""
+    """Embedding, decoder layers and final norm.
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype, rngs: nnx.Rngs):
+    Args:
+        config, backend, dtype, rngs: as :class:`LlamaForCausalLM`.
+        layer_cls: the decoder-layer class.
+        gemma_style: Gemma's ``1 + weight`` final norm and embeddings scaled by
+            ``sqrt(hidden_size)`` (rounded to ``dtype``, as transformers does).
+    """
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype, rngs: nnx.Rngs,
+                 layer_cls=LlamaDecoderLayer, gemma_style: bool = False):
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
                                       param_dtype=dtype, rngs=rngs,
                                       embedding_init=nnx.initializers.normal(0.02))
-        self.layers = nnx.List([LlamaDecoderLayer(config, backend, dtype, rngs)
-                                for _ in range(config.num_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.layers = nnx.List([layer_cls(config, i, backend, dtype, rngs)
+                                for i in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
+                            unit_offset=gemma_style)
+        self.embed_scale = config.hidden_size ** 0.5 if gemma_style else None
 
     def __call__(self, input_ids, positions, kv_caches: list[KVPages], metadata):
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * jnp.asarray(self.embed_scale, x.dtype)
         new_caches = []
         for layer, kv_pages in zip(self.layers, kv_caches):
             x, kv_pages = layer(x, positions, kv_pages, metadata)
@@ -102,6 +148,8 @@ class LlamaModel(nnx.Module):
 class LlamaForCausalLM(nnx.Module):
     """Llama decoder with its language-model head.
 
+    Families built from the same parts set :attr:`decoder_layer` and :attr:`gemma_style`.
+
     Args:
         config: the model's :class:`ModelConfig`.
         backend: the attention backend every layer calls.
@@ -109,10 +157,15 @@ class LlamaForCausalLM(nnx.Module):
         rngs: initialisers' randomness (used by ``--load-format dummy``).
     """
 
+    decoder_layer = LlamaDecoderLayer
+    gemma_style = False
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype, rngs: nnx.Rngs):
-        self.model = LlamaModel(config, backend, dtype, rngs)
+        self.model = LlamaModel(config, backend, dtype, rngs, self.decoder_layer,
+                                self.gemma_style)
         self.lm_head = (None if config.tie_word_embeddings else
                         linear(config.hidden_size, config.vocab_size, False, dtype, rngs))
+        self.final_soft_cap = config.final_logit_softcapping
 
     def __call__(self, input_ids, positions, kv_caches: list[KVPages], metadata):
         """Run the decoder over one ragged batch.
@@ -128,9 +181,13 @@ class LlamaForCausalLM(nnx.Module):
         return self.model(input_ids, positions, kv_caches, metadata)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden: [N, hidden_size] -> [N, vocab_size] float32 logits."""
+        """hidden: [N, hidden_size] -> [N, vocab_size] float32 logits (soft-capped as
+        ``cap * tanh(logits / cap)`` when the model sets ``final_logit_softcapping``)."""
         if self.lm_head is None:
             logits = self.model.embed_tokens.attend(hidden)
         else:
             logits = self.lm_head(hidden)
-        return logits.astype(jnp.float32)
+        logits = logits.astype(jnp.float32)
+        if self.final_soft_cap is not None:
+            logits = self.final_soft_cap * jnp.tanh(logits / self.final_soft_cap)
+        return logits

@@ -2,7 +2,9 @@
 
 A parameter at NNX path ``a.b.c.<leaf>`` comes from the safetensors tensor ``a.b.c.weight``
 (or ``.bias``): ``nnx.Linear`` kernels are stored transposed ([in, out]) relative to torch's
-``[out, in]``; embeddings and norm scales are taken as they are.
+``[out, in]``; embeddings and norm scales are taken as they are. Stacked expert kernels
+(:class:`jaxpaged.models.mixtral.ExpertWeights` at ``a.experts.w1``) come from the per-expert
+tensors ``a.experts.{e}.w1.weight``, each transposed.
 
 Every tensor goes straight to its devices with its tensor-parallel sharding
 (:mod:`jaxpaged.distributed.tensor_parallel`), so a device receives only its own slice (and a
@@ -26,11 +28,11 @@ from safetensors import SafetensorError, safe_open
 from jaxpaged.config import ModelConfig, UnsupportedModelError
 from jaxpaged.distributed.tensor_parallel import TensorParallel
 from jaxpaged.layers.attention import AttentionBackend
-from jaxpaged.models.llama import LlamaForCausalLM
+from jaxpaged.models.mixtral import ExpertWeights
+from jaxpaged.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
-_MODEL_CLASSES = {"LlamaForCausalLM": LlamaForCausalLM}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
@@ -60,9 +62,7 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
         FileNotFoundError: no safetensors files in ``model_dir``.
         MissingWeightsError: tensors missing or of the wrong shape (all are named).
     """
-    cls = _MODEL_CLASSES.get(config.architecture)
-    if cls is None:
-        raise UnsupportedModelError(f"no model class for architecture {config.architecture!r}")
+    cls = model_class(config.architecture)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose from {list(LOAD_FORMATS)}")
     tp = tp or TensorParallel.create(1, config)
@@ -77,12 +77,16 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
     missing, bad_shapes = [], []
     for path, var in flat:
         name, transpose = _hf_name(path)
-        arr = reader.get(name)
+        if isinstance(var, ExpertWeights):
+            name, arr = _read_experts(reader, path, var.shape[0], missing)
+        else:
+            arr = reader.get(name)
+            if arr is None:
+                missing.append(name)
         if arr is None:
-            missing.append(name)
             continue
         if transpose:
-            arr = arr.T
+            arr = np.swapaxes(arr, -1, -2)
         if tp.repeat_kv_heads(path, arr).shape != var.shape:
             bad_shapes.append(f"{name}: checkpoint {arr.shape} does not fit {var.shape}")
             continue
@@ -115,11 +119,23 @@ def _dummy_state(cls, config, backend, dtype, seed, tp, abstract_state):
     return jax.jit(init, out_shardings=shardings)()
 
 
+def _read_experts(reader, path: tuple, num_experts: int, missing: list
+                  ) -> tuple[str, np.ndarray | None]:
+    """Stack ``<prefix>.{e}.<leaf>.weight`` for every expert: ([E, out, in] or None when a
+    tensor is missing; missing names are appended to ``missing``)."""
+    *prefix, leaf = (str(p) for p in path)
+    names = [".".join(prefix + [str(e), leaf, "weight"]) for e in range(num_experts)]
+    arrs = [reader.get(n) for n in names]
+    missing.extend(n for n, a in zip(names, arrs) if a is None)
+    label = ".".join(prefix + ["{e}", leaf, "weight"])
+    return label, None if any(a is None for a in arrs) else np.stack(arrs)
+
+
 def _hf_name(path: tuple) -> tuple[str, bool]:
     """NNX parameter path -> (safetensors tensor name, whether to transpose)."""
     *prefix, leaf = (str(p) for p in path)
     base = ".".join(prefix)
-    if leaf == "kernel":
+    if leaf == "kernel" or prefix[-1:] == ["experts"]:
         return f"{base}.weight", True
     if leaf == "bias":
         return f"{base}.bias", False
