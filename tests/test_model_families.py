@@ -1,0 +1,110 @@
+"""Every supported family against transformers' torch implementation (committed fixtures,
+tests/fixtures/NOTES.md): float32 logits within 1e-4 and 32 identical greedy tokens."""
+
+import os
+
+import numpy as np
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+from jaxpaged.models.registry import MODEL_CLASSES
+from tests.conftest import FIXTURES
+from tests.test_model_logits import full_sequence_logits
+
+#: fixture -> its architecture
+FAMILIES = {
+    "llama3_rope_scaling": "LlamaForCausalLM",
+    "mistral_sliding_window": "MistralForCausalLM",
+    "qwen2_bias_untied": "Qwen2ForCausalLM",
+    "qwen2_bias_tied": "Qwen2ForCausalLM",
+    "qwen3_qk_norm": "Qwen3ForCausalLM",
+    "mixtral_moe": "MixtralForCausalLM",
+    "gemma2_softcap": "Gemma2ForCausalLM",
+}
+#: Fixtures whose attention uses a sliding window or soft cap: checked on both backends.
+WINDOWED = ("mistral_sliding_window", "gemma2_softcap")
+GREEDY_32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+def fixture(name, file=None):
+    d = os.path.join(FIXTURES, name)
+    return d if file is None else np.load(os.path.join(d, file))
+
+
+def test_every_architecture_has_a_model_class():
+    assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
+    assert set(FAMILIES.values()) == set(SUPPORTED_ARCHITECTURES)     # a fixture for each
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_logits_match_transformers(name):
+    cfg = ModelConfig.from_pretrained(fixture(name))
+    assert cfg.architecture == FAMILIES[name]
+    ref = fixture(name, "logits.npy")
+    logits = full_sequence_logits(fixture(name), fixture(name, "input_ids.npy"), page_size=8)
+    assert logits.shape == ref.shape
+    assert np.abs(logits - ref).max() < 1e-4
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_windowed_families_on_the_pallas_backend(name):
+    ref = fixture(name, "logits.npy")
+    logits = full_sequence_logits(fixture(name), fixture(name, "input_ids.npy"), page_size=8,
+                                  backend="pallas")
+    assert np.abs(logits - ref).max() < 1e-4
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_32_tokens_match_transformers(name):
+    """Prefill of 9 tokens then 32 decode steps (past every sliding window of 8)."""
+    llm = LLM(enforce_eager=True, model=fixture(name), tokenizer=DEFAULT_MODEL, max_num_seqs=4,
+              block_size=8)
+    out = llm.generate([fixture(name, "greedy_prompt.npy").tolist()], GREEDY_32,
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == fixture(name, "greedy_tokens.npy").tolist()
+
+
+def test_mixtral_experts_split_over_two_devices_match_transformers():
+    name = "mixtral_moe"
+    llm = LLM(enforce_eager=True, model=fixture(name), tokenizer=DEFAULT_MODEL, max_num_seqs=4,
+              block_size=8, tensor_parallel_size=2)
+    w1 = llm.engine.runner._state["model"]["layers"][0]["block_sparse_moe"]["experts"]["w1"]
+    assert {s.data.shape for s in w1[...].addressable_shards} == {
+        (w1.shape[0], w1.shape[1], w1.shape[2] // 2)}
+    out = llm.generate([fixture(name, "greedy_prompt.npy").tolist()], GREEDY_32,
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == fixture(name, "greedy_tokens.npy").tolist()
+
+
+def test_family_settings_parsed():
+    mistral = ModelConfig.from_pretrained(fixture("mistral_sliding_window"))
+    assert set(mistral.sliding_windows) == {8}
+    gemma = ModelConfig.from_pretrained(fixture("gemma2_softcap"))
+    assert gemma.sliding_windows[0] == 8 and gemma.sliding_windows[1] is None
+    assert gemma.attn_logit_softcapping and gemma.final_logit_softcapping
+    qwen2 = ModelConfig.from_pretrained(fixture("qwen2_bias_untied"))
+    assert (qwen2.qkv_bias, qwen2.o_bias) == (True, False)
+    assert ModelConfig.from_pretrained(fixture("qwen3_qk_norm")).qk_norm
+    mixtral = ModelConfig.from_pretrained(fixture("mixtral_moe"))
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok) == (4, 2)
+    llama3 = ModelConfig.from_pretrained(fixture("llama3_rope_scaling"))
+    assert llama3.rope_scaling is not None and llama3.rope_scaling.factor == 8.0
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
+     "low_freq_factor"),
+    ({"num_local_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok"),
+    ({"layer_types": ["sliding_attention"], "sliding_window": 8}, "layer_types"),
+    ({"hidden_act": "relu"}, "relu"),
+])
+def test_unsupported_family_settings_are_named(overrides, match):
+    import json
+    with open(os.path.join(fixture("mistral_sliding_window"), "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(overrides)
+    with pytest.raises(UnsupportedModelError, match=match):
+        ModelConfig.from_dict(cfg)
