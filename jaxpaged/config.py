@@ -6,12 +6,15 @@ broken or unsupported checkpoint fails at start-up with a message naming the pro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
 
 #: Architectures (``config.json``'s ``architectures``) that the Llama module serves.
 LLAMA_ARCHITECTURES = ("LlamaForCausalLM",)
+#: Weight-only quantization methods (``--quantization``; ``jaxpaged.layers.quantization``).
+QUANTIZATION_METHODS = ("int8", "fp8")
 
 
 class UnsupportedModelError(ValueError):
@@ -35,6 +38,9 @@ class ModelConfig:
         bos_token_id, eos_token_ids: special ids (several EOS ids are allowed).
         checkpoint_dtype: the stored weights' dtype name (``torch_dtype`` or transformers 5's
             ``dtype``; ``"float32"`` when absent).
+        quantization: weight-only quantization of the decoder's projections (one of
+            :data:`QUANTIZATION_METHODS`), or None; ``"fp8"`` when the checkpoint itself is
+            stored in fp8 (its ``quantization_config``).
     """
 
     architecture: str
@@ -53,14 +59,15 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: str = "float32"
+    quantization: str | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
         """Build from a parsed ``config.json``.
 
         Raises:
-            UnsupportedModelError: unknown architecture, unsupported rope scaling or
-                activation, or head counts that do not divide.
+            UnsupportedModelError: unknown architecture, unsupported rope scaling,
+                activation or ``quantization_config``, or head counts that do not divide.
         """
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                                "num_hidden_layers", "num_attention_heads") if k not in cfg]
@@ -106,6 +113,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            quantization=_checkpoint_quantization(cfg.get("quantization_config")),
         )
 
     @classmethod
@@ -125,6 +133,21 @@ class ModelConfig:
             except json.JSONDecodeError as e:
                 raise UnsupportedModelError(f"{path} is not valid JSON: {e}") from e
         return cls.from_dict(cfg)
+
+    def with_quantization(self, method: str | None) -> "ModelConfig":
+        """This config with its projections quantized by ``method`` (``--quantization``;
+        None keeps the checkpoint's own, if any).
+
+        Raises:
+            UnsupportedModelError: the checkpoint is stored quantized by another method.
+        """
+        if method is None or method == self.quantization:
+            return self
+        if self.quantization is not None:
+            raise UnsupportedModelError(
+                f"the checkpoint is stored quantized ({self.quantization}); it cannot be loaded "
+                f"with quantization={method!r} (leave it unset or use {self.quantization!r})")
+        return dataclasses.replace(self, quantization=method)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -146,3 +169,35 @@ def _rope(cfg: dict) -> tuple[float, str | None]:
     if isinstance(scaling, dict):
         rope_type = scaling.get("rope_type", scaling.get("type"))
     return float(cfg.get("rope_theta", 10000.0)), rope_type
+
+
+def _checkpoint_quantization(qc: dict | None) -> str | None:
+    """The quantization a checkpoint is stored in, from ``config.json``'s
+    ``quantization_config``: None for a float checkpoint, ``"fp8"`` for fp8 weights with
+    per-tensor or per-channel scales (``quant_method`` ``"fp8"``, or ``"compressed-tensors"``
+    in its ``float-quantized`` format).
+
+    Raises:
+        UnsupportedModelError: any other layout, naming its ``quant_method``.
+    """
+    if qc is None:
+        return None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        problem = f"block-wise scales (weight_block_size {block})" if block else None
+    elif method == "compressed-tensors":
+        schemes = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
+        fp8 = schemes and all((w.get("type"), w.get("num_bits")) == ("float", 8)
+                              and w.get("strategy") in ("tensor", "channel") for w in schemes)
+        problem = (f"format {qc.get('format')!r}" if qc.get("format") != "float-quantized" else
+                   None if fp8 else f"weight schemes {schemes}")
+    else:
+        problem = "this method"
+    if problem is None:
+        return "fp8"
+    raise UnsupportedModelError(
+        f"quantized checkpoint with quant_method {method!r} is not supported ({problem}); "
+        "jaxpaged loads fp8 checkpoints with per-tensor or per-channel scales (quant_method "
+        "'fp8', or 'compressed-tensors' in format 'float-quantized'), and quantizes float "
+        "checkpoints itself with --quantization int8 or fp8")

@@ -29,10 +29,10 @@ class LlamaAttention(nnx.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype, rngs: nnx.Rngs):
         h, d = config.hidden_size, config.head_dim
         bias = config.attention_bias
-        self.q_proj = linear(h, config.num_heads * d, bias, dtype, rngs)
-        self.k_proj = linear(h, config.num_kv_heads * d, bias, dtype, rngs)
-        self.v_proj = linear(h, config.num_kv_heads * d, bias, dtype, rngs)
-        self.o_proj = linear(config.num_heads * d, h, bias, dtype, rngs)
+        self.q_proj = linear(h, config.num_heads * d, bias, dtype, rngs, config.quantization)
+        self.k_proj = linear(h, config.num_kv_heads * d, bias, dtype, rngs, config.quantization)
+        self.v_proj = linear(h, config.num_kv_heads * d, bias, dtype, rngs, config.quantization)
+        self.o_proj = linear(config.num_heads * d, h, bias, dtype, rngs, config.quantization)
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
         self.rope_theta = config.rope_theta
         self.backend = backend
@@ -55,9 +55,9 @@ class LlamaMLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = linear(h, i, False, dtype, rngs)
-        self.up_proj = linear(h, i, False, dtype, rngs)
-        self.down_proj = linear(i, h, False, dtype, rngs)
+        self.gate_proj = linear(h, i, False, dtype, rngs, config.quantization)
+        self.up_proj = linear(h, i, False, dtype, rngs, config.quantization)
+        self.down_proj = linear(i, h, False, dtype, rngs, config.quantization)
 
     def __call__(self, x):
         """x: [T, H] -> [T, H]."""
