@@ -13,9 +13,9 @@ from tests.conftest import FIXTURES, STORIES, STORIES_REFERENCE
 
 
 def full_sequence_logits(model_dir: str, ids: np.ndarray, dtype=jnp.float32,
-                         page_size: int = 16) -> np.ndarray:
+                         page_size: int = 16, quantization: str | None = None) -> np.ndarray:
     """Logits at every position of one prefill of ``ids`` through the paged xla backend."""
-    cfg = ModelConfig.from_pretrained(model_dir)
+    cfg = ModelConfig.from_pretrained(model_dir).with_quantization(quantization)
     backend = get_attention_backend("xla")
     model = load_model(model_dir, cfg, dtype=dtype, backend=backend)
     t = len(ids)

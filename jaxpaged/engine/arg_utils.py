@@ -129,6 +129,9 @@ class EngineArgs:
                 and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError("EngineArgs.gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"EngineArgs.quantization must be one of {QUANTIZATION_METHODS} or "
+                             f"None, got {self.quantization!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"EngineArgs.attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
