@@ -176,10 +176,11 @@ class Engine:
         self._reported = (0, 0, 0)   # prefix-cache queries, hits, preemptions already reported
         self._arrivals = 0
         self._seed_rng = seed_rng or np.random.default_rng(args.seed)
-        logger.info("model %s (%s, %d layers), dtype %s, quantization %s, max_model_len %d, "
-                    "attention %s, tensor parallel %d", args.model, cfg.architecture,
-                    cfg.num_layers, jnp.dtype(self.dtype).name, cfg.quantization,
-                    self.max_model_len, backend.name, tp.size)
+        logger.info("model %s (%s, %d layers), dtype %s, quantization %s (weights %.1f MiB), "
+                    "max_model_len %d, attention %s, tensor parallel %d", args.model,
+                    cfg.architecture, cfg.num_layers, jnp.dtype(self.dtype).name,
+                    cfg.quantization, self.runner.weight_bytes / 2**20, self.max_model_len,
+                    backend.name, tp.size)
 
     # ---- requests -------------------------------------------------------------------------
 

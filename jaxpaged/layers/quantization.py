@@ -95,7 +95,9 @@ class QuantizedLinear(nnx.Module):
     """A [in] -> [out] projection with 8-bit weights and per-output-channel float32 scales.
 
     Computes ``(x @ kernel.astype(x.dtype)) * scale + bias`` and returns it in ``x``'s dtype:
-    weight-only quantization, activations stay in the model dtype.
+    weight-only quantization, activations stay in the model dtype. The cast is exact for
+    float32 and bfloat16 (every int8 and E4M3 value is representable in both), so the result
+    is the float matmul with the dequantized weights ``kernel * scale``.
 
     Attributes:
         kernel: [in, out] int8 or float8_e4m3fn (``QUANTIZED_DTYPES[method]``).
