@@ -288,3 +288,13 @@ def test_other_quantized_checkpoints_are_refused_by_name(quantization_config, na
         cfg = json.load(f)
     with pytest.raises(UnsupportedModelError, match=named):
         ModelConfig.from_dict({**cfg, "quantization_config": quantization_config})
+
+
+def test_agreement_benchmark_measures_float32_as_the_published_reference(stories_llm):
+    from benchmarks.quantization_agreement import measure, published_reference
+
+    reference = published_reference(STORIES)
+    assert len(reference["ids"]) == 64 and reference["text"].startswith(", there was")
+    scores = measure(stories_llm, reference["ids"])
+    assert scores["top1"] == reference["top1"]
+    assert np.abs(scores["logprobs"] - reference["logprobs"]).max() < 1e-4
