@@ -149,10 +149,11 @@ def _flat_params(model_dir, cfg, **kw) -> dict[tuple, np.ndarray]:
 
 
 def test_dummy_weights_are_the_float_dummy_weights_quantized():
-    cfg = ModelConfig.from_pretrained(STORIES)
-    floats = _flat_params(STORIES, cfg, load_format="dummy", seed=3)
-    ints = _flat_params(STORIES, cfg.with_quantization("int8"), load_format="dummy", seed=3)
-    path = ("model", "layers", 2, "mlp", "down_proj")
+    with open(os.path.join(STORIES, "config.json")) as f:
+        cfg = ModelConfig.from_dict({**json.load(f), "num_hidden_layers": 2})
+    floats = _flat_params(None, cfg, load_format="dummy", seed=3)
+    ints = _flat_params(None, cfg.with_quantization("int8"), load_format="dummy", seed=3)
+    path = ("model", "layers", 1, "mlp", "down_proj")
     kernel, scale = quantize_weight(floats[path + ("kernel",)], "int8")
     assert ints[path + ("kernel",)].dtype == np.int8
     np.testing.assert_array_equal(ints[path + ("kernel",)], kernel)
@@ -177,10 +178,12 @@ def test_bad_quantization_value_is_a_clear_error(capsys):
 
 # ---- tensor parallelism ---------------------------------------------------------------------
 
+PROMPTS = random_prompts(3, 512, seed=3, max_len=24)
+
+
 def test_int8_tp2_greedy_equals_tp1_and_scales_shard_with_output_features():
-    prompts = random_prompts(3, 512, seed=3, max_len=24)
-    ref, _ = greedy_ids(STORIES, 1, prompts=prompts, quantization="int8")
-    out, two = greedy_ids(STORIES, 2, prompts=prompts, quantization="int8")
+    ref, _ = greedy_ids(STORIES, 1, prompts=PROMPTS, quantization="int8")
+    out, two = greedy_ids(STORIES, 2, prompts=PROMPTS, quantization="int8")
     assert out == ref
     state = dict(nnx.to_flat_state(two.engine.runner._state))
     layer = ("model", "layers", 0)
@@ -192,6 +195,14 @@ def test_int8_tp2_greedy_equals_tp1_and_scales_shard_with_output_features():
     for row in (("self_attn", "o_proj"), ("mlp", "down_proj")):
         assert spec(*row, "kernel") == P("tp", None)
         assert spec(*row, "scale") == P()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_int8_tp8_greedy_equals_tp1(load_format):
+    """8 devices, 4 KV heads: each k/v scale column is copied to two devices."""
+    kw = dict(prompts=PROMPTS, quantization="int8", load_format=load_format)
+    assert greedy_ids(STORIES, 8, **kw)[0] == greedy_ids(STORIES, 1, **kw)[0]
 
 
 # ---- checkpoints stored in fp8 --------------------------------------------------------------
