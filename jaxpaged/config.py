@@ -6,6 +6,7 @@ broken or unsupported checkpoint fails at start-up with a message naming the pro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
                            "Qwen3ForCausalLM", "MixtralForCausalLM", "Gemma2ForCausalLM")
 #: MLP activations by their transformers name.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+#: Weight-only quantization methods (``--quantization``; ``jaxpaged.layers.quantization``).
+QUANTIZATION_METHODS = ("int8", "fp8")
 
 
 class UnsupportedModelError(ValueError):
@@ -51,6 +54,9 @@ class ModelConfig:
             of ``head_dim``'s (Gemma 2).
         attn_logit_softcapping, final_logit_softcapping: Gemma 2's tanh soft caps of attention
             scores and of the output logits (None: off).
+        quantization: weight-only quantization of the decoder's projections (one of
+            :data:`QUANTIZATION_METHODS`), or None; ``"fp8"`` when the checkpoint itself is
+            stored in fp8 (its ``quantization_config``).
     """
 
     architecture: str
@@ -79,14 +85,15 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    quantization: str | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
         """Build from a parsed ``config.json``.
 
         Raises:
-            UnsupportedModelError: unknown architecture, unsupported rope scaling or
-                activation, or head counts that do not divide.
+            UnsupportedModelError: unknown architecture, unsupported rope scaling,
+                activation or ``quantization_config``, or head counts that do not divide.
         """
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                                "num_hidden_layers", "num_attention_heads") if k not in cfg]
@@ -147,6 +154,7 @@ class ModelConfig:
             query_pre_attn_scalar=_optional_float(cfg, "query_pre_attn_scalar"),
             attn_logit_softcapping=_optional_float(cfg, "attn_logit_softcapping"),
             final_logit_softcapping=_optional_float(cfg, "final_logit_softcapping"),
+            quantization=_checkpoint_quantization(cfg.get("quantization_config")),
         )
 
     @classmethod
@@ -166,6 +174,21 @@ class ModelConfig:
             except json.JSONDecodeError as e:
                 raise UnsupportedModelError(f"{path} is not valid JSON: {e}") from e
         return cls.from_dict(cfg)
+
+    def with_quantization(self, method: str | None) -> "ModelConfig":
+        """This config with its projections quantized by ``method`` (``--quantization``;
+        None keeps the checkpoint's own, if any).
+
+        Raises:
+            UnsupportedModelError: the checkpoint is stored quantized by another method.
+        """
+        if method is None or method == self.quantization:
+            return self
+        if self.quantization is not None:
+            raise UnsupportedModelError(
+                f"the checkpoint is stored quantized ({self.quantization}); it cannot be loaded "
+                f"with quantization={method!r} (leave it unset or use {self.quantization!r})")
+        return dataclasses.replace(self, quantization=method)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -255,3 +278,35 @@ def _sliding_windows(cfg: dict, arch: str) -> tuple[int | None, ...]:
 
 def _optional_float(cfg: dict, key: str) -> float | None:
     return None if cfg.get(key) is None else float(cfg[key])
+
+
+def _checkpoint_quantization(qc: dict | None) -> str | None:
+    """The quantization a checkpoint is stored in, from ``config.json``'s
+    ``quantization_config``: None for a float checkpoint, ``"fp8"`` for fp8 weights with
+    per-tensor or per-channel scales (``quant_method`` ``"fp8"``, or ``"compressed-tensors"``
+    in its ``float-quantized`` format).
+
+    Raises:
+        UnsupportedModelError: any other layout, naming its ``quant_method``.
+    """
+    if qc is None:
+        return None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        problem = f"block-wise scales (weight_block_size {block})" if block else None
+    elif method == "compressed-tensors":
+        schemes = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
+        fp8 = schemes and all((w.get("type"), w.get("num_bits")) == ("float", 8)
+                              and w.get("strategy") in ("tensor", "channel") for w in schemes)
+        problem = (f"format {qc.get('format')!r}" if qc.get("format") != "float-quantized" else
+                   None if fp8 else f"weight schemes {schemes}")
+    else:
+        problem = "this method"
+    if problem is None:
+        return "fp8"
+    raise UnsupportedModelError(
+        f"quantized checkpoint with quant_method {method!r} is not supported ({problem}); "
+        "jaxpaged loads fp8 checkpoints with per-tensor or per-channel scales (quant_method "
+        "'fp8', or 'compressed-tensors' in format 'float-quantized'), and quantizes float "
+        "checkpoints itself with --quantization int8 or fp8")

@@ -13,9 +13,10 @@ from tests.conftest import FIXTURES, STORIES, STORIES_REFERENCE
 
 
 def full_sequence_logits(model_dir: str, ids: np.ndarray, dtype=jnp.float32,
-                         page_size: int = 16, backend: str = "xla") -> np.ndarray:
+                         page_size: int = 16, backend: str = "xla",
+                         quantization: str | None = None) -> np.ndarray:
     """Logits at every position of one prefill of ``ids`` through a paged attention backend."""
-    cfg = ModelConfig.from_pretrained(model_dir)
+    cfg = ModelConfig.from_pretrained(model_dir).with_quantization(quantization)
     backend = get_attention_backend(backend)
     model = load_model(model_dir, cfg, dtype=dtype, backend=backend)
     t = len(ids)

@@ -13,8 +13,10 @@ Models Using Model Parallelism", 2019, section 3):
 - mixture-of-experts kernels (``experts.w1|w3`` [E, H, I], ``experts.w2`` [E, I, H]): every
   expert's intermediate columns split like a dense MLP's (w1/w3 column-, w2 row-parallel),
   as vLLM's fused MoE layer does without expert parallelism; the router is replicated;
-- norms and row-parallel biases: replicated; so is any weight whose split dimension the
-  mesh does not divide (e.g. an intermediate size of 172 over 8 devices);
+- norms, and the biases and quantization scales (``--quantization``) of row-parallel
+  projections: replicated (a column-parallel projection's split with its output features);
+  so is any weight whose split dimension the mesh does not divide (e.g. an intermediate
+  size of 172 over 8 devices);
 - the KV pool: split over KV heads, ``[num_pages, page_size, KVH / tp, head_dim]`` per device.
   When ``tp`` exceeds the KV head count, each KV head is replicated ``tp / KVH`` times (as
   vLLM does) so that every device holds exactly the KV head its query heads use.
@@ -142,7 +144,7 @@ class TensorParallel:
         module, leaf = names[-2], names[-1]
         axis = None
         if module in _COLUMN_PARALLEL:
-            axis = len(shape) - 1                 # kernel [in, out] -> out; bias [out]
+            axis = len(shape) - 1                 # kernel [in, out] -> out; bias, scale [out]
         elif module in _ROW_PARALLEL and leaf == "kernel":
             axis = 0
         elif module == "experts":

@@ -13,6 +13,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from jaxpaged.config import QUANTIZATION_METHODS
+
 #: The model shipped inside the package (stories260K, MIT licence); the default ``--model``.
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "model_files",
                              "stories260K")
@@ -34,6 +36,9 @@ class EngineArgs:
         dtype: ``float32``, ``bfloat16`` or ``auto`` (the checkpoint's ``torch_dtype``:
             float32 stays float32, 16-bit floats become bfloat16, unspecified is float32).
         load_format: ``auto`` (safetensors) or ``dummy`` (random weights).
+        quantization: weight-only quantization of the decoder's projections, ``int8`` or
+            ``fp8`` (``jaxpaged.layers.quantization``); None keeps the checkpoint's weights
+            (an fp8 checkpoint stays fp8).
         seed: engine seed; requests without a ``seed`` draw theirs from it.
         block_size: tokens per KV page.
         max_model_len: longest prompt + output (default: the model's trained context).
@@ -65,6 +70,7 @@ class EngineArgs:
     tokenizer: str | None = None
     dtype: str = "auto"
     load_format: str = "auto"
+    quantization: str | None = None
     seed: int = 0
     block_size: int = 16
     max_model_len: int | None = None
@@ -123,6 +129,9 @@ class EngineArgs:
                 and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError("EngineArgs.gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"EngineArgs.quantization must be one of {QUANTIZATION_METHODS} or "
+                             f"None, got {self.quantization!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"EngineArgs.attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
@@ -137,6 +146,9 @@ class EngineArgs:
         g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
         g.add_argument("--dtype", default=d.dtype, choices=DTYPES)
         g.add_argument("--load-format", default=d.load_format, choices=("auto", "safetensors", "dummy"))
+        g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                       help="weight-only quantization of the decoder's projections "
+                            "(default: the checkpoint's own weights)")
         g.add_argument("--seed", type=int, default=d.seed,
                        help="engine seed: requests without their own seed draw one from it")
         g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV page")

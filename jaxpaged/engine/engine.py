@@ -86,7 +86,8 @@ class Engine:
             after every step and abort (``jaxpaged.metrics.loggers``); empty by default.
 
     Raises:
-        FileNotFoundError / UnsupportedModelError / MissingWeightsError: bad model directory.
+        FileNotFoundError / UnsupportedModelError / MissingWeightsError: bad model directory
+            (or a checkpoint stored quantized by another method than ``args.quantization``).
         TensorParallelError: ``tensor_parallel_size`` does not fit the devices or the heads.
         MultiHostError: inconsistent multi-host flags, or processes of one job started
             with different settings.
@@ -107,7 +108,8 @@ class Engine:
             k: v for k, v in dataclasses.asdict(args).items() if k != "process_id"})
         if args.compilation_cache_dir:
             _enable_compilation_cache(args.compilation_cache_dir)
-        self.model_config = cfg = ModelConfig.from_pretrained(args.model)
+        self.model_config = cfg = ModelConfig.from_pretrained(args.model).with_quantization(
+            args.quantization)
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         self.dtype = _resolve_dtype(args.dtype, cfg.checkpoint_dtype)
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
@@ -174,9 +176,11 @@ class Engine:
         self._reported = (0, 0, 0)   # prefix-cache queries, hits, preemptions already reported
         self._arrivals = 0
         self._seed_rng = seed_rng or np.random.default_rng(args.seed)
-        logger.info("model %s (%s, %d layers), dtype %s, max_model_len %d, attention %s, "
-                    "tensor parallel %d", args.model, cfg.architecture, cfg.num_layers,
-                    jnp.dtype(self.dtype).name, self.max_model_len, backend.name, tp.size)
+        logger.info("model %s (%s, %d layers), dtype %s, quantization %s (weights %.1f MiB), "
+                    "max_model_len %d, attention %s, tensor parallel %d", args.model,
+                    cfg.architecture, cfg.num_layers, jnp.dtype(self.dtype).name,
+                    cfg.quantization, self.runner.weight_bytes / 2**20, self.max_model_len,
+                    backend.name, tp.size)
 
     # ---- requests -------------------------------------------------------------------------
 

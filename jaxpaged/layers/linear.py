@@ -9,9 +9,21 @@ from __future__ import annotations
 
 from flax import nnx
 
+from jaxpaged.layers.quantization import QuantizedLinear
 
-def linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+
+def linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs,
+           quantization: str | None = None) -> nnx.Linear | QuantizedLinear:
     """A [din] -> [dout] projection with ``kernel`` [din, dout] (and ``bias`` [dout]) of
-    ``dtype``, initialised N(0, 0.02) (used only by ``--load-format dummy``)."""
+    ``dtype``, initialised N(0, 0.02) (used only by ``--load-format dummy``).
+
+    With ``quantization`` (``"int8"`` or ``"fp8"``) it is a :class:`QuantizedLinear` instead:
+    an 8-bit ``kernel`` [din, dout] with a float32 ``scale`` [dout] (bias still of ``dtype``).
+
+    Raises:
+        ValueError: unknown ``quantization``.
+    """
+    if quantization is not None:
+        return QuantizedLinear(din, dout, bias, dtype, quantization, rngs)
     return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
                       kernel_init=nnx.initializers.normal(0.02))

@@ -5,6 +5,11 @@ A parameter at NNX path ``a.b.c.<leaf>`` comes from the safetensors tensor ``a.b
 ``[out, in]``; embeddings and norm scales are taken as they are. Stacked expert kernels
 (:class:`jaxpaged.models.mixtral.ExpertWeights` at ``a.experts.w1``) come from the per-expert
 tensors ``a.experts.{e}.w1.weight``, each transposed.
+A ``QuantizedLinear``'s
+``kernel`` and ``scale`` both come from ``a.b.c.weight``: a float tensor is transposed and
+quantized on the host (``jaxpaged.layers.quantization``); an fp8 one (a checkpoint stored in
+fp8) is taken as it is, with its ``a.b.c.weight_scale``. An 8-bit tensor never loads into a
+float parameter.
 
 Every tensor goes straight to its devices with its tensor-parallel sharding
 (:mod:`jaxpaged.distributed.tensor_parallel`), so a device receives only its own slice (and a
@@ -28,12 +33,16 @@ from safetensors import SafetensorError, safe_open
 from jaxpaged.config import ModelConfig, UnsupportedModelError
 from jaxpaged.distributed.tensor_parallel import TensorParallel
 from jaxpaged.layers.attention import AttentionBackend
+from jaxpaged.layers.quantization import (QUANTIZED_DTYPES, QuantizedLinear, per_channel_scale,
+                                          quantize_weight)
 from jaxpaged.models.mixtral import ExpertWeights
 from jaxpaged.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+#: safetensors dtypes its numpy reader cannot build (it looks them up on numpy itself).
+_RAW_DTYPES = {"F8_E4M3": QUANTIZED_DTYPES["fp8"]}
 
 
 class MissingWeightsError(ValueError):
@@ -48,8 +57,10 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
     Args:
         model_dir: Hugging Face directory with ``model.safetensors`` or
             ``model.safetensors.index.json`` plus shards (ignored for ``dummy``).
-        config: parsed ``config.json``.
-        dtype: parameter dtype; checkpoint tensors are cast to it.
+        config: parsed ``config.json``; its ``quantization`` makes the decoder's projections
+            :class:`QuantizedLinear` (float checkpoint tensors are quantized while loading).
+        dtype: parameter dtype; checkpoint tensors are cast to it (quantized kernels and
+            their scales keep their own dtypes).
         backend: attention backend the model's layers call.
         load_format: ``auto``/``safetensors`` read the checkpoint; ``dummy`` draws random
             weights (normal, std 0.02; norms at 1) from ``seed``, as vLLM's ``--load-format dummy``.
@@ -57,10 +68,12 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
             with ``tp.physical_config(config)`` (KV heads replicated when needed).
 
     Raises:
-        UnsupportedModelError: no model class for the architecture.
+        UnsupportedModelError: no model class for the architecture; an 8-bit tensor where a
+            float one (or an fp8 one for an fp8 model) is expected.
         ValueError: unknown ``load_format``.
         FileNotFoundError: no safetensors files in ``model_dir``.
-        MissingWeightsError: tensors missing or of the wrong shape (all are named).
+        MissingWeightsError: tensors missing or of the wrong shape (all are named); an fp8
+            weight without its ``weight_scale``.
     """
     cls = model_class(config.architecture)
     if load_format not in LOAD_FORMATS:
@@ -74,29 +87,42 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
                                                 abstract_state))
     flat = nnx.to_flat_state(abstract_state)
     reader = _SafetensorsReader(model_dir)
-    missing, bad_shapes = [], []
+    quantized_modules = {p for p, node in nnx.iter_graph(abstract)
+                         if isinstance(node, QuantizedLinear)}
+    quantized = {}   # checkpoint name -> kernel and scale, from a module's kernel to its scale
+    missing, bad_shapes = {}, []   # missing: an ordered set of names
     for path, var in flat:
         name, transpose = _hf_name(path)
         if isinstance(var, ExpertWeights):
-            name, arr = _read_experts(reader, path, var.shape[0], missing)
+            name, arr = _read_experts(reader, path, var.shape[0])
+            if arr is not None:
+                arr = np.swapaxes(arr, -1, -2)
+        elif path[:-1] in quantized_modules and path[-1] in ("kernel", "scale"):
+            if name not in quantized:
+                quantized = {name: _quantized_weight(reader, name, config.quantization)}
+            arr = quantized[name].get(path[-1])
         else:
             arr = reader.get(name)
-            if arr is None:
-                missing.append(name)
+            if arr is not None and arr.dtype.itemsize == 1:
+                raise UnsupportedModelError(
+                    f"tensor {name} is stored in 8 bits ({arr.dtype}) but loads into a float "
+                    "parameter; only a checkpoint whose config.json has a supported "
+                    "quantization_config may store its projections in fp8")
+            if arr is not None and transpose:
+                arr = arr.T
         if arr is None:
+            missing[name] = None
             continue
-        if transpose:
-            arr = np.swapaxes(arr, -1, -2)
         if tp.repeat_kv_heads(path, arr).shape != var.shape:
             bad_shapes.append(f"{name}: checkpoint {arr.shape} does not fit {var.shape}")
             continue
-        arr = tp.repeat_kv_heads(path, arr).astype(dtype)
+        arr = tp.repeat_kv_heads(path, arr).astype(var.dtype)
         var.set_value(jax.make_array_from_callback(arr.shape, tp.param_sharding(path, arr.shape),
                                                    lambda index, arr=arr: arr[index]))
     if missing or bad_shapes:
         raise MissingWeightsError(
             f"checkpoint {model_dir!r} does not match the {config.architecture} config: "
-            + (f"missing tensors {missing}" if missing else "")
+            + (f"missing tensors {list(missing)}" if missing else "")
             + ("; " if missing and bad_shapes else "")
             + (f"wrong shapes {bad_shapes}" if bad_shapes else ""))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
@@ -119,16 +145,16 @@ def _dummy_state(cls, config, backend, dtype, seed, tp, abstract_state):
     return jax.jit(init, out_shardings=shardings)()
 
 
-def _read_experts(reader, path: tuple, num_experts: int, missing: list
-                  ) -> tuple[str, np.ndarray | None]:
-    """Stack ``<prefix>.{e}.<leaf>.weight`` for every expert: ([E, out, in] or None when a
-    tensor is missing; missing names are appended to ``missing``)."""
+def _read_experts(reader, path: tuple, num_experts: int) -> tuple[str, np.ndarray | None]:
+    """Stack ``<prefix>.{e}.<leaf>.weight`` over the experts: (the tensors' names, [E, out,
+    in]), or (the missing tensors' names, None)."""
     *prefix, leaf = (str(p) for p in path)
     names = [".".join(prefix + [str(e), leaf, "weight"]) for e in range(num_experts)]
     arrs = [reader.get(n) for n in names]
-    missing.extend(n for n, a in zip(names, arrs) if a is None)
-    label = ".".join(prefix + ["{e}", leaf, "weight"])
-    return label, None if any(a is None for a in arrs) else np.stack(arrs)
+    absent = [n for n, a in zip(names, arrs) if a is None]
+    if absent:
+        return ", ".join(absent), None
+    return ".".join(prefix + ["{e}", leaf, "weight"]), np.stack(arrs)
 
 
 def _hf_name(path: tuple) -> tuple[str, bool]:
@@ -139,7 +165,40 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
         return f"{base}.weight", True
     if leaf == "bias":
         return f"{base}.bias", False
-    return f"{base}.weight", False   # "embedding" (nnx.Embed) and "weight" (RMSNorm)
+    # "embedding" (nnx.Embed), "weight" (RMSNorm), "scale" (QuantizedLinear, from its weight)
+    return f"{base}.weight", False
+
+
+def _quantized_weight(reader: "_SafetensorsReader", name: str, method: str
+                      ) -> dict[str, np.ndarray]:
+    """``kernel`` [in, out] and ``scale`` [out] of the :class:`QuantizedLinear` whose
+    checkpoint weight ([out, in]) is ``name``; empty if the checkpoint lacks it.
+
+    A float weight is quantized by ``method``; an fp8 weight is taken as stored, with its
+    per-tensor or per-channel ``<name>_scale``.
+
+    Raises:
+        UnsupportedModelError: an 8-bit weight that is not fp8 for an fp8 model.
+        MissingWeightsError: an fp8 weight without a usable ``<name>_scale``.
+    """
+    weight = reader.get(name)
+    if weight is None:
+        return {}
+    if weight.dtype.itemsize > 1:
+        kernel, scale = quantize_weight(weight.T, method)
+        return {"kernel": kernel, "scale": scale}
+    if weight.dtype != QUANTIZED_DTYPES["fp8"] or method != "fp8":
+        raise UnsupportedModelError(f"tensor {name} is stored as {weight.dtype}: 8-bit checkpoint "
+                                    "weights load only as float8_e4m3fn into an fp8 model "
+                                    f"(this model: {method})")
+    weight_scale = reader.get(f"{name}_scale")
+    if weight_scale is None:
+        raise MissingWeightsError(f"{name} is stored in fp8 but the checkpoint has no "
+                                  f"{name}_scale")
+    try:
+        return {"kernel": weight.T, "scale": per_channel_scale(weight_scale, weight.shape[0])}
+    except ValueError as e:
+        raise MissingWeightsError(f"{name}_scale: {e}") from e
 
 
 class _SafetensorsReader:
@@ -169,9 +228,23 @@ class _SafetensorsReader:
                 raise FileNotFoundError(f"checkpoint shard {path!r} (holding {name}) is missing")
             self._open[path] = _open_safetensors(path)
         try:
-            return self._open[path].get_tensor(name)
+            dtype = _RAW_DTYPES.get(self._open[path].get_slice(name).get_dtype())
+            return self._open[path].get_tensor(name) if dtype is None else \
+                _read_raw(path, name, dtype)
         except SafetensorError as e:
             raise MissingWeightsError(f"cannot read tensor {name} from {path!r}: {e}") from e
+
+
+def _read_raw(path: str, name: str, dtype) -> np.ndarray:
+    """Tensor ``name`` of the safetensors file ``path``, read from its bytes (the format: an
+    8-byte little-endian header size, a JSON header giving each tensor's dtype, shape and
+    ``data_offsets`` into the data that follows)."""
+    with open(path, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        entry = json.loads(f.read(header_size))[name]
+        begin, end = entry["data_offsets"]
+        f.seek(8 + header_size + begin)
+        return np.frombuffer(f.read(end - begin), dtype).reshape(entry["shape"])
 
 
 def _open_safetensors(path: str):

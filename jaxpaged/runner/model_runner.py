@@ -156,6 +156,12 @@ class ModelRunner:
         return self._backend
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters (each array counted once, however it is sharded):
+        what ``--quantization`` shrinks."""
+        return sum(x.nbytes for x in jax.tree.leaves(self._state))
+
+    @property
     def num_compilations(self) -> int:
         """Step shapes compiled so far (a rise while serving means a recompilation)."""
         return len(self._executables)
