@@ -108,3 +108,47 @@ def test_unsupported_family_settings_are_named(overrides, match):
     cfg.update(overrides)
     with pytest.raises(UnsupportedModelError, match=match):
         ModelConfig.from_dict(cfg)
+
+
+def test_quantized_experts_equal_dequantized_float_experts():
+    """An int8 MixtralExperts computes what float experts with weights kernel * scale do."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxpaged.models.mixtral import MixtralExperts
+    cfg = dataclasses.replace(ModelConfig.from_pretrained(fixture("mixtral_moe")),
+                              quantization="int8")
+    experts = MixtralExperts(cfg, jnp.float32, nnx.Rngs(0))
+    assert experts.w2[...].dtype == jnp.int8 and experts.w2_scale[...].shape == (4, 64)
+    dense = MixtralExperts(dataclasses.replace(cfg, quantization=None), jnp.float32,
+                           nnx.Rngs(1))
+    for name in ("w1", "w2", "w3"):
+        q = getattr(experts, name)[...].astype(jnp.float32)
+        getattr(dense, name).set_value(q * getattr(experts, f"{name}_scale")[...][:, None, :])
+    group_sizes = jnp.asarray([3, 0, 5, 2], jnp.int32)
+    row_experts = jnp.repeat(jnp.arange(4), group_sizes, total_repeat_length=10)
+    x = jax.random.normal(jax.random.key(0), (10, 64))
+    np.testing.assert_allclose(experts(x, group_sizes, row_experts),
+                               dense(x, group_sizes, row_experts), rtol=1e-5, atol=1e-6)
+
+
+def test_mixtral_int8_experts_close_to_transformers_and_split_over_tp():
+    name = "mixtral_moe"
+    ref = fixture(name, "logits.npy")
+    logits = full_sequence_logits(fixture(name), fixture(name, "input_ids.npy"), page_size=8,
+                                  quantization="int8")
+    assert (logits.argmax(-1) == ref.argmax(-1)).all()
+    assert np.abs(logits - ref).max() < 0.1
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(enforce_eager=True, model=fixture(name), tokenizer=DEFAULT_MODEL,
+                  max_num_seqs=4, block_size=8, tensor_parallel_size=tp, quantization="int8")
+        outs.append(llm.generate([fixture(name, "greedy_prompt.npy").tolist()], GREEDY_32,
+                                 use_tqdm=False)[0].outputs[0].token_ids)
+    experts = llm.engine.runner._state["model"]["layers"][0]["block_sparse_moe"]["experts"]
+    assert {s.data.shape for s in experts["w1_scale"][...].addressable_shards} == {(4, 48)}
+    assert {s.data.shape for s in experts["w2_scale"][...].addressable_shards} == {(4, 64)}
+    assert outs[0] == outs[1]

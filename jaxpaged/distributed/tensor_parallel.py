@@ -147,8 +147,8 @@ class TensorParallel:
             axis = len(shape) - 1                 # kernel [in, out] -> out; bias, scale [out]
         elif module in _ROW_PARALLEL and leaf == "kernel":
             axis = 0
-        elif module == "experts":
-            axis = 1 if leaf == "w2" else 2       # the intermediate dimension
+        elif module == "experts":                 # the intermediate dimension
+            axis = {"w1": 2, "w3": 2, "w2": 1, "w1_scale": 1, "w3_scale": 1}.get(leaf)
         elif module == "embed_tokens":
             axis = 0                              # vocab rows
         elif module == "lm_head" and leaf == "kernel":

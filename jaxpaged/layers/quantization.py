@@ -44,12 +44,13 @@ def quantize_weight(weight, method: str, xp=np):
     """Quantize a kernel per output channel (symmetric).
 
     Args:
-        weight: [in, out] float kernel (any float dtype; computed in float32).
+        weight: [..., in, out] float kernel (any float dtype; computed in float32); leading
+            axes (e.g. experts) are batch axes, each with its own scales.
         method: ``"int8"`` or ``"fp8"``.
         xp: ``numpy`` for host arrays (the loader) or ``jax.numpy`` inside jit (dummy weights).
 
     Returns:
-        (kernel [in, out] of ``QUANTIZED_DTYPES[method]``, scale [out] float32), with
+        (kernel [..., in, out] of ``QUANTIZED_DTYPES[method]``, scale [..., out] float32), with
         ``kernel * scale`` approximating ``weight``: per channel, the error is at most half a
         step (``scale / 2``) for int8 and 2**-4 of the value (or 2**-10 of ``scale`` below
         E4M3's normal range) for fp8. An all-zero channel gets scale 1 and zero weights.
@@ -60,11 +61,11 @@ def quantize_weight(weight, method: str, xp=np):
     _check_method(method)
     qmax = _QMAX[method]
     weight = weight.astype(xp.float32)
-    amax = xp.max(xp.abs(weight), axis=0)
+    amax = xp.max(xp.abs(weight), axis=-2)
     # A product, not a quotient: XLA turns division by a constant into this product, so
     # numpy (the loader) and jit (dummy weights) agree bit for bit.
     scale = xp.where(amax > 0, amax * (1.0 / qmax), 1.0).astype(xp.float32)
-    q = xp.clip(weight / scale, -qmax, qmax)
+    q = xp.clip(weight / scale[..., None, :], -qmax, qmax)
     if method == "int8":
         q = xp.round(q)
     return q.astype(QUANTIZED_DTYPES[method]), scale

@@ -4,7 +4,8 @@ A parameter at NNX path ``a.b.c.<leaf>`` comes from the safetensors tensor ``a.b
 (or ``.bias``): ``nnx.Linear`` kernels are stored transposed ([in, out]) relative to torch's
 ``[out, in]``; embeddings and norm scales are taken as they are. Stacked expert kernels
 (:class:`jaxpaged.models.mixtral.ExpertWeights` at ``a.experts.w1``) come from the per-expert
-tensors ``a.experts.{e}.w1.weight``, each transposed.
+tensors ``a.experts.{e}.w1.weight``, each transposed (and quantized, with its scales in
+``a.experts.w1_scale``, as a ``QuantizedLinear``'s are).
 A ``QuantizedLinear``'s
 ``kernel`` and ``scale`` both come from ``a.b.c.weight``: a float tensor is transposed and
 quantized on the host (``jaxpaged.layers.quantization``); an fp8 one (a checkpoint stored in
@@ -35,7 +36,7 @@ from jaxpaged.distributed.tensor_parallel import TensorParallel
 from jaxpaged.layers.attention import AttentionBackend
 from jaxpaged.layers.quantization import (QUANTIZED_DTYPES, QuantizedLinear, per_channel_scale,
                                           quantize_weight)
-from jaxpaged.models.mixtral import ExpertWeights
+from jaxpaged.models.mixtral import ExpertScales, ExpertWeights
 from jaxpaged.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -93,10 +94,12 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
     missing, bad_shapes = {}, []   # missing: an ordered set of names
     for path, var in flat:
         name, transpose = _hf_name(path)
-        if isinstance(var, ExpertWeights):
-            name, arr = _read_experts(reader, path, var.shape[0])
-            if arr is not None:
-                arr = np.swapaxes(arr, -1, -2)
+        if isinstance(var, (ExpertWeights, ExpertScales)):
+            key = (*path[:-1], str(path[-1]).removesuffix("_scale"))
+            if key not in quantized:
+                quantized = {key: _read_experts(reader, key, var.shape[0], config.quantization)}
+            name, parts = quantized[key]
+            arr = parts.get("scale" if isinstance(var, ExpertScales) else "kernel")
         elif path[:-1] in quantized_modules and path[-1] in ("kernel", "scale"):
             if name not in quantized:
                 quantized = {name: _quantized_weight(reader, name, config.quantization)}
@@ -145,16 +148,25 @@ def _dummy_state(cls, config, backend, dtype, seed, tp, abstract_state):
     return jax.jit(init, out_shardings=shardings)()
 
 
-def _read_experts(reader, path: tuple, num_experts: int) -> tuple[str, np.ndarray | None]:
-    """Stack ``<prefix>.{e}.<leaf>.weight`` over the experts: (the tensors' names, [E, out,
-    in]), or (the missing tensors' names, None)."""
+def _read_experts(reader, path: tuple, num_experts: int, method: str | None
+                  ) -> tuple[str, dict[str, np.ndarray]]:
+    """The stacked kernels of the experts at ``path`` (``(..., 'experts', 'w1')``), from
+    ``<prefix>.{e}.<leaf>.weight`` ([out, in] each), as (a name for messages, parts): parts
+    ``kernel`` [E, in, out] and, with a quantization ``method``, ``scale`` [E, out] (each
+    expert as :func:`_quantized_weight`); parts are empty and the name lists the missing
+    tensors when any is absent."""
     *prefix, leaf = (str(p) for p in path)
     names = [".".join(prefix + [str(e), leaf, "weight"]) for e in range(num_experts)]
-    arrs = [reader.get(n) for n in names]
-    absent = [n for n, a in zip(names, arrs) if a is None]
+    if method is None:
+        weights = [reader.get(n) for n in names]
+        experts = [{} if w is None else {"kernel": w.T} for w in weights]
+    else:
+        experts = [_quantized_weight(reader, n, method) for n in names]
+    absent = [n for n, parts in zip(names, experts) if not parts]
     if absent:
-        return ", ".join(absent), None
-    return ".".join(prefix + ["{e}", leaf, "weight"]), np.stack(arrs)
+        return ", ".join(absent), {}
+    label = ".".join(prefix + ["{e}", leaf, "weight"])
+    return label, {part: np.stack([e[part] for e in experts]) for part in experts[0]}
 
 
 def _hf_name(path: tuple) -> tuple[str, bool]:

@@ -14,7 +14,9 @@ slice and one all-reduce follows, as for a dense MLP.
 
 Checkpoint names are the Hub layout: ``block_sparse_moe.gate.weight`` [E, H] and
 ``block_sparse_moe.experts.{e}.w1|w3.weight`` [I, H], ``w2.weight`` [H, I]; the loader stacks
-each expert's tensors into the [E, in, out] :class:`ExpertWeights`.
+each expert's tensors into the [E, in, out] :class:`ExpertWeights`. ``--quantization``
+quantizes the experts as it does dense projections (per expert and output channel); the router
+stays in the model dtype, as in vLLM.
 """
 
 from __future__ import annotations
@@ -25,29 +27,54 @@ from flax import nnx
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.layers.linear import linear
+from jaxpaged.layers.quantization import quantize_weight
 from jaxpaged.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
 class ExpertWeights(nnx.Param):
     """[E, in, out] kernels of E experts, stacked from per-expert checkpoint tensors
-    ``<module path>.{e}.<name>.weight`` ([out, in] each)."""
+    ``<module path>.{e}.<name>.weight`` ([out, in] each); 8-bit with ``--quantization``."""
+
+
+class ExpertScales(nnx.Param):
+    """[E, out] float32 per-output-channel scales of quantized :class:`ExpertWeights`
+    (``w1_scale`` belongs to ``w1``), computed while loading or read from an fp8 checkpoint's
+    ``weight_scale``."""
 
 
 class MixtralExperts(nnx.Module):
-    """E SwiGLU experts: w2(silu(w1 x) * w3 x) with w1, w3 [E, H, I] and w2 [E, I, H]."""
+    """E SwiGLU experts: w2(silu(w1 x) * w3 x) with w1, w3 [E, H, I] and w2 [E, I, H].
+
+    With ``config.quantization`` the kernels are stored in 8 bits with per-expert,
+    per-output-channel scales (:mod:`jaxpaged.layers.quantization`), applied to each row's
+    result by the row's expert.
+    """
 
     def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
         e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
         init = nnx.initializers.normal(0.02)
-        self.w1 = ExpertWeights(init(rngs.params(), (e, h, i), dtype))
-        self.w3 = ExpertWeights(init(rngs.params(), (e, h, i), dtype))
-        self.w2 = ExpertWeights(init(rngs.params(), (e, i, h), dtype))
+        self.quantized = config.quantization is not None
+        for name, shape in (("w1", (e, h, i)), ("w3", (e, h, i)), ("w2", (e, i, h))):
+            weight = init(rngs.params(), shape, jnp.float32)
+            if self.quantized:
+                kernel, scale = quantize_weight(weight, config.quantization, xp=jnp)
+                setattr(self, name, ExpertWeights(kernel))
+                setattr(self, f"{name}_scale", ExpertScales(scale))
+            else:
+                setattr(self, name, ExpertWeights(weight.astype(dtype)))
 
-    def __call__(self, x, group_sizes):
-        """x: [N, H] rows sorted by expert; group_sizes: [E] int32 rows per expert -> [N, H]."""
-        gate = jax.lax.ragged_dot(x, self.w1[...], group_sizes)
-        up = jax.lax.ragged_dot(x, self.w3[...], group_sizes)
-        return jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.w2[...], group_sizes)
+    def _matmul(self, name, x, group_sizes, row_experts):
+        y = jax.lax.ragged_dot(x, getattr(self, name)[...].astype(x.dtype), group_sizes)
+        if self.quantized:
+            y = (y * getattr(self, f"{name}_scale")[...][row_experts]).astype(x.dtype)
+        return y
+
+    def __call__(self, x, group_sizes, row_experts):
+        """x: [N, H] rows sorted by expert; group_sizes: [E] int32 rows per expert;
+        row_experts: [N] int32 each row's expert -> [N, H]."""
+        gate = self._matmul("w1", x, group_sizes, row_experts)
+        up = self._matmul("w3", x, group_sizes, row_experts)
+        return self._matmul("w2", jax.nn.silu(gate) * up, group_sizes, row_experts)
 
 
 class MixtralSparseMoeBlock(nnx.Module):
@@ -67,7 +94,7 @@ class MixtralSparseMoeBlock(nnx.Module):
         order = jnp.argsort(flat, stable=True)
         rows = order // self.top_k                                               # their tokens
         group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
-        out = self.experts(x[rows], group_sizes) * weights.reshape(-1)[order][:, None]
+        out = self.experts(x[rows], group_sizes, flat[order]) * weights.reshape(-1)[order][:, None]
         return jnp.zeros((t, x.shape[1]), x.dtype).at[rows].add(out)
 
 
