@@ -2,7 +2,7 @@
 the greedy "Once upon a time" text, one engine per variant.
 
 Every number goes through the engine (its KV pool and jitted steps), so a variant is any set
-of ``EngineArgs`` fields (:data:`VARIANTS`; a KV-cache dtype row is one more line).
+of ``EngineArgs`` fields (:data:`VARIANTS`: weight quantization, fp8 KV cache, both).
 
 Reference positions: for the bundled model, its published float32 reference (BOS + 63 greedy
 tokens, with their logits, and the greedy 60-token "Once upon a time" text); for any other
@@ -32,6 +32,10 @@ VARIANTS = [
     {"label": "float32"},
     {"label": "int8", "quantization": "int8"},
     {"label": "fp8", "quantization": "fp8"},
+    {"label": "fp8 KV", "kv_cache_dtype": "fp8"},
+    {"label": "fp8 KV calibrated", "kv_cache_dtype": "fp8", "calculate_kv_scales": True},
+    {"label": "int8 + fp8 KV", "quantization": "int8", "kv_cache_dtype": "fp8",
+     "calculate_kv_scales": True},
 ]
 PROMPT = "Once upon a time"
 MAX_TOKENS = 60
@@ -70,6 +74,8 @@ def row(llm: LLM, label: str, greedy_text: str, reference: dict) -> dict:
     return {
         "variant": label,
         "weight_bytes": llm.engine.runner.weight_bytes,
+        "kv_bytes_per_token": (llm.engine.kv_bytes_per_page
+                               // llm.engine.kv_cache_manager.page_size),
         "top1_agreement": float(np.mean(np.array(scores["top1"]) == reference["top1"])),
         "max_abs_logprob_diff": float(np.abs(scores["logprobs"] - reference["logprobs"]).max()),
         "greedy_text_matches": greedy_text == reference["text"],
@@ -98,10 +104,11 @@ def main(argv=None) -> int:
         rows.append(row(llm, variant["label"], text, reference))
     print(f"model {args.model}; reference: {source}, {len(reference['ids'])} positions; "
           f"greedy {MAX_TOKENS}-token text of {PROMPT!r}")
-    print(f"{'variant':<10} {'weight bytes':>13} {'top-1 agree':>12} {'max |dlogprob|':>15} "
-          f"{'greedy text':>12}")
+    print(f"{'variant':<18} {'weight bytes':>13} {'KV bytes/token':>15} {'top-1 agree':>12} "
+          f"{'max |dlogprob|':>15} {'greedy text':>12}")
     for r in rows:
-        print(f"{r['variant']:<10} {r['weight_bytes']:>13,} {100 * r['top1_agreement']:>11.1f}% "
+        print(f"{r['variant']:<18} {r['weight_bytes']:>13,} {r['kv_bytes_per_token']:>15,} "
+              f"{100 * r['top1_agreement']:>11.1f}% "
               f"{r['max_abs_logprob_diff']:>15.4f} "
               f"{'matches' if r['greedy_text_matches'] else 'differs':>12}")
     return 0

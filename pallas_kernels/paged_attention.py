@@ -15,6 +15,14 @@ few sequences and long contexts the page range is cut into ``num_splits`` parts 
 separate programs; each writes a partial output with its row max and sum, and a small jnp
 epilogue merges them with log-sum-exp weights.
 
+fp8 KV cache (``pallas_kernels.kv_quant``): a float8_e4m3fn page tile is converted to q's
+dtype as it is loaded (exact: every e4m3 value is a bfloat16 and a float32), so the dots run
+in the model's dtype with float32 accumulation as before. The layer's scales are folded in
+rather than multiplied into every loaded element (attention is linear in K inside the scores
+and in V): ``k_scale`` into the softmax scale (scores are ``q·k_stored * (scale * k_scale)``)
+and ``v_scale`` into the normalised output; one multiply per score or output element instead
+of one per K/V element per query block.
+
 Lowering: Triton (see ``pallas_kernels/lowering.py`` for why); interpret mode on CPU.
 """
 
@@ -26,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.kv_quant import check_pool_dtypes
 from pallas_kernels.lowering import pallas_call_options
 
 #: Streaming multiprocessors of an H100/H200; the split heuristic aims for two programs each.
@@ -65,7 +74,7 @@ def _weighted_values(p, v, precision):
 
 
 def _kernel(q_ref, row_pos_ref, block_seq_ref, page_table_ref, k_ref, v_ref, *out_refs,
-            scale, sliding_window, soft_cap, num_splits):
+            scale, sliding_window, soft_cap, num_splits, v_scale):
     n, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q = q_ref[...]                                   # [R, D]
     row_pos = row_pos_ref[...]                       # [R] int32, -1 = padding row
@@ -85,9 +94,9 @@ def _kernel(q_ref, row_pos_ref, block_seq_ref, page_table_ref, k_ref, v_ref, *ou
     def body(p, carry):
         acc, m, l = carry
         page = page_table_ref[seq, p]
-        k = k_ref[page, :, h, :]                     # [S, D]
-        v = v_ref[page, :, h, :]
-        s = _scores(q, k, precision) * scale         # [R, S] f32
+        k = k_ref[page, :, h, :].astype(q.dtype)     # [S, D] (from fp8: exact)
+        v = v_ref[page, :, h, :].astype(q.dtype)
+        s = _scores(q, k, precision) * scale         # [R, S] f32; scale includes k_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = p * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
@@ -108,6 +117,8 @@ def _kernel(q_ref, row_pos_ref, block_seq_ref, page_table_ref, k_ref, v_ref, *ou
             jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
     acc, m, l = jax.lax.fori_loop(start, end, body, init)
     out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
+    if v_scale != 1.0:       # split partials too: their merge is a convex combination
+        out = out * v_scale
     if num_splits == 1:
         (o_ref,) = out_refs
         o_ref[...] = out.astype(o_ref.dtype)
@@ -128,12 +139,14 @@ def _merge_splits(o, m, l):
     return merged / jnp.where(total == 0.0, 1.0, total)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "num_splits",
-                                             "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "k_scale",
+                                             "v_scale", "num_splits", "num_warps", "num_stages",
+                                             "interpret"))
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     page_table: jax.Array, block_seq: jax.Array, block_positions: jax.Array, *,
                     scale: float, sliding_window: int | None = None,
-                    soft_cap: float | None = None, num_splits: int | None = None,
+                    soft_cap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                    num_splits: int | None = None,
                     num_warps: int = 4, num_stages: int = 2,
                     interpret: bool | None = None) -> jax.Array:
     """Causal paged attention for query blocks (same contract as
@@ -141,11 +154,13 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
     Args:
         q: [NB, Bq, num_heads, D] float32 or bfloat16 queries; D a power of two.
-        k_pages, v_pages: [num_pages, page_size, num_kv_heads, D], q's dtype; page_size a
-            power of two (16..128 in production).
+        k_pages, v_pages: [num_pages, page_size, num_kv_heads, D], q's dtype or
+            float8_e4m3fn (an fp8 KV cache); page_size a power of two (16..128 in production).
         page_table: [B, P] int32; block_seq: [NB] int32; block_positions: [NB, Bq] int32
             (-1 = padding row).
         scale: score scale; sliding_window, soft_cap: optional (see the reference).
+        k_scale, v_scale: the pool holds K / k_scale and V / v_scale (1.0 for a pool in q's
+            dtype; the layer's scales for an fp8 pool).
         num_splits: split-K factor; None picks one with :func:`choose_num_splits`.
         num_warps, num_stages: Triton launch parameters.
         interpret: force interpret mode (default: on unless running on a GPU).
@@ -154,15 +169,13 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         [NB, Bq, num_heads, D] in q's dtype.
 
     Raises:
-        ValueError: head counts that do not divide, or mismatched dtypes.
+        ValueError: head counts that do not divide, or pools neither in q's dtype nor fp8.
     """
     nb, block_q, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-        raise ValueError(f"q, k_pages and v_pages must share a dtype, got "
-                         f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    check_pool_dtypes(q.dtype, k_pages.dtype, v_pages.dtype)
     group = num_heads // num_kv_heads
     rows = block_q * group
     rows_padded = max(16, _next_pow2(rows))
@@ -196,8 +209,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                   lambda n, h, s: (n, h, s, 0, 0)),
                      pl.BlockSpec((None, None, None, rows_padded), lambda n, h, s: (n, h, s, 0)),
                      pl.BlockSpec((None, None, None, rows_padded), lambda n, h, s: (n, h, s, 0))]
-    kernel = functools.partial(_kernel, scale=scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap, num_splits=num_splits)
+    kernel = functools.partial(_kernel, scale=scale * k_scale, sliding_window=sliding_window,
+                               soft_cap=soft_cap, num_splits=num_splits, v_scale=v_scale)
     outs = pl.pallas_call(
         kernel, grid=(nb, num_kv_heads, num_splits), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, name="ragged_paged_attention",

@@ -40,6 +40,14 @@ def test_self_check_passes_in_interpret_mode(dtype):
     assert err <= (1e-5 if dtype == jnp.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_self_check_on_an_fp8_pool(dtype):
+    """``auto``'s start-up check over the pool an fp8 KV cache gives the kernels."""
+    err = selection.self_check(PallasAttentionBackend(interpret=True), 2, 8, 64, 16, dtype,
+                               jnp.float8_e4m3fn)
+    assert err <= (1e-5 if dtype == jnp.float32 else 2e-2)
+
+
 def test_auto_falls_back_to_xla_when_kernels_fail(monkeypatch, caplog):
     """Pretend to be on a GPU: the kernels then try the real (non-interpret) lowering, which
     cannot run on this CPU, so the self-check fails and auto must fall back with a warning."""

@@ -22,6 +22,9 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "model_
 DTYPES = ("auto", "float32", "bfloat16")
 #: ``--attention-backend`` choices (see ``jaxpaged.layers.attention.selection``).
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+#: ``--kv-cache-dtype`` choices: ``auto`` (the model's dtype) or float8_e4m3fn under either of
+#: vLLM's names (``jaxpaged.layers.attention.base`` defines the pool).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 #: ``--scheduling-policy`` choices.
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -46,6 +49,12 @@ class EngineArgs:
         max_num_batched_tokens: most tokens in one step (longer prompts are chunked).
         num_gpu_blocks_override: exact KV page count (null page included); overrides budgets.
         kv_cache_memory_bytes: KV pool budget in bytes (sets the page count).
+        kv_cache_dtype: ``auto`` (K/V in the model's dtype) or ``fp8`` / ``fp8_e4m3``
+            (float8_e4m3fn with per-layer scales: one byte an element, so a byte budget holds
+            twice the pages of a bfloat16 model's KV, four times a float32 model's).
+        calculate_kv_scales: derive each layer's fp8 ``k_scale`` / ``v_scale`` from a short
+            calibration prefill at start-up (``jaxpaged.engine.kv_scales``) instead of
+            using 1.0; needs an fp8 ``kv_cache_dtype``.
         attention_backend: ``xla``, ``pallas`` or ``auto`` (pallas on a GPU after a
             self-check, else xla).
         enable_prefix_caching: reuse KV pages of earlier requests with the same prefix.
@@ -78,6 +87,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     max_num_partial_prefills: int = 1
@@ -132,6 +143,12 @@ class EngineArgs:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"EngineArgs.quantization must be one of {QUANTIZATION_METHODS} or "
                              f"None, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"EngineArgs.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("EngineArgs.calculate_kv_scales needs an fp8 kv_cache_dtype (scales "
+                             "only apply to an fp8 KV cache); set kv_cache_dtype to fp8")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"EngineArgs.attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
@@ -159,6 +176,14 @@ class EngineArgs:
                        help="exact number of KV pages (overrides the memory budget)")
         g.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                        help="KV pool size in bytes")
+        g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                       help="KV cache element type: auto (the model's dtype) or fp8 / fp8_e4m3 "
+                            "(float8_e4m3fn with per-layer scales; half a bfloat16 model's KV "
+                            "bytes, so twice the pages in the same budget)")
+        g.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction,
+                       default=d.calculate_kv_scales,
+                       help="fp8 KV cache: calibrate per-layer k/v scales on a short prefill at "
+                            "start-up instead of using 1.0")
         g.add_argument("--attention-backend", default=d.attention_backend,
                        choices=ATTENTION_BACKENDS,
                        help="auto: pallas on a GPU after a self-check, else xla")

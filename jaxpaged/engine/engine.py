@@ -26,11 +26,13 @@ from jaxpaged.distributed.step_sync import install_signal_handlers, stop_request
 from jaxpaged.distributed.tensor_parallel import TensorParallel, request_host_devices
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
+from jaxpaged.engine.kv_scales import calibrate_kv_scales, calibration_token_ids, set_kv_scales
 from jaxpaged.engine.kv_sizing import check_pool_fits, num_kv_pages
 from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup, SequenceState
 from jaxpaged.engine.request import Request
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
-from jaxpaged.layers.attention import allocate_kv_pool, get_attention_backend, kv_bytes_per_page
+from jaxpaged.layers.attention import (allocate_kv_pool, get_attention_backend,
+                                       kv_bytes_per_page, resolve_kv_cache_dtype)
 from jaxpaged.layers.attention.tensor_parallel import TensorParallelAttention
 from jaxpaged.metrics.stats import (FinishedRequestStats, IterationStats, SchedulerStats,
                                     StatLogger)
@@ -84,6 +86,8 @@ class Engine:
     Attributes:
         stat_loggers: sinks called with :class:`SchedulerStats` and :class:`IterationStats`
             after every step and abort (``jaxpaged.metrics.loggers``); empty by default.
+        kv_bytes_per_page: bytes one KV page takes on one device, all layers, K and V, in
+            the KV cache dtype.
 
     Raises:
         FileNotFoundError / UnsupportedModelError / MissingWeightsError: bad model directory
@@ -125,9 +129,12 @@ class Engine:
 
         tp = TensorParallel.create(args.tensor_parallel_size, cfg, devices)
         kv_heads = tp.physical_config(cfg).num_kv_heads
+        #: The KV pool's element type (the model's dtype, or float8_e4m3fn for fp8).
+        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         backend = get_attention_backend(
             args.attention_backend, num_kv_heads=cfg.num_kv_heads, num_heads=cfg.num_heads,
-            head_dim=cfg.head_dim, page_size=args.block_size, dtype=self.dtype)
+            head_dim=cfg.head_dim, page_size=args.block_size, dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype)
         if tp.size > 1:
             backend = TensorParallelAttention(backend, tp.mesh)
         model = load_model(args.model, cfg, dtype=self.dtype, backend=backend,
@@ -135,11 +142,22 @@ class Engine:
         page_size = args.block_size
         pages_per_seq = -(-self.max_model_len // page_size)
         limits = RunnerLimits(args.max_num_batched_tokens, args.max_num_seqs, pages_per_seq)
-        pool = lambda n: allocate_kv_pool(cfg.num_layers, n, page_size, kv_heads, cfg.head_dim,
-                                          self.dtype, tp.kv_pool_sharding)
+        pool = lambda n, dtype=self.kv_cache_dtype: allocate_kv_pool(
+            cfg.num_layers, n, page_size, kv_heads, cfg.head_dim, dtype, tp.kv_pool_sharding)
+        #: Each layer's ``(k_scale, v_scale)`` (``jaxpaged.engine.kv_scales``).
+        self.kv_scales = [(1.0, 1.0)] * cfg.num_layers
+        if args.calculate_kv_scales:     # on an unquantized pool; before the runners split it
+            calibration = ModelRunner(model, pool(2, self.dtype), backend, page_size, limits,
+                                      frozenset(), tp.replicated)
+            self.kv_scales = calibrate_kv_scales(calibration, calibration_token_ids(
+                self.tokenizer, cfg.max_position_embeddings, cfg.vocab_size))
+            set_kv_scales(model, self.kv_scales)
+            logger.info("calibrated fp8 KV scales: k_scale %s; v_scale %s",
+                        " ".join(f"{k:.3g}" for k, _ in self.kv_scales),
+                        " ".join(f"{v:.3g}" for _, v in self.kv_scales))
         # Budgets are per device: each holds kv_heads / tp heads of every page.
         bytes_per_page = kv_bytes_per_page(cfg.num_layers, page_size, kv_heads // tp.size,
-                                           cfg.head_dim, self.dtype)
+                                           cfg.head_dim, self.kv_cache_dtype)
         num_pages = num_kv_pages(
             bytes_per_page=bytes_per_page, pages_per_seq=pages_per_seq,
             max_num_seqs=args.max_num_seqs, num_gpu_blocks_override=args.num_gpu_blocks_override,
@@ -149,15 +167,17 @@ class Engine:
                                                    frozenset(), tp.replicated).profile_peak_bytes(),
             num_devices=tp.size * args.data_parallel_size, device=tp.mesh.devices.flat[0])
         check_pool_fits(num_pages, bytes_per_page, tp.size * args.data_parallel_size)
+        self.kv_bytes_per_page = bytes_per_page
         self.kv_cache_manager = KVCacheManager(num_pages, page_size, args.enable_prefix_caching)
         if self.kv_cache_manager.num_usable_pages < pages_per_seq:
             raise ValueError(
                 f"the KV pool ({self.kv_cache_manager.num_usable_pages} usable pages of "
                 f"{page_size} tokens) cannot hold one request of max_model_len="
                 f"{self.max_model_len} tokens; give more KV memory or lower max_model_len")
-        logger.info("KV cache: %d pages of %d tokens, %d bytes per page (%.1f MiB in all); "
-                    "maximum concurrency for %d-token requests: %.2fx", num_pages, page_size,
-                    bytes_per_page, num_pages * bytes_per_page / 2**20, self.max_model_len,
+        logger.info("KV cache: %d pages of %d tokens in %s, %d bytes per page (%.1f MiB in "
+                    "all); maximum concurrency for %d-token requests: %.2fx", num_pages,
+                    page_size, self.kv_cache_dtype.name, bytes_per_page,
+                    num_pages * bytes_per_page / 2**20, self.max_model_len,
                     (num_pages - 1) / pages_per_seq)
         self.scheduler = Scheduler(SchedulerConfig(
             args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,

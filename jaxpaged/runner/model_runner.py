@@ -29,7 +29,8 @@ from flax import nnx
 from jaxpaged.distributed.multihost import to_host
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
 from jaxpaged.engine.scheduler import SchedulerOutput
-from jaxpaged.layers.attention import NULL_PAGE, AttentionBackend, BatchLayout, KVPages
+from jaxpaged.layers.attention import (NULL_PAGE, AttentionBackend, BatchLayout, KVPages,
+                                       allocate_kv_pool)
 from jaxpaged.sampling.logits_adjust import needs_adjustment, pack, row_adjustment
 from jaxpaged.sampling.sampler import SamplingMetadata, sample, token_logprobs
 
@@ -151,6 +152,15 @@ class ModelRunner:
         self._copy_pages = jax.jit(copy_pages, donate_argnums=(0,),
                                    in_shardings=(kv_sharding, rep, rep), out_shardings=kv_sharding)
 
+        def prefill(state, kv_caches, input_ids, positions, attn_metadata):
+            model = nnx.merge(graphdef, state)
+            hidden, kv_caches = model(input_ids, positions, kv_caches, attn_metadata)
+            return model.compute_logits(hidden), kv_caches
+
+        # A scratch pool of any page count has the serving pool's per-array shardings.
+        self._prefill = jax.jit(prefill, in_shardings=(state_sharding, kv_sharding, rep, rep, rep),
+                                out_shardings=(rep, kv_sharding))
+
     @property
     def backend(self) -> AttentionBackend:
         return self._backend
@@ -263,6 +273,45 @@ class ModelRunner:
                         seq_lens=layout.seq_lens, query_start_loc=layout.query_start_loc,
                         positions=layout.positions)
         return metadata
+
+    def run_prefill(self, token_ids: list[int]) -> tuple[np.ndarray, list[KVPages]]:
+        """One whole-prompt prefill on a scratch pool, outside the serving path.
+
+        The scratch pool is shaped like the serving pool (dtype, page size, heads, sharding)
+        but holds only the prompt, in pages 1..n (page 0 stays the null page); the serving
+        pool, the compiled steps and the KV cache manager are not touched. It shows what a
+        prompt's K/V look like in this runner's cache (KV-scale calibration,
+        ``jaxpaged.engine.kv_scales``) and what logits this configuration gives (accuracy
+        measurements against reference logits).
+
+        Args:
+            token_ids: the prompt (compiled for its exact length, not a bucket; no step
+                limit applies).
+
+        Returns:
+            ([T, vocab_size] float32 logits at every position, the scratch pool: one
+            ``(k_pages, v_pages)`` of [n + 1, page_size, KVH, head_dim] per layer).
+
+        Raises:
+            ValueError: an empty prompt.
+        """
+        t = len(token_ids)
+        if not t:
+            raise ValueError("run_prefill needs at least one token")
+        page_size = self._page_size
+        num_pages = -(-t // page_size)
+        k_pages = self._kv_caches[0][0]
+        pool = allocate_kv_pool(len(self._kv_caches), num_pages + 1, page_size,
+                                *k_pages.shape[2:], k_pages.dtype, k_pages.sharding)
+        positions = np.arange(t, dtype=np.int32)
+        pages = np.arange(1, num_pages + 1, dtype=np.int32)
+        layout = BatchLayout(
+            query_start_loc=np.array([0, t], np.int32), seq_lens=np.array([t], np.int32),
+            positions=positions, slot_mapping=pages[positions // page_size] * page_size
+            + positions % page_size, page_table=pages[None], num_seqs=1, num_tokens=t)
+        logits, pool = self._prefill(self._state, pool, np.asarray(token_ids, np.int32),
+                                     positions, self._metadata(layout))
+        return to_host(logits), pool
 
     # ---- shapes ------------------------------------------------------------------------------
 

@@ -77,3 +77,41 @@ def test_kv_write_lowers_for_h200(dtype, num_kv_heads, head_dim):
                         sds((2048,), jnp.int32))
     assert triton_calls(text) == 1
     assert "output_operand_aliases" in text  # the pool is aliased, not copied
+
+
+FP8 = jnp.float8_e4m3fn
+
+
+@pytest.mark.parametrize("batch, context, block_q, sliding_window, soft_cap", [
+    (1, 8192, 1, None, None), (256, 512, 1, None, None),      # decode: split-K, then none
+    (33, 2048, 16, None, None),                               # mixed prefill chunks + decodes
+    (16, 1024, 16, 256, 30.0),                                # sliding window and soft cap
+])
+def test_paged_attention_on_fp8_pool_lowers_for_h200(batch, context, block_q, sliding_window,
+                                                     soft_cap):
+    """bfloat16 queries over a float8_e4m3fn pool with per-tensor scales: the fp8 tiles are
+    loaded and converted inside the Triton kernel (the pool enters it as fp8)."""
+    head_dim, page_size = 128, 16
+    pool = sds((POOL_PAGES, page_size, KVH, head_dim), FP8)
+    args = (sds((batch, block_q, QH, head_dim), jnp.bfloat16), pool, pool,
+            sds((batch, context // page_size), jnp.int32), sds((batch,), jnp.int32),
+            sds((batch, block_q), jnp.int32))
+    fn = functools.partial(paged_attention, scale=head_dim ** -0.5, k_scale=0.05, v_scale=0.02,
+                           sliding_window=sliding_window, soft_cap=soft_cap, interpret=False)
+    text = lowered_text(fn, *args)
+    assert triton_calls(text) == 1
+    assert f"tensor<{POOL_PAGES}x{page_size}x{KVH}x{head_dim}xf8E4M3FN>" in text
+    assert "fp_to_fp" in text            # the Triton IR's fp8 conversion (tt.fp_to_fp)
+
+
+@pytest.mark.parametrize("num_kv_heads, head_dim, k_scale", [(8, 128, 1.0), (12, 64, 0.05)])
+def test_kv_write_to_fp8_pool_lowers_for_h200(num_kv_heads, head_dim, k_scale):
+    """bfloat16 rows quantized (scaled, saturated, rounded to e4m3) inside the write kernel."""
+    pool = sds((POOL_PAGES, 16, num_kv_heads, head_dim), FP8)
+    rows = sds((2048, num_kv_heads, head_dim), jnp.bfloat16)
+    fn = functools.partial(write_kv, k_scale=k_scale, v_scale=0.02, interpret=False)
+    text = lowered_text(fn, pool, pool, rows, rows, sds((2048,), jnp.int32))
+    assert triton_calls(text) == 1
+    assert "output_operand_aliases" in text
+    assert "xf8E4M3FN>" in text
+    assert "fp_to_fp" in text            # rounded to e4m3 inside the kernel

@@ -7,8 +7,9 @@ import pytest
 
 from jaxpaged.layers.attention.pallas import PallasAttentionBackend
 from jaxpaged.layers.attention.xla import XlaAttentionBackend, paged_attention_chunked
+from pallas_kernels.kv_quant import FP8_DTYPE, quantize_kv
 from pallas_kernels.paged_attention import choose_num_splits, paged_attention
-from pallas_kernels.reference import paged_attention_reference
+from pallas_kernels.reference import paged_attention_reference, write_kv_reference
 from tests.kernels.ragged_batches import device_metadata, make_batch
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -159,6 +160,10 @@ def test_rejects_mismatched_inputs():
     (q, k, v, pt, bs, bp), _ = block_inputs(rng, nb=2, block_q=1, group=2)
     with pytest.raises(ValueError, match="share a dtype"):
         paged_attention(q, k.astype(jnp.bfloat16), v, pt, bs, bp, scale=1.0)
+    with pytest.raises(ValueError, match="share a dtype"):      # an fp8 K pool with a float V pool
+        paged_attention(q, k.astype(FP8_DTYPE), v, pt, bs, bp, scale=1.0)
+    with pytest.raises(ValueError, match="share a dtype"):
+        paged_attention_chunked(q, k.astype(FP8_DTYPE), v, pt, bs, bp, scale=1.0)
     with pytest.raises(ValueError, match="not a multiple"):
         paged_attention(q[:, :, :3], k, v, pt, bs, bp, scale=1.0)
 
@@ -169,3 +174,65 @@ def test_choose_num_splits():
     assert choose_num_splits(num_blocks=4, num_kv_heads=8, max_pages=512) == 16
     assert choose_num_splits(num_blocks=4, num_kv_heads=8, max_pages=32) == 4
     assert choose_num_splits(num_blocks=1, num_kv_heads=8, max_pages=4) == 1
+
+
+# ---- fp8 KV cache ---------------------------------------------------------------------------
+
+#: Per-tensor scales for the fp8 tests: unit-normal K/V then span about +-200 and +-400 in e4m3.
+FP8_SCALES = dict(k_scale=0.02, v_scale=0.01)
+#: Max |fp8 attention - float attention| for unit-normal q, K, V (head_dim 64, scale 1/8): the
+#: quantization error of K and V (measured 0.07-0.09), not the kernels'.
+FP8_TOL = 0.15
+
+FP8_KERNELS = {**SLIDING_KERNELS, "pallas-auto-splits": paged_attention}
+
+
+@pytest.mark.parametrize("sliding_window", [None, 24])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("block_q", [1, 16])
+@pytest.mark.parametrize("kernel", list(FP8_KERNELS))
+def test_fp8_pool_matches_reference(kernel, block_q, dtype, sliding_window):
+    """Both backends' kernels on an fp8 pool with scales, decode and prefill blocks: equal
+    to the reference reading the same pool (the compute dtype's tolerance), and within
+    fp8's quantization error of attention over the unquantized K and V."""
+    rng = np.random.default_rng(21 + block_q)
+    (q, k, v, *rest), valid = block_inputs(rng, nb=6, block_q=block_q, group=2, dtype=dtype)
+    k8 = quantize_kv(k, FP8_SCALES["k_scale"], FP8_DTYPE)
+    v8 = quantize_kv(v, FP8_SCALES["v_scale"], FP8_DTYPE)
+    kw = dict(scale=0.125, sliding_window=sliding_window)
+    out = np.asarray(FP8_KERNELS[kernel](q, k8, v8, *rest, **kw, **FP8_SCALES), np.float32)
+    ref = np.asarray(paged_attention_reference(q, k8, v8, *rest, **kw, **FP8_SCALES), np.float32)
+    unquantized = np.asarray(paged_attention_reference(q, k, v, *rest, **kw), np.float32)
+    assert np.abs(out - ref)[valid].max() <= TOL[dtype]
+    error = np.abs(out - unquantized)[valid]
+    assert 1e-3 < error.max() <= FP8_TOL          # quantized for real, and not worse than fp8
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("backend", [XlaAttentionBackend, PallasAttentionBackend])
+def test_backend_forward_on_fp8_pool(backend, dtype):
+    """A ragged batch through ``forward`` (write, then attend) on an fp8 pool: the pool equals
+    the reference write bit for bit, the output the reference attention over that pool."""
+    rng = np.random.default_rng(31)
+    head_dim, page_size, num_kv_heads, group = 64, 16, 2, 4
+    batch = make_batch(rng, num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
+                       head_dim=head_dim, page_size=page_size, dtype=dtype,
+                       seqs=random_seqs(rng, 5, page_size))
+    pool = tuple(quantize_kv(p, s, FP8_DTYPE) for p, s in
+                 ((batch.k_pages, FP8_SCALES["k_scale"]), (batch.v_pages, FP8_SCALES["v_scale"])))
+    impl = backend(**FP8_SCALES)
+    meta = device_metadata(impl, batch.layout)
+    scale = head_dim ** -0.5
+    out, (kp, vp) = jax.jit(impl.forward, static_argnames="scale")(
+        batch.q, batch.k, batch.v, pool, meta, scale=scale)
+    ref_k, ref_v = write_kv_reference(*pool, batch.k, batch.v, meta["slot_mapping"], **FP8_SCALES)
+    assert kp.dtype == vp.dtype == FP8_DTYPE
+    np.testing.assert_array_equal(np.asarray(kp, np.float32)[1:], np.asarray(ref_k, np.float32)[1:])
+    np.testing.assert_array_equal(np.asarray(vp, np.float32)[1:], np.asarray(ref_v, np.float32)[1:])
+    q_blocks = jnp.concatenate([batch.q, jnp.zeros_like(batch.q[:1])])[meta["block_tokens"]]
+    ref = paged_attention_reference(q_blocks, ref_k, ref_v, meta["page_table"], meta["block_seq"],
+                                    meta["block_positions"], scale=scale, **FP8_SCALES)
+    valid = np.asarray(meta["block_positions"]) >= 0
+    ref_tokens = np.asarray(ref, np.float32)[valid]
+    got_tokens = np.asarray(out, np.float32)[np.asarray(meta["block_tokens"])[valid]]
+    assert np.abs(got_tokens - ref_tokens).max() <= TOL[dtype]

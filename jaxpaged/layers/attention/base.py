@@ -4,7 +4,16 @@ KV page pool layout (the one place it is defined)
 -------------------------------------------------
 For each of the model's layers the pool holds one pair ``(k_pages, v_pages)``, each
 
-    [num_pages, page_size, num_kv_heads, head_dim]   in the KV dtype (the model dtype).
+    [num_pages, page_size, num_kv_heads, head_dim]   in the KV cache dtype.
+
+The KV cache dtype is the model's dtype (``--kv-cache-dtype auto``) or float8_e4m3fn
+(``fp8`` / ``fp8_e4m3``, one byte per element: half of a bfloat16 model's KV, a quarter of a
+float32 model's). Each layer has two per-tensor scales, ``k_scale`` and ``v_scale`` (vLLM's
+names), and the pool stores ``K / k_scale`` and ``V / v_scale`` rounded to its dtype, fp8
+saturating at ±448 (``pallas_kernels.kv_quant``); attention reads ``stored * scale``. The
+scales are static floats of the layer's backend (:meth:`AttentionBackend.with_kv_scales`), not
+arrays of the pool: 1.0 unless calibrated (``jaxpaged.engine.kv_scales``). The engine keeps
+them at 1.0 for a pool in the model's dtype, which then holds K and V themselves.
 
 A token at position ``p`` of a request whose page table is ``page_table`` lives in page
 ``page_table[p // page_size]`` at row ``p % page_size``; its flat *slot* is
@@ -28,6 +37,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxpaged.engine.arg_utils import KV_CACHE_DTYPES
+from pallas_kernels.kv_quant import FP8_DTYPE
 
 #: Index of the page reserved for padding writes; never allocated to a request.
 NULL_PAGE = 0
@@ -71,7 +83,9 @@ class AttentionBackend(abc.ABC):
     """Paged attention over the KV page pool (see the module docstring for the layout).
 
     Implementations must be hashable and immutable: they are static parts of the jitted
-    step. ``build_metadata`` runs on the host without JAX; ``forward`` runs inside jit.
+    step. ``build_metadata`` runs on the host without JAX; ``forward`` runs inside jit. A
+    backend carries one layer's KV scales, so a model whose layers have different scales holds
+    one backend per layer (``jaxpaged.engine.kv_scales``).
     """
 
     #: The name used by ``--attention-backend``.
@@ -96,7 +110,8 @@ class AttentionBackend(abc.ABC):
             q: [T, num_heads, head_dim] queries (RoPE applied).
             k, v: [T, num_kv_heads, head_dim] this step's keys and values.
             kv_pages: the layer's ``(k_pages, v_pages)``, each
-                [num_pages, page_size, num_kv_heads, head_dim].
+                [num_pages, page_size, num_kv_heads, head_dim] in the KV cache dtype (k and
+                v are stored quantized, attention reads them dequantized).
             metadata: device copies of ``build_metadata``'s arrays plus the common
                 ``slot_mapping``, ``page_table``, ``seq_lens``, ``query_start_loc``, ``positions``.
             scale: softmax scale, normally ``head_dim ** -0.5``.
@@ -110,13 +125,37 @@ class AttentionBackend(abc.ABC):
             Rows of padding tokens are unspecified.
         """
 
+    @abc.abstractmethod
+    def with_kv_scales(self, k_scale: float, v_scale: float) -> "AttentionBackend":
+        """This backend for a layer whose pool stores K / k_scale and V / v_scale.
+
+        Raises:
+            ValueError: a scale that is not a finite positive number.
+        """
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
+    """The pool dtype for ``--kv-cache-dtype``: ``auto`` is the model's dtype; ``fp8`` and
+    ``fp8_e4m3`` (vLLM's two spellings of one format) are float8_e4m3fn.
+
+    Raises:
+        ValueError: any other name (vLLM's ``fp8_e5m2`` is not supported).
+    """
+    if kv_cache_dtype == "auto":
+        return jnp.dtype(model_dtype)
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return jnp.dtype(FP8_DTYPE)
+    raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose from "
+                     f"{list(KV_CACHE_DTYPES)}")
+
 
 def allocate_kv_pool(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                      head_dim: int, dtype, sharding: jax.sharding.Sharding | None = None
                      ) -> list[KVPages]:
     """Preallocate the zero-filled pool: ``num_layers`` pairs of
-    [num_pages, page_size, num_kv_heads, head_dim] arrays of ``dtype``, each placed with
-    ``sharding`` (every device allocates only its own slice) or on the default device."""
+    [num_pages, page_size, num_kv_heads, head_dim] arrays of the KV cache ``dtype``, each
+    placed with ``sharding`` (every device allocates only its own slice) or on the default
+    device."""
     shape = (num_pages, page_size, num_kv_heads, head_dim)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return [(zeros(), zeros()) for _ in range(num_layers)]
@@ -124,5 +163,7 @@ def allocate_kv_pool(num_layers: int, num_pages: int, page_size: int, num_kv_hea
 
 def kv_bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
                       dtype) -> int:
-    """Bytes one page occupies across all layers, K and V together."""
+    """Bytes one page occupies across all layers, K and V together, in the KV cache ``dtype``
+    (one byte an element for fp8, so a byte budget holds twice the pages of a bfloat16
+    pool and four times those of a float32 pool)."""
     return 2 * num_layers * page_size * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize

@@ -27,11 +27,13 @@ class PallasAttentionBackend(QueryBlockBackend):
 
     def write_kv(self, kv_pages, k, v, slot_mapping):
         """Pallas KV-write kernel, pool aliased in place."""
-        return write_kv(*kv_pages, k, v, slot_mapping, interpret=self.interpret)
+        return write_kv(*kv_pages, k, v, slot_mapping, k_scale=self.k_scale,
+                        v_scale=self.v_scale, interpret=self.interpret)
 
     def attend(self, q_blocks, kv_pages, page_table, block_seq, block_positions, *, scale,
                sliding_window=None, soft_cap=None):
         """Pallas ragged paged attention."""
         return paged_attention(q_blocks, *kv_pages, page_table, block_seq, block_positions,
                                scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                               k_scale=self.k_scale, v_scale=self.v_scale,
                                interpret=self.interpret)

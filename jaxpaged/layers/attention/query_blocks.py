@@ -17,6 +17,9 @@ how much padding a kernel touches.
 from __future__ import annotations
 
 import abc
+import dataclasses
+import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +39,32 @@ def num_query_blocks(num_tokens_padded: int, num_seqs_padded: int, decode_only: 
     return -(-num_tokens_padded // PREFILL_BLOCK_Q) + num_seqs_padded
 
 
+@dataclass(frozen=True)
 class QueryBlockBackend(AttentionBackend):
     """Builds query blocks on the host; ``forward`` writes K/V, gathers the queries into
-    blocks, calls :meth:`attend` and scatters the result back to token order."""
+    blocks, calls :meth:`attend` and scatters the result back to token order.
+
+    Attributes:
+        k_scale, v_scale: the layer's KV scales (see the pool layout in
+            :mod:`jaxpaged.layers.attention.base`); static, so each distinct value is
+            compiled into the step as a constant.
+
+    Raises:
+        ValueError: a scale that is not a finite positive number.
+    """
+
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def __post_init__(self):
+        for name in ("k_scale", "v_scale"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite positive number, got {value!r}")
+
+    def with_kv_scales(self, k_scale: float, v_scale: float) -> "QueryBlockBackend":
+        """See :meth:`AttentionBackend.with_kv_scales`."""
+        return dataclasses.replace(self, k_scale=float(k_scale), v_scale=float(v_scale))
 
     def build_metadata(self, layout: BatchLayout) -> dict[str, np.ndarray]:
         """Query-block arrays for ``layout``.
@@ -92,11 +118,13 @@ class QueryBlockBackend(AttentionBackend):
     @abc.abstractmethod
     def write_kv(self, kv_pages: KVPages, k: jax.Array, v: jax.Array,
                  slot_mapping: jax.Array) -> KVPages:
-        """Scatter [T, KVH, D] rows into the pool at ``slot_mapping`` [T]."""
+        """Scatter [T, KVH, D] rows into the pool at ``slot_mapping`` [T], stored as
+        k / k_scale and v / v_scale in the pool's dtype."""
 
     @abc.abstractmethod
     def attend(self, q_blocks: jax.Array, kv_pages: KVPages, page_table: jax.Array,
                block_seq: jax.Array, block_positions: jax.Array, *, scale: float,
                sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
         """[NB, Bq, num_heads, D] queries -> [NB, Bq, num_heads, D] attention outputs
-        (``sliding_window`` and ``soft_cap`` as in :meth:`AttentionBackend.forward`)."""
+        (``sliding_window`` and ``soft_cap`` as in :meth:`AttentionBackend.forward`), reading
+        the pool as stored value times k_scale / v_scale."""

@@ -1,8 +1,9 @@
 """``--attention-backend {auto,xla,pallas}``: pick a backend, with a start-up self-check.
 
 ``auto`` picks ``pallas`` on a GPU only after the kernels reproduce the ``xla`` reference on a
-small mixed prefill/decode batch; any exception or mismatch logs a warning and falls back to
-``xla``. Everywhere else ``auto`` is ``xla`` (the kernels would run in the slow interpreter).
+small mixed prefill/decode batch over a pool of the engine's KV cache dtype (fp8 included);
+any exception or mismatch logs a warning and falls back to ``xla``. Everywhere else ``auto``
+is ``xla`` (the kernels would run in the slow interpreter).
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ from jaxpaged.engine.arg_utils import ATTENTION_BACKENDS
 from jaxpaged.layers.attention.base import AttentionBackend
 from jaxpaged.layers.attention.pallas import PallasAttentionBackend
 from jaxpaged.layers.attention.xla import XlaAttentionBackend
+from pallas_kernels.kv_quant import quantize_kv
 
 logger = logging.getLogger(__name__)
 
 
 def get_attention_backend(name: str, *, num_kv_heads: int = 8, num_heads: int = 32,
-                          head_dim: int = 128, page_size: int = 16, dtype=jnp.bfloat16
-                          ) -> AttentionBackend:
+                          head_dim: int = 128, page_size: int = 16, dtype=jnp.bfloat16,
+                          kv_cache_dtype=None) -> AttentionBackend:
     """The backend called ``name`` (``auto`` resolved as described in the module docstring).
 
-    The shape arguments describe the model, for ``auto``'s self-check.
+    The shape arguments describe the model (``dtype``) and its pool (``kv_cache_dtype``,
+    default ``dtype``), for ``auto``'s self-check.
 
     Raises:
         ValueError: an unknown name.
@@ -41,7 +44,7 @@ def get_attention_backend(name: str, *, num_kv_heads: int = 8, num_heads: int = 
         return XlaAttentionBackend()
     try:
         err = self_check(PallasAttentionBackend(), num_kv_heads, num_heads, head_dim, page_size,
-                         dtype)
+                         dtype, kv_cache_dtype)
     except Exception as e:  # noqa: BLE001 - any kernel failure means: do not use it
         logger.warning("pallas attention failed its self-check (%s: %s); using xla",
                        type(e).__name__, e)
@@ -56,12 +59,16 @@ def get_attention_backend(name: str, *, num_kv_heads: int = 8, num_heads: int = 
 
 
 def self_check(backend: AttentionBackend, num_kv_heads: int, num_heads: int, head_dim: int,
-               page_size: int, dtype) -> float:
+               page_size: int, dtype, kv_cache_dtype=None) -> float:
     """Max abs difference between ``backend`` and the xla reference on one random batch of
-    two sequences: a 20-token prefill chunk starting at position 5 and one decode at 37."""
+    two sequences: a 20-token prefill chunk starting at position 5 and one decode at 37,
+    over a pool of ``kv_cache_dtype`` (default ``dtype``) that both read alike."""
     rng = np.random.default_rng(0)
     num_pages = 8
-    pool = lambda: jnp.asarray(rng.normal(size=(num_pages, page_size, num_kv_heads, head_dim)), dtype)
+    kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
+    pool = lambda: quantize_kv(
+        jnp.asarray(rng.normal(size=(num_pages, page_size, num_kv_heads, head_dim)), dtype),
+        1.0, kv_cache_dtype)
     kv_pages = (pool(), pool())
     page_table = jnp.asarray([[3, 1, 6, 2], [5, 7, 4, 0]], jnp.int32)
     q_blocks = jnp.asarray(rng.normal(size=(3, 16, num_heads, head_dim)), dtype)

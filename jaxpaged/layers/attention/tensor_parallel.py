@@ -9,6 +9,7 @@ independent); the all-reduce follows in the row-parallel ``o_proj``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 
@@ -38,6 +39,11 @@ class TensorParallelAttention(AttentionBackend):
     def name(self) -> str:  # type: ignore[override]
         """The wrapped backend's name."""
         return self.inner.name
+
+    def with_kv_scales(self, k_scale: float, v_scale: float) -> "TensorParallelAttention":
+        """The wrapped backend with these scales (the same on every device: they are
+        per-tensor, so a slice of the heads uses the whole layer's scales)."""
+        return dataclasses.replace(self, inner=self.inner.with_kv_scales(k_scale, v_scale))
 
     def build_metadata(self, layout: BatchLayout):
         """The wrapped backend's metadata (replicated on every device)."""

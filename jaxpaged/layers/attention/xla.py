@@ -18,6 +18,11 @@ step of 64 sequences took 440 ms with 8-page chunks and 310 ms with 2-page chunk
 blocks (one query row) compute their scores and weighted values as multiply-and-reduce
 instead of matrix-vector products, which XLA:CPU runs one small dot at a time.
 
+An fp8 pool (``pallas_kernels.kv_quant``) is read the way the Pallas kernel reads it: each
+gathered chunk is converted to q's dtype (exact from e4m3), ``k_scale`` is folded into the
+softmax scale and ``v_scale`` into the normalised output, so only the chunk is ever widened and
+the score and value math keeps the model's dtype with float32 accumulation.
+
 Reference: the online softmax of Milakov & Gimelshein, "Online normalizer calculation for
 softmax" (2018) as used by FlashAttention (Dao et al., 2022), over PagedAttention's page
 table (Kwon et al., SOSP 2023, section 4.1).
@@ -32,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.layers.attention.query_blocks import QueryBlockBackend
+from pallas_kernels.kv_quant import check_pool_dtypes
 from pallas_kernels.reference import MASK_VALUE, write_kv_reference
 
 #: Pages per iteration of the chunk loop (32 keys at the default page size of 16).
@@ -45,6 +51,7 @@ def paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                             page_table: jax.Array, block_seq: jax.Array,
                             block_positions: jax.Array, *, scale: float,
                             sliding_window: int | None = None, soft_cap: float | None = None,
+                            k_scale: float = 1.0, v_scale: float = 1.0,
                             num_groups: int = NUM_GROUPS) -> jax.Array:
     """Causal paged attention for query blocks, online softmax in float32.
 
@@ -52,26 +59,33 @@ def paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     q [NB, Bq, H, D]; k_pages, v_pages [num_pages, page_size, KVH, D]; page_table [B, P]
     int32; block_seq [NB] int32; block_positions [NB, Bq] int32 (-1 = padding);
     ``sliding_window`` (a query at p sees keys in (p - window, p]) and ``soft_cap``
-    (scores -> cap * tanh(scores / cap)) optional. Returns [NB, Bq, H, D] in q's dtype
+    (scores -> cap * tanh(scores / cap)) optional; pools in q's dtype or float8_e4m3fn,
+    holding K / k_scale and V / v_scale. Returns [NB, Bq, H, D] in q's dtype
     (padding rows finite, unspecified). ``num_groups`` runs of neighbouring blocks get
     their own trip counts (any block order is correct; blocks sorted by last position,
     descending, do the least work); with a sliding window a run also starts at the first
     chunk any of its queries can see.
+
+    Raises:
+        ValueError: pools neither in q's dtype nor fp8.
     """
+    check_pool_dtypes(q.dtype, k_pages.dtype, v_pages.dtype)
     pages = page_table[block_seq]                                         # [NB, P]
     pad = -pages.shape[1] % PAGES_PER_CHUNK
     if pad:      # the null page fills the last chunk; its keys are beyond every query
         pages = jnp.pad(pages, ((0, 0), (0, pad)))
     bounds = np.linspace(0, q.shape[0], min(num_groups, q.shape[0]) + 1).astype(int)
-    runs = [_attend_run(q[a:b], k_pages, v_pages, pages[a:b], block_positions[a:b], scale,
-                        sliding_window, soft_cap)
+    runs = [_attend_run(q[a:b], k_pages, v_pages, pages[a:b], block_positions[a:b],
+                        scale * k_scale, v_scale, sliding_window, soft_cap)
             for a, b in zip(bounds[:-1], bounds[1:])]
     return jnp.concatenate(runs) if len(runs) > 1 else runs[0]
 
 
-def _attend_run(q, k_pages, v_pages, pages, block_positions, scale, sliding_window, soft_cap):
+def _attend_run(q, k_pages, v_pages, pages, block_positions, scale, v_scale, sliding_window,
+                soft_cap):
     """:func:`paged_attention_chunked` for one run of blocks; pages [NB, P] (P a multiple
-    of PAGES_PER_CHUNK). The chunk loop covers only the chunks the run's queries can see."""
+    of PAGES_PER_CHUNK); ``scale`` already includes ``k_scale``. The chunk loop covers only
+    the chunks the run's queries can see."""
     nb, block_q, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_pages.shape
     group = num_heads // num_kv_heads
@@ -82,8 +96,8 @@ def _attend_run(q, k_pages, v_pages, pages, block_positions, scale, sliding_wind
     def body(c, carry):
         m, l, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(pages, c * PAGES_PER_CHUNK, PAGES_PER_CHUNK, axis=1)
-        kc = k_pages[ids].reshape(nb, chunk, num_kv_heads, head_dim)
-        vc = v_pages[ids].reshape(nb, chunk, num_kv_heads, head_dim)
+        kc = k_pages[ids].reshape(nb, chunk, num_kv_heads, head_dim).astype(q.dtype)
+        vc = v_pages[ids].reshape(nb, chunk, num_kv_heads, head_dim).astype(q.dtype)
         key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
         s = products.scores(qb, kc) * scale
         if soft_cap is not None:
@@ -111,7 +125,10 @@ def _attend_run(q, k_pages, v_pages, pages, block_positions, scale, sliding_wind
         first_chunk = jnp.minimum(jnp.maximum(lowest - sliding_window + 1, 0) // chunk,
                                   num_chunks)
     _, l, acc = jax.lax.fori_loop(first_chunk, num_chunks, body, init)
-    return products.to_blocks(acc / l[..., None]).astype(q.dtype)
+    out = acc / l[..., None]
+    if v_scale != 1.0:
+        out = out * v_scale
+    return products.to_blocks(out).astype(q.dtype)
 
 
 class _MatmulProducts:
@@ -188,11 +205,13 @@ class XlaAttentionBackend(QueryBlockBackend):
 
     def write_kv(self, kv_pages, k, v, slot_mapping):
         """jnp scatter (in place under donation)."""
-        return write_kv_reference(*kv_pages, k, v, slot_mapping)
+        return write_kv_reference(*kv_pages, k, v, slot_mapping, k_scale=self.k_scale,
+                                  v_scale=self.v_scale)
 
     def attend(self, q_blocks, kv_pages, page_table, block_seq, block_positions, *, scale,
                sliding_window=None, soft_cap=None):
         """Chunked online-softmax attention (:func:`paged_attention_chunked`)."""
         return paged_attention_chunked(q_blocks, *kv_pages, page_table, block_seq,
                                        block_positions, scale=scale,
-                                       sliding_window=sliding_window, soft_cap=soft_cap)
+                                       sliding_window=sliding_window, soft_cap=soft_cap,
+                                       k_scale=self.k_scale, v_scale=self.v_scale)
