@@ -180,6 +180,7 @@ def test_set_kv_scales_gives_each_layer_its_backend():
         set_kv_scales(model, [(0.0, 1.0)] * 5)
 
 
+@pytest.mark.slow     # ~25 s on 2 cores; the kernels' fp8 equality is in tests/kernels
 def test_fp8_on_pallas_matches_xla():
     """The Pallas kernels (interpret mode) on the calibrated fp8 pool: the xla figures."""
     figures = {b: reference_figures(LLM(enforce_eager=True, max_num_seqs=8, attention_backend=b,
@@ -190,7 +191,7 @@ def test_fp8_on_pallas_matches_xla():
     assert abs(figures["pallas"]["max_diff"] - figures["xla"]["max_diff"]) < 1e-3
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
 def test_fp8_tensor_parallel_matches_one_device(backend):
     """tp=2 splits the fp8 pool by KV head; each device writes and reads its heads under
     ``shard_map`` with the layer's per-tensor scales, calibrated over all heads."""

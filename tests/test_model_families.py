@@ -135,6 +135,7 @@ def test_quantized_experts_equal_dequantized_float_experts():
                                dense(x, group_sizes, row_experts), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow     # ~15 s on 2 cores: two engines
 def test_mixtral_int8_experts_close_to_transformers_and_split_over_tp():
     name = "mixtral_moe"
     ref = fixture(name, "logits.npy")
