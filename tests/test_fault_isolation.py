@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from tests.helpers.faults import FailSteps
+from jaxpaged.cli import main
+from jaxpaged.runner.model_runner import ModelRunner
+from tests.helpers.faults import FailSteps, InjectedFault
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 MESSAGE = "the model step running this request failed: InjectedFault: injected fault"
@@ -112,3 +114,12 @@ def test_fault_injector_sees_step_index_and_parallel_sampling_request_once(engin
     assert drain(engine)["n2"].finished
     assert [ids for _, ids in seen] == [["n2"], ["n2"]]     # prefill, then both forks decode
     assert seen[1][0] == seen[0][0] + 1
+
+
+def test_cli_generate_reports_a_failed_prompt(monkeypatch, capsys):
+    def broken(self, sched, kv):
+        raise InjectedFault("injected fault")
+
+    monkeypatch.setattr(ModelRunner, "execute", broken)
+    assert main(["generate", "--max-tokens", "2", "Once upon a time"]) == 1
+    assert f"jaxpaged: error: prompt 1 failed: {MESSAGE}" in capsys.readouterr().err
