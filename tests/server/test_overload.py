@@ -9,9 +9,12 @@ import httpx
 import openai
 import pytest
 
-from jaxpaged.engine.async_engine import (RequestFailedError, RequestStream,
+from jaxpaged.cli import build_parser
+from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.engine.async_engine import (AsyncEngine, RequestFailedError, RequestStream,
                                           RequestTimeoutError)
 from jaxpaged.outputs import CompletionOutput, RequestOutput
+from server.launcher import server_config
 from server.serving import ServerConfig, merge_streams
 from tests.server.conftest import (MAX_MODEL_LEN, MODEL, PLAIN_TEMPLATE, LiveServer, engine_args,
                                    open_request, sse_events, wait_engine_empty, wait_until)
@@ -202,3 +205,33 @@ def test_merged_streams_of_a_stalled_consumer_stay_folded():
     for i, out in items:
         texts[i] = texts.get(i, "") + out.outputs[0].text
     assert texts == {i: "".join(f"<{k}>" for k in range(50)) for i in range(3)}
+
+
+# ---- flags -------------------------------------------------------------------------------
+
+
+def test_overload_flags_reach_the_server_config():
+    args = build_parser().parse_args(["serve", "--max-pending-requests", "64",
+                                      "--request-timeout", "2.5"])
+    config = server_config(args)
+    assert (config.max_pending_requests, config.request_timeout) == (64, 2.5)
+    defaults = server_config(build_parser().parse_args(["serve"]))
+    assert (defaults.max_pending_requests, defaults.request_timeout) == (None, None)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--max-pending-requests", "0"], "must be a positive integer, got 0"),
+    (["--max-pending-requests", "1.5"], "invalid _positive value"),
+    (["--request-timeout", "0"], "must be a positive number of seconds, got 0"),
+    (["--request-timeout", "inf"], "must be a positive number of seconds, got inf"),
+    (["--request-timeout", "nan"], "must be a positive number of seconds, got nan")])
+def test_bad_overload_flags_are_refused(capsys, flags, needle):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", *flags])
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("limit", [0, -1, 2.0, True])
+def test_async_engine_refuses_a_bad_limit(limit):
+    with pytest.raises(ValueError, match="max_pending_requests must be a positive integer"):
+        AsyncEngine(EngineArgs(), max_pending_requests=limit)
