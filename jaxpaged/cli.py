@@ -121,7 +121,10 @@ def _main(argv: list[str] | None) -> int:
     if is_leader():          # every process of a multi-host job computed the same outputs
         for out in outputs:
             print(out.outputs[0].text)
-    return 0
+    failed = [(i, out.error) for i, out in enumerate(outputs) if out.error is not None]
+    for i, error in failed:
+        print(f"jaxpaged: error: prompt {i + 1} failed: {error}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ class CompletionOutput:
         logprobs: per generated token, ``{token_id: Logprob}`` for the sampled token and the
             ``logprobs`` most likely ones (None unless ``logprobs`` was set).
         finish_reason: None while running, then ``"stop"`` (EOS, stop token or stop string),
-            ``"length"`` (``max_tokens`` or ``max_model_len``) or ``"abort"``.
+            ``"length"`` (``max_tokens`` or ``max_model_len``), ``"abort"``, or ``"error"``
+            (a model step that ran the request failed; ``RequestOutput.error`` says why).
         stop_reason: the stop string or stop token id that ended it; None for EOS or length.
     """
 
@@ -63,6 +64,8 @@ class RequestOutput:
         finished: True when every sequence has finished.
         num_cached_tokens: prompt tokens served from the prefix cache.
         num_preemptions: how often the request's sequences were preempted, in total.
+        error: why the request failed (its sequences' finish reason is then ``"error"``);
+            None otherwise.
     """
 
     request_id: str
@@ -73,3 +76,39 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    error: str | None = None
+
+    def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
+        """Fold a later output of the same request into this one (vLLM's
+        ``RequestOutput.add``): a consumer that fell behind then gets one output instead of a
+        queue of them.
+
+        Args:
+            next_output: the request's next output.
+            aggregate: the outputs are deltas (``RequestOutputKind.DELTA``): append each
+                sequence's new text, ids and logprobs. Otherwise the later output replaces
+                this one's sequences (it is cumulative).
+        """
+        self.prompt_logprobs = next_output.prompt_logprobs
+        self.finished = next_output.finished
+        self.num_cached_tokens = next_output.num_cached_tokens
+        self.num_preemptions = next_output.num_preemptions
+        self.error = next_output.error
+        if not aggregate:
+            self.outputs = next_output.outputs
+            return
+        mine = {out.index: out for out in self.outputs}
+        for out in next_output.outputs:
+            prev = mine.get(out.index)
+            if prev is None:
+                mine[out.index] = out
+                continue
+            prev.text += out.text
+            prev.token_ids.extend(out.token_ids)
+            if prev.logprobs is None:
+                prev.logprobs = out.logprobs
+            elif out.logprobs is not None:
+                prev.logprobs.extend(out.logprobs)
+            prev.cumulative_logprob = out.cumulative_logprob
+            prev.finish_reason, prev.stop_reason = out.finish_reason, out.stop_reason
+        self.outputs = sorted(mine.values(), key=lambda out: out.index)

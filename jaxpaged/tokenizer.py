@@ -1,4 +1,5 @@
-"""Tokenizer loading (Hugging Face transformers; local files only, never the network)."""
+"""Tokenizer loading (Hugging Face transformers; local files only, never the network; a
+tokenizer's own Python code runs only with ``trust_remote_code``)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,29 @@ import os
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """Load the tokenizer stored in directory ``path``.
 
+    Args:
+        path: the tokenizer's directory.
+        trust_remote_code: allow a tokenizer class shipped as Python code in the directory
+            (``auto_map`` in ``tokenizer_config.json``) to be imported and run (vLLM's
+            ``--trust-remote-code``). Off, such a tokenizer is refused; transformers is never
+            left to ask on standard input.
+
     Raises:
-        FileNotFoundError: ``path`` is not a directory or holds no loadable tokenizer.
+        FileNotFoundError: ``path`` is not a directory or holds no loadable tokenizer (or
+            only one that needs ``trust_remote_code``).
     """
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer directory {path!r} does not exist")
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                             trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
+        needs_code = "trust_remote_code" in str(e)
         raise FileNotFoundError(
             f"no usable tokenizer in {path!r} (it needs tokenizer.json or tokenizer_config.json "
             f"with its vocabulary files; pass --tokenizer DIR to use another): "
-            f"{str(e).splitlines()[0]}") from e
+            f"{str(e).splitlines()[0]}"
+            + (" Pass --trust-remote-code to run it." if needs_code else "")) from e

@@ -1,8 +1,8 @@
 """The Starlette application: routes, API-key check, body limit, error mapping, lifespan.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (200 only once the model is loaded and warmed up; 503 while loading, 500 once
-the engine has failed; it never waits on the engine), ``GET /version``, ``GET /metrics``
+``GET /health`` (200 only once the model is loaded and warmed up; 503 while loading and from
+the moment the engine has died; it never waits on the engine), ``GET /version``, ``GET /metrics``
 (Prometheus text), ``POST /tokenize``, ``POST /detokenize``, ``GET /openapi.json``.
 Every error, the framework's included, is answered in OpenAI's shape (``server/errors.py``).
 """
@@ -50,13 +50,19 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
     completion = OpenAIServingCompletion(engine, config, tokenizer)
     chat = OpenAIServingChat(engine, config, tokenizer)
 
+    def too_large() -> APIError:
+        return APIError(413, f"the request body exceeds {config.max_request_body_bytes} bytes",
+                        "invalid_request_error", None, "request_too_large")
+
     async def parse(request: Request, model: type[BaseModel]):
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > config.max_request_body_bytes:
+            raise too_large()               # refused before reading it
         body = bytearray()
-        async for chunk in request.stream():
+        async for chunk in request.stream():   # a chunked body (or a lying length)
             body += chunk
             if len(body) > config.max_request_body_bytes:
-                raise APIError(413, f"the request body exceeds {config.max_request_body_bytes} "
-                                    "bytes", "invalid_request_error", None, "request_too_large")
+                raise too_large()
         try:
             data = json.loads(body)
         except (ValueError, RecursionError) as e:   # bad JSON or UTF-8, too deep, huge ints

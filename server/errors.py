@@ -23,13 +23,16 @@ class APIError(Exception):
         type: OpenAI's error type (``invalid_request_error``, ...).
         param: the request parameter at fault, if any.
         code: OpenAI's error code (defaults to ``status``).
+        headers: extra response headers (``Retry-After`` of a 429).
     """
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: int | str | None = None):
+                 param: str | None = None, code: int | str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type, param
         self.code = status if code is None else code
+        self.headers = headers
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -45,7 +48,7 @@ def error_body(e: APIError) -> ErrorResponse:
 
 def error_response(e: APIError) -> JSONResponse:
     """The JSON response for ``e``."""
-    return JSONResponse(error_body(e).model_dump(), status_code=e.status)
+    return JSONResponse(error_body(e).model_dump(), status_code=e.status, headers=e.headers)
 
 
 def from_validation_error(e: ValidationError) -> APIError:

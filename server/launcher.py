@@ -34,24 +34,38 @@ API_KEY_ENV = "JAXPAGED_API_KEY"
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The HTTP-layer flags (vLLM's names)."""
+    """The HTTP-layer flags (vLLM's names; ``docs/reliability.md`` for the limits)."""
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1, this machine only)")
     g.add_argument("--port", type=_port, default=8000)
     g.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV})")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
+                        f"/detokenize (default: ${API_KEY_ENV})")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="names clients use as 'model' (default: the model path; 'stories260K' "
                         "for the bundled model)")
     g.add_argument("--chat-template", default=None,
                    help="Jinja chat template: a file, or the template itself")
-    g.add_argument("--disable-log-requests", action="store_true")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat_template field in chat requests (default: refused)")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request's prompt and sampling parameters (default: off)")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="deprecated, no effect: requests are not logged unless "
+                        "--enable-log-requests")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic throughput / KV-usage log line")
     g.add_argument("--disable-uvicorn-access-log", action="store_true")
     g.add_argument("--max-request-body-bytes", type=_positive,
                    default=ServerConfig.max_request_body_bytes,
                    help="larger request bodies get HTTP 413")
+    g.add_argument("--max-pending-requests", type=_positive, default=None,
+                   help="most sequences waiting to be scheduled (n counts n); beyond it new "
+                        "requests get HTTP 429 with Retry-After (default: no limit)")
+    g.add_argument("--request-timeout", type=_positive_seconds, default=None,
+                   help="seconds a generation request may take before it is aborted with "
+                        "HTTP 504 (default: no limit)")
     return parser
 
 
@@ -66,6 +80,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
 
 
@@ -92,10 +113,16 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"--chat-template is not a valid Jinja template: {e}") from None
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if args.disable_log_requests:
+        logger.warning("--disable-log-requests is deprecated and has no effect: requests are "
+                       "not logged unless --enable-log-requests")
     return ServerConfig(served_model_names=names, chat_template=template,
                         api_key=api_key or None,
                         max_request_body_bytes=args.max_request_body_bytes,
-                        log_requests=not args.disable_log_requests)
+                        enable_log_requests=args.enable_log_requests,
+                        max_pending_requests=args.max_pending_requests,
+                        request_timeout=args.request_timeout,
+                        trust_request_chat_template=args.trust_request_chat_template)
 
 
 def make_server(engine_args: EngineArgs, config: ServerConfig, log_stats: bool = True):
@@ -106,12 +133,13 @@ def make_server(engine_args: EngineArgs, config: ServerConfig, log_stats: bool =
         FileNotFoundError / ValueError: an unusable model or tokenizer directory.
     """
     model_config = ModelConfig.from_pretrained(engine_args.model)   # fails fast on a bad dir
-    tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
+    tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model,
+                               engine_args.trust_remote_code)
     prometheus = PrometheusStatLogger(
         config.served_model_names[0],
         engine_args.max_model_len or model_config.max_position_embeddings)
     loggers = [prometheus] + ([LoggingStatLogger()] if log_stats else [])
-    engine = AsyncEngine(engine_args, loggers)
+    engine = AsyncEngine(engine_args, loggers, config.max_pending_requests)
     return engine, build_app(engine, config, tokenizer, prometheus.registry)
 
 

@@ -16,8 +16,8 @@ OPERATIONS = [
     ("post", "/v1/chat/completions", "Create a chat completion (SSE of ChatCompletionChunk "
      "when stream is true)", ChatCompletionRequest, ChatCompletionResponse),
     ("get", "/v1/models", "List the served models", None, ModelList),
-    ("get", "/health", "200 once the model is loaded and warmed up; 503 while loading; 500 "
-     "after an engine failure", None, None),
+    ("get", "/health", "200 once the model is loaded and warmed up; 503 while loading and "
+     "once the engine has died", None, None),
     ("get", "/version", "The server's version", None, VersionResponse),
     ("get", "/metrics", "Prometheus metrics (text exposition format)", None, None),
     ("post", "/tokenize", "Tokenize a prompt or chat messages", TokenizeRequest,

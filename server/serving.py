@@ -1,5 +1,6 @@
 """What completions and chat share: model check, prompt length rules, sampling parameters,
-running requests with abort-on-disconnect, logprob formatting, SSE framing.
+running requests with abort-on-disconnect and a deadline, engine failures as API errors,
+logprob formatting, SSE framing.
 
 Length rules (vLLM's, with exact messages; BUGCASES B09, B11): a prompt longer than
 ``max_model_len`` is refused naming both lengths; ``prompt + max_tokens`` beyond
@@ -7,6 +8,11 @@ Length rules (vLLM's, with exact messages; BUGCASES B09, B11): a prompt longer t
 exactly ``max_model_len`` tokens can only be scored (``max_tokens=0``). ``max_tokens`` null or
 absent means the endpoint's default (16 for completions, the room left for chat), capped by
 the room left.
+
+Failures (``docs/reliability.md``): a request refused for ``--max-pending-requests`` gets 429
+with ``Retry-After``; one that passes ``--request-timeout`` 504; one whose model step failed,
+or that was running when the engine died, 500 with the reason (for a stream: an error event,
+then ``[DONE]``); requests to a dead or loading engine 503.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -23,7 +30,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxpaged.engine.async_engine import (AsyncEngine, EngineDeadError, EngineNotReadyError,
-                                          RequestStream)
+                                          RequestFailedError, RequestStream, RequestTimeoutError,
+                                          TooManyPendingRequestsError)
 from jaxpaged.outputs import Logprob, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from server.errors import APIError, bad_request
@@ -36,6 +44,9 @@ MIN_LOGPROB = -9999.0
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 #: The answer to a client that disconnected before its result (nobody reads it).
 CLIENT_GONE = 499
+#: Seconds a client refused for ``--max-pending-requests`` is told to wait (``Retry-After``):
+#: about the time a waiting request needs to be scheduled under load.
+RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -45,16 +56,27 @@ class ServerConfig:
     Attributes:
         served_model_names: names accepted as ``model``; the first is reported in responses.
         chat_template: Jinja source replacing the tokenizer's template (None: the tokenizer's).
-        api_key: required as ``Authorization: Bearer <key>`` on ``/v1/*`` when set.
+        api_key: required as ``Authorization: Bearer <key>`` on ``/v1/*``, ``/tokenize`` and
+            ``/detokenize`` when set.
         max_request_body_bytes: larger request bodies get 413.
-        log_requests: log each request's id, prompt length and sampling parameters.
+        enable_log_requests: log each request's id, prompt (text or token ids) and sampling
+            parameters; off by default, so prompts and outputs never reach the log.
+        max_pending_requests: most sequences waiting to be scheduled; beyond it new
+            requests get 429 (None: no limit). Enforced by the :class:`AsyncEngine`.
+        request_timeout: seconds a generation request may take from its arrival to its
+            last output before it is aborted with 504 (None: no limit).
+        trust_request_chat_template: accept a ``chat_template`` in chat requests (otherwise
+            400: only ``--chat-template`` or the tokenizer's template render).
     """
 
     served_model_names: list[str]
     chat_template: str | None = None
     api_key: str | None = None
     max_request_body_bytes: int = 32 * 2**20
-    log_requests: bool = True
+    enable_log_requests: bool = False
+    max_pending_requests: int | None = None
+    request_timeout: float | None = None
+    trust_request_chat_template: bool = False
 
 
 @dataclass
@@ -193,13 +215,21 @@ class OpenAIServing:
 
     async def add_requests(self, request_id: str, prompts: list[PreparedPrompt],
                            params: list[SamplingParams], priority: int, cache_salt: str | None,
-                           prompt_param: str) -> list[RequestStream]:
+                           prompt_param: str, deadline: float | None) -> list[RequestStream]:
         """Submit one engine request per prompt (ids ``{request_id}-{i}``); all or none.
 
         Raises:
-            APIError: 400 if the engine refuses one (the others are aborted), 503 while
-                loading, 500 once the engine has failed.
+            APIError: 400 if the engine refuses one (the others are aborted) or the request
+                has more sequences than ``--max-pending-requests`` could ever admit, 429
+                beyond ``--max-pending-requests``, 504 past ``deadline``, 503 while loading
+                or once the engine has failed.
         """
+        limit = self.engine.max_pending_requests
+        num_seqs = sum(p.n for p in params)
+        if limit is not None and num_seqs > limit:
+            raise bad_request(f"this request has {num_seqs} sequences (n x prompts), more than "
+                              f"the server ever admits at once (--max-pending-requests={limit})",
+                              "n" if len(prompts) == 1 else prompt_param)
         streams = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -207,9 +237,10 @@ class OpenAIServing:
                 if cache_salt is not None:
                     engine_prompt["cache_salt"] = cache_salt
                 streams.append(await self.engine.add_request(f"{request_id}-{i}", engine_prompt,
-                                                             p, priority))
-                if self.config.log_requests:
-                    logger.info("request %s-%d: %d prompt tokens, %s", request_id, i,
+                                                             p, priority, deadline))
+                if self.config.enable_log_requests:
+                    logger.info("request %s-%d: prompt %r (%d tokens), %s", request_id, i,
+                                prompt.token_ids if prompt.text is None else prompt.text,
                                 len(prompt.token_ids), p)
         except BaseException as e:
             for stream in streams:
@@ -219,9 +250,18 @@ class OpenAIServing:
             if isinstance(e, (ValueError, TypeError)):
                 raise bad_request(str(e), prompt_param) from None
             if isinstance(e, Exception):
-                raise engine_error(e) from e
+                raise self.request_error(e) from e
             raise
         return streams
+
+    def request_error(self, e: Exception) -> APIError:
+        """The API error for a request the engine could not finish: :func:`engine_error`,
+        and 504 (naming ``--request-timeout``) for one that passed its deadline."""
+        if isinstance(e, RequestTimeoutError):
+            return APIError(504, f"the request did not finish within --request-timeout="
+                                 f"{self.config.request_timeout:g} s and was aborted",
+                            "timeout_error", None, "request_timeout")
+        return engine_error(e)
 
     async def respond(self, raw_request: Request, body: SamplingFields, request_id: str,
                       prompts: list[PreparedPrompt], params: list[SamplingParams],
@@ -230,18 +270,24 @@ class OpenAIServing:
         to stream, else JSON of ``build_response(final_outputs)`` (nothing, if the client
         went away first).
 
+        The request must finish within ``--request-timeout`` of now (the streams raise
+        :class:`RequestTimeoutError` after that).
+
         Raises:
-            APIError: as :meth:`add_requests`; 500 if the engine fails before the end.
+            APIError: as :meth:`add_requests`; 500 if the engine fails the request, 504 past
+                the deadline.
         """
+        timeout = self.config.request_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         streams = await self.add_requests(request_id, prompts, params, body.priority,
-                                          body.cache_salt, prompt_param)
+                                          body.cache_salt, prompt_param, deadline)
         if body.stream:
             return StreamingResponse(stream_events(streams), media_type="text/event-stream")
         async with self.abort_on_disconnect(raw_request, streams):
             try:
                 finals = await final_outputs(streams)
             except Exception as e:
-                raise engine_error(e) from e
+                raise self.request_error(e) from e
         if any(f is None for f in finals):
             return Response(status_code=CLIENT_GONE)
         return JSONResponse(build_response(finals).model_dump())
@@ -314,32 +360,39 @@ def sse(payload: BaseModel | str) -> str:
 
 
 def engine_error(e: BaseException) -> APIError:
-    """The API error for a failure of the engine (not of the request)."""
-    if isinstance(e, EngineNotReadyError):
+    """The API error for an engine that cannot run a request: 503 while it loads or stops
+    and once it has died, 429 (with ``Retry-After``) when too many requests wait, 500 for a
+    request the engine failed (the reason as the message) or any other failure."""
+    if isinstance(e, (EngineNotReadyError, EngineDeadError)):
         return APIError(503, str(e), "service_unavailable")
-    if isinstance(e, EngineDeadError):
+    if isinstance(e, TooManyPendingRequestsError):
+        return APIError(429, str(e), "rate_limit_error", None, "rate_limit_exceeded",
+                        {"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, RequestFailedError):
         return APIError(500, str(e), "internal_server_error")
     return APIError(500, f"internal error: {e!r}", "internal_server_error")
 
 
 async def merge_streams(streams: list[RequestStream]
                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """The outputs of several streams as they arrive, tagged by stream position."""
+    """The outputs of several streams as they arrive, tagged by stream position. The hand-over
+    queue holds one output, so a consumer that falls behind leaves the others folded in
+    their streams (bounded memory) rather than queued here."""
     if len(streams) == 1:
         async for out in streams[0]:
             yield 0, out
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
     done = object()
 
     async def pump(i, stream):
         try:
             async for out in stream:
                 await queue.put((i, out))
-        except BaseException as e:   # noqa: BLE001 - handed to the consumer
-            await queue.put((i, e))
-        finally:
-            await queue.put((i, done))
+            last = done
+        except Exception as e:   # noqa: BLE001 - handed to the consumer
+            last = e
+        await queue.put((i, last))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
@@ -348,7 +401,7 @@ async def merge_streams(streams: list[RequestStream]
             i, item = await queue.get()
             if item is done:
                 remaining -= 1
-            elif isinstance(item, BaseException):
+            elif isinstance(item, Exception):
                 raise item
             else:
                 yield i, item

@@ -21,8 +21,7 @@ from server.errors import bad_request, error_body
 from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
                              ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                              ChatLogprobs, ChatMessage, DeltaMessage, TokenLogprob)
-from server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, engine_error, sse,
-                            usage)
+from server.serving import OpenAIServing, PreparedPrompt, clamp_logprob, sse, usage
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -66,10 +65,16 @@ class OpenAIServingChat(OpenAIServing):
         """Answer one chat request (JSON, or SSE when ``stream``).
 
         Raises:
-            APIError: 400 / 404 / 503 / 500, before any SSE is sent.
+            APIError: 400 (also for a ``chat_template`` without
+                ``--trust-request-chat-template``) / 404 / 429 / 503 / 500, before any SSE is
+                sent.
         """
         self.check_model(body.model)
         self.check_request(body)
+        if body.chat_template is not None and not self.config.trust_request_chat_template:
+            raise bad_request("a chat_template in the request is refused: this server renders "
+                              "only its own template (start it with "
+                              "--trust-request-chat-template to accept them)", "chat_template")
         if body.top_logprobs is not None:
             if not body.logprobs:
                 raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
@@ -151,7 +156,7 @@ class OpenAIServingChat(OpenAIServing):
                                 logprobs=logprobs, finish_reason=finish,
                                 stop_reason=seq.stop_reason if finish else None))
             except Exception as e:   # noqa: BLE001 - the stream has started: report in-band
-                yield sse(error_body(engine_error(e)))
+                yield sse(error_body(self.request_error(e)))
         opts = body.stream_options
         if opts is not None and opts.include_usage:
             yield sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[],

@@ -17,8 +17,8 @@ from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from server.errors import bad_request, error_body
 from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, PromptLogprob)
-from server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, engine_error,
-                            merge_streams, sse, usage)
+from server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, merge_streams, sse,
+                            usage)
 
 #: OpenAI's default ``max_tokens`` for legacy completions.
 DEFAULT_MAX_TOKENS = 16
@@ -194,7 +194,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         yield sse(CompletionResponse(id=request_id, model=self.model_name,
                                                      choices=choices))
             except Exception as e:   # noqa: BLE001 - the stream has started: report in-band
-                yield sse(error_body(engine_error(e)))
+                yield sse(error_body(self.request_error(e)))
         opts = body.stream_options
         if opts is not None and opts.include_usage:
             yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[],

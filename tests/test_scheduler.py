@@ -73,6 +73,31 @@ def test_preempts_newest_and_requeues_at_front():
     assert plan(out) == [("b", 0, 5)] and out.scheduled[0].samples
 
 
+def test_preempt_all_requeues_every_running_sequence_in_order():
+    kv = KVCacheManager(num_pages=64, page_size=4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_model_len=64), kv)
+    a, b, c = make("a", 5), make("b", 6), make("c", 3)
+    for arrival, r in enumerate((a, b, c)):
+        r.arrival = arrival
+        s.add_request(r)
+    run_step(s, s.schedule())             # a and b run, c waits
+    assert s.num_waiting_seqs == 1
+    s.preempt_all()
+    assert s.running == [] and s.waiting == [a, b, c] and s.num_preemptions == 2
+    assert kv.num_free_pages == kv.num_usable_pages
+    assert (a.num_computed_tokens, a.output_token_ids) == (0, [7])
+    assert plan(s.schedule()) == [("a", 0, 6), ("b", 0, 7)]    # recompute, arrival order
+
+
+def test_num_waiting_seqs_counts_parallel_sampling_sequences():
+    kv = KVCacheManager(num_pages=64, page_size=4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64), kv)
+    s.add_request(make("a", 3))
+    s.add_request(Request("n", None, [1, 2], SamplingParams(n=3), seed=0, max_tokens=5,
+                          n_samples=3))
+    assert s.num_waiting_seqs == 4
+
+
 def test_request_preempting_itself_when_alone():
     kv = KVCacheManager(num_pages=3, page_size=2, enable_prefix_caching=False)      # 2 usable pages
     s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=4), kv)

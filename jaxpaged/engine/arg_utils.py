@@ -36,6 +36,9 @@ class EngineArgs:
     Attributes:
         model: Hugging Face model directory (default: the bundled stories260K).
         tokenizer: tokenizer directory (default: ``model``).
+        trust_remote_code: let a tokenizer that ships its own Python code (``auto_map``)
+            run it. Model code never runs: the architectures are jaxpaged's own and
+            ``config.json`` is read as data.
         dtype: ``float32``, ``bfloat16`` or ``auto`` (the checkpoint's ``torch_dtype``:
             float32 stays float32, 16-bit floats become bfloat16, unspecified is float32).
         load_format: ``auto`` (safetensors) or ``dummy`` (random weights).
@@ -77,6 +80,7 @@ class EngineArgs:
 
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None
+    trust_remote_code: bool = False
     dtype: str = "auto"
     load_format: str = "auto"
     quantization: str | None = None
@@ -125,6 +129,9 @@ class EngineArgs:
         if self.data_parallel_size > 1 and self.num_processes > 1:
             raise ValueError("EngineArgs.data_parallel_size > 1 runs in one process; it cannot "
                              "be combined with num_processes > 1")
+        if not isinstance(self.trust_remote_code, bool):
+            raise ValueError("EngineArgs.trust_remote_code must be True or False, got "
+                             f"{self.trust_remote_code!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"EngineArgs.block_size must be a power of two, got {self.block_size}")
         if self.dtype not in DTYPES:
@@ -161,6 +168,8 @@ class EngineArgs:
         g.add_argument("--model", default=d.model,
                        help="Hugging Face model directory (default: the bundled stories260K)")
         g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+        g.add_argument("--trust-remote-code", action="store_true",
+                       help="let a tokenizer that ships Python code run it (default: refused)")
         g.add_argument("--dtype", default=d.dtype, choices=DTYPES)
         g.add_argument("--load-format", default=d.load_format, choices=("auto", "safetensors", "dummy"))
         g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,

@@ -4,10 +4,22 @@ One thread owns the :class:`Engine` (it builds it, then loops: take queued comma
 abort — then run one step, then hand the step's outputs to the event loop). Coroutines never
 touch the engine directly, so a long step never blocks the event loop (health checks, new
 connections) and the engine needs no locks. Each request's outputs arrive on its own
-:class:`RequestStream`.
+:class:`RequestStream`, which holds at most one output: outputs that arrive while the consumer
+is busy (a slow streaming client) are folded into it, so memory never grows with the
+consumer's lag.
+
+Admission: with ``max_pending_requests``, an add that would take the sequences waiting to be
+scheduled past the limit is refused on the engine thread (:class:`TooManyPendingRequestsError`),
+where the count is exact.
+
+Failures: a model step that raises fails only the requests it ran (their streams raise
+:class:`RequestFailedError`; ``Engine.step``); an exception that escapes the engine loop kills
+the engine: :meth:`AsyncEngine.check_ready` raises :class:`EngineDeadError` from then on,
+running requests end with :class:`RequestFailedError` and queued ones with
+:class:`EngineDeadError`.
 
 The split mirrors vLLM's ``AsyncLLM`` (``vllm/v1/engine/async_llm.py``) with a thread in place of
-its engine-core process.
+its engine-core process; the folding of outputs is its ``RequestOutputCollector``.
 
 In a multi-host job (``--num-processes`` > 1) this runs in process 0, which sends each step's
 commands to the other processes before applying them (``jaxpaged.distributed.step_sync``);
@@ -21,6 +33,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from jaxpaged.distributed.multihost import first_line, leave_failed_job
@@ -30,7 +43,7 @@ from jaxpaged.engine.data_parallel import DataParallelEngine, make_engine
 from jaxpaged.engine.engine import Engine, Prompt
 from jaxpaged.metrics.stats import StatLogger
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -51,33 +64,108 @@ class EngineStoppedError(EngineNotReadyError):
     """The engine is shutting down: running requests were ended, new ones are refused."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed this request: a model step that ran it raised, or the engine died
+    while it was running. The message says why."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request passed its deadline before it finished (it is aborted)."""
+
+
+class TooManyPendingRequestsError(RuntimeError):
+    """Refused: admitting the request would take the sequences waiting to be scheduled past
+    ``max_pending_requests``.
+
+    Attributes:
+        num_waiting: sequences waiting when the request was refused.
+        limit: the limit.
+    """
+
+    def __init__(self, num_waiting: int, requested: int, limit: int):
+        super().__init__(f"the server is overloaded: {num_waiting} sequences are waiting to be "
+                         f"scheduled and this request adds {requested}, beyond "
+                         f"--max-pending-requests={limit}; retry later")
+        self.num_waiting, self.limit = num_waiting, limit
+
+
+_OPEN = object()    # a stream that has not ended
+
+
 class RequestStream:
     """The outputs of one request, in order, as an async iterator.
 
-    Iteration ends after the request's finished output, or at once when the request was
-    aborted; it raises :class:`EngineDeadError` if the engine fails meanwhile.
+    It holds at most one output: one that arrives before the previous one was taken is folded
+    into it (:meth:`RequestOutput.add`; deltas are concatenated, cumulative outputs replaced).
+
+    Iteration ends after the request's finished output, or when the request was aborted
+    (after any output not yet taken). It raises :class:`RequestFailedError` for a request
+    the engine failed, :class:`RequestTimeoutError` once ``deadline`` passes, and the error
+    the stream was ended with otherwise (:class:`EngineStoppedError` at shutdown).
+
+    Args:
+        request_id: the engine's request id.
+        aggregate: the outputs are deltas (``RequestOutputKind.DELTA``).
+        deadline: ``time.monotonic()`` by which the request must finish (None: no limit).
     """
 
-    def __init__(self, request_id: str):
+    def __init__(self, request_id: str, aggregate: bool = False, deadline: float | None = None):
         self.request_id = request_id
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self.deadline = deadline
         self.finished = False
+        self._aggregate = aggregate
+        self._output: RequestOutput | None = None
+        self._end: object = _OPEN          # then None (the end) or the error to raise
+        self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException | None) -> None:
-        """Deliver an output, an error, or None (the end); event-loop thread only."""
-        self._queue.put_nowait(item)
+        """Deliver an output, an error, or None (the end); event-loop thread only. The first
+        end or error wins."""
+        if isinstance(item, RequestOutput):
+            if self._output is None:
+                self._output = item
+            else:
+                self._output.add(item, self._aggregate)
+        elif self._end is _OPEN:
+            self._end = item
+        self._ready.set()
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
-            item = await self._queue.get()
-            if item is None:
+            await self._wait()
+            if self._output is not None:
+                out, self._output = self._output, None
+                if out.error is not None:
+                    self.finished = True
+                    raise RequestFailedError(out.error)
+                self.finished = out.finished
+                yield out
+            else:
                 self.finished = True
+                if self._end is not None:
+                    raise self._end
                 return
-            if isinstance(item, BaseException):
-                self.finished = True
-                raise item
-            self.finished = item.finished
-            yield item
+
+    async def _wait(self) -> None:
+        """Until there is an output or the end (at once if there is one already).
+
+        Raises:
+            RequestTimeoutError: the deadline has passed (even with an output waiting: a
+                consumer that keeps up with a fast producer still times out).
+        """
+        if self._output is None and self._end is _OPEN:
+            self._ready.clear()
+        if self.deadline is None:
+            await self._ready.wait()
+            return
+        try:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            await asyncio.wait_for(self._ready.wait(), remaining)
+        except TimeoutError:
+            self.finished = True
+            raise RequestTimeoutError("the request did not finish before its deadline") from None
 
 
 class AsyncEngine:
@@ -86,12 +174,24 @@ class AsyncEngine:
     Args:
         args: the engine configuration.
         stat_loggers: called with each step's statistics once the engine is warmed up.
+        max_pending_requests: most sequences waiting to be scheduled (a request with ``n``
+            sequences counts ``n``); adds beyond it are refused. None: no limit.
+
+    Raises:
+        ValueError: ``max_pending_requests`` is not a positive integer.
 
     Call :meth:`start` from the event loop, then :meth:`add_request` / :meth:`abort`.
     """
 
-    def __init__(self, args: EngineArgs, stat_loggers: list[StatLogger] | None = None):
+    def __init__(self, args: EngineArgs, stat_loggers: list[StatLogger] | None = None,
+                 max_pending_requests: int | None = None):
+        if max_pending_requests is not None and (
+                not isinstance(max_pending_requests, int) or isinstance(max_pending_requests, bool)
+                or max_pending_requests < 1):
+            raise ValueError("max_pending_requests must be a positive integer or None, got "
+                             f"{max_pending_requests!r}")
         self.args = args
+        self.max_pending_requests = max_pending_requests
         self.engine: Engine | DataParallelEngine | None = None
         self.error: BaseException | None = None
         self._stat_loggers = list(stat_loggers or ())
@@ -118,12 +218,15 @@ class AsyncEngine:
             EngineNotReadyError: still loading.
         """
         if self.error is not None:
-            raise EngineDeadError(f"the engine failed: {self.error!r}")
+            raise self._dead_error()
         if self._stopping:
             raise EngineStoppedError("the server is shutting down")
         if not self._ready.is_set():
             raise EngineNotReadyError("the model is still loading")
         return self.engine
+
+    def _dead_error(self) -> EngineDeadError:
+        return EngineDeadError(f"the engine failed: {self.error!r}")
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block (not in the event loop) until ready or failed; True if ready."""
@@ -170,8 +273,13 @@ class AsyncEngine:
     # ---- requests (event-loop side) ---------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                          priority: int = 0) -> RequestStream:
+                          priority: int = 0, deadline: float | None = None) -> RequestStream:
         """Queue a request and wait until the engine accepted it.
+
+        Args:
+            deadline: ``time.monotonic()`` by which the request must have finished (None: no
+                limit); past it, waiting here or on the stream raises
+                :class:`RequestTimeoutError` (the caller aborts the request).
 
         Returns:
             The stream of its outputs (use ``params.output_kind`` to choose deltas or a single
@@ -179,17 +287,29 @@ class AsyncEngine:
 
         Raises:
             ValueError / TypeError: the engine refused the request (bad prompt or params).
+            TooManyPendingRequestsError: beyond ``max_pending_requests``.
+            RequestTimeoutError: the deadline passed first.
             EngineNotReadyError / EngineDeadError: as :meth:`check_ready`.
         """
         self.check_ready()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id)
+        aggregate = getattr(params, "output_kind", None) is RequestOutputKind.DELTA
+        stream = RequestStream(request_id, aggregate, deadline)
         self._streams[request_id] = stream
         accepted = self._loop.create_future()
         self._commands.put(("add", request_id, prompt, params, priority, accepted))
+        if self.error is not None:   # died after check_ready and after it drained the queue
+            _settle(accepted, self._dead_error())
         try:
-            await accepted
+            if deadline is None:
+                await accepted
+            else:
+                await asyncio.wait_for(accepted, deadline - time.monotonic())
+        except TimeoutError:
+            self._streams.pop(request_id, None)
+            self._commands.put(("abort", request_id))
+            raise RequestTimeoutError("the request did not finish before its deadline") from None
         except BaseException:
             self._streams.pop(request_id, None)
             if not accepted.done() or accepted.cancelled():   # cancelled while queued
@@ -232,7 +352,8 @@ class AsyncEngine:
         except JobStopped as e:   # another process of the job was told to stop
             logger.info("%s", e)
             self._stopping = True
-            self._end_everything(EngineStoppedError(f"the server is shutting down: {e}"))
+            stopped = EngineStoppedError(f"the server is shutting down: {e}")
+            self._end_everything(stopped, stopped)
         except BaseException as e:   # noqa: BLE001 - the thread must report every failure
             if self._multihost and self.engine is not None:
                 logger.error("the multi-host job failed: %s", first_line(e))
@@ -240,16 +361,22 @@ class AsyncEngine:
                 logger.exception("the engine thread failed")
             self.error = e
             self._ready.set()
-            self._end_everything(EngineDeadError(f"the engine failed: {e!r}"))
+            self._end_everything(
+                RequestFailedError(f"the engine failed while running this request: {e!r}"),
+                self._dead_error())
 
-    def _end_everything(self, error: BaseException) -> None:
-        self._call_soon(self._end_streams, error)
-        self._reject_queued(error)
+    def _end_everything(self, running: BaseException, queued: BaseException) -> None:
+        """End every running request's stream with ``running`` and refuse every queued add
+        with ``queued``."""
+        self._call_soon(self._end_streams, running)
+        self._reject_queued(queued)
 
     def _loop_forever(self) -> None:
         engine = self.engine
         while True:
             commands = self._take_commands(block=not engine.has_unfinished_requests())
+            if self.max_pending_requests is not None:
+                commands = self._admit(commands)
             if self._multihost:
                 try:
                     sync_step([cmd[:5] if cmd[0] == "add" else cmd for cmd in commands])
@@ -284,6 +411,27 @@ class AsyncEngine:
                 commands.append(self._commands.get_nowait())
             except queue.Empty:
                 return commands
+
+    def _admit(self, commands: list[tuple]) -> list[tuple]:
+        """``commands`` less the adds that would take the waiting sequences past
+        ``max_pending_requests`` (refused with :class:`TooManyPendingRequestsError`; they
+        never reach the engine, nor the other processes of a multi-host job). Counted before
+        the batch is applied: an abort in the same batch makes room from the next one."""
+        if not any(cmd[0] == "add" for cmd in commands):
+            return commands
+        waiting = self.engine.get_num_waiting_seqs()
+        admitted = []
+        for cmd in commands:
+            if cmd[0] == "add":
+                params = cmd[3]
+                n = params.n if isinstance(params, SamplingParams) else 1
+                if waiting + n > self.max_pending_requests:
+                    self._call_soon(_settle, cmd[-1], TooManyPendingRequestsError(
+                        waiting, n, self.max_pending_requests))
+                    continue
+                waiting += n
+            admitted.append(cmd)
+        return admitted
 
     def _handle_add(self, request_id, prompt, params, priority, accepted) -> None:
         try:

@@ -39,8 +39,9 @@ def make_engine(args: EngineArgs) -> Engine | DataParallelEngine:
 
 class DataParallelEngine:
     """``args.data_parallel_size`` :class:`Engine` replicas behind the engine's interface
-    (``add_request``, ``abort_request``, ``step``, ``has_unfinished_requests``, ``stats``,
-    ``stat_loggers``, ``record_stats``).
+    (``add_request``, ``abort_request``, ``step``, ``has_unfinished_requests``,
+    ``get_num_waiting_seqs``, ``stats``, ``stat_loggers``, ``record_stats``; a test's
+    ``fault_injector`` goes on each of ``replicas``).
 
     Args:
         args: the configuration of every replica.
@@ -94,6 +95,10 @@ class DataParallelEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return sum(r.get_num_unfinished_requests() for r in self.replicas)
+
+    def get_num_waiting_seqs(self) -> int:
+        """Sequences waiting to be scheduled, over all replicas."""
+        return sum(r.get_num_waiting_seqs() for r in self.replicas)
 
     def step(self) -> list[RequestOutput]:
         """One step of every replica that has work, concurrently; their outputs, replica by

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -30,7 +31,7 @@ from jaxpaged.engine.kv_scales import calibrate_kv_scales, calibration_token_ids
 from jaxpaged.engine.kv_sizing import check_pool_fits, num_kv_pages
 from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup, SequenceState
 from jaxpaged.engine.request import Request
-from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxpaged.layers.attention import (allocate_kv_pool, get_attention_backend,
                                        kv_bytes_per_page, resolve_kv_cache_dtype)
 from jaxpaged.layers.attention.tensor_parallel import TensorParallelAttention
@@ -86,6 +87,12 @@ class Engine:
     Attributes:
         stat_loggers: sinks called with :class:`SchedulerStats` and :class:`IterationStats`
             after every step and abort (``jaxpaged.metrics.loggers``); empty by default.
+        fault_injector: a test hook, None in normal use: called before every model step as
+            ``fault_injector(step_index, request_ids)`` (``step_index``: model steps run
+            before this one, warm-up included; ``request_ids``: the user request ids the
+            step runs, in batch order); whatever it raises is raised inside the step. An
+            ``Exception`` fails the step's requests (:meth:`step`); a ``BaseException``
+            escapes ``step`` (it kills an ``AsyncEngine``'s loop). ``docs/reliability.md``.
         kv_bytes_per_page: bytes one KV page takes on one device, all layers, K and V, in
             the KV cache dtype.
 
@@ -114,7 +121,7 @@ class Engine:
             _enable_compilation_cache(args.compilation_cache_dir)
         self.model_config = cfg = ModelConfig.from_pretrained(args.model).with_quantization(
             args.quantization)
-        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
         self.dtype = _resolve_dtype(args.dtype, cfg.checkpoint_dtype)
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
@@ -195,6 +202,8 @@ class Engine:
         self._iteration = IterationStats()
         self._reported = (0, 0, 0)   # prefix-cache queries, hits, preemptions already reported
         self._arrivals = 0
+        self._num_steps = 0
+        self.fault_injector: Callable[[int, list[str]], None] | None = None
         self._seed_rng = seed_rng or np.random.default_rng(args.seed)
         logger.info("model %s (%s, %d layers), dtype %s, quantization %s (weights %.1f MiB), "
                     "max_model_len %d, attention %s, tensor parallel %d", args.model,
@@ -326,6 +335,10 @@ class Engine:
         """True while any request is waiting or running."""
         return bool(self._groups)
 
+    def get_num_waiting_seqs(self) -> int:
+        """Sequences waiting to be scheduled (a request not yet forked counts its ``n``)."""
+        return self.scheduler.num_waiting_seqs
+
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
 
@@ -334,9 +347,18 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling iteration and model step.
 
+        If the model step raises an ``Exception`` (the runner: batch preparation,
+        compilation, the device step, sampling), only the requests it ran fail: each gets a
+        final output with finish reason ``"error"`` and :attr:`RequestOutput.error`, its
+        pages are freed, and the pages the step was to fill leave the prefix cache. If the
+        failure consumed the donated KV pool, the pool is reallocated, every running
+        sequence is preempted (it recomputes) and the prefix cache is emptied. Other requests
+        carry on. In a multi-host job the error is raised instead (the processes' engines
+        must take the same steps).
+
         Returns:
             An output for every request that produced a token this step (cumulative text and
-            ids; ``finished`` set on the last one).
+            ids; ``finished`` set on the last one), and the failed requests' final outputs.
         """
         sched = self.scheduler.schedule()
         if not sched.scheduled:
@@ -346,7 +368,16 @@ class Engine:
                                    f"({len(self.scheduler.waiting)} waiting, {self.stats()})")
             return []
         scheduled_at = time.monotonic()
-        results = self.runner.execute(sched, self.kv_cache_manager)
+        step_index, self._num_steps = self._num_steps, self._num_steps + 1
+        try:
+            if self.fault_injector is not None:
+                self.fault_injector(step_index, list(dict.fromkeys(
+                    s.request.group_id for s in sched.scheduled)))
+            results = self.runner.execute(sched, self.kv_cache_manager)
+        except Exception as e:
+            if self.args.num_processes > 1:
+                raise
+            return self._fail_step(sched, e)
         touched: dict[str, RequestGroup] = {}
         for s, result in zip(sched.scheduled, results):
             req = s.request
@@ -369,19 +400,52 @@ class Engine:
                     self.scheduler.finish_request(seq.request)
             touched[group.request_id] = group
         outputs, now = [], time.monotonic()
-        for rid, group in touched.items():
+        for group in touched.values():
             self._note_tokens(group, now)
             out = self.output_processor.make_output(group)
             if out is not None:
                 outputs.append(out)
             if group.finished:
-                del self._groups[rid]
-                for seq in group.seqs:
-                    self._seqs.pop(seq.request.request_id, None)
-                self._iteration.finished_requests.append(
-                    _finished_stats(group, now, group.seqs[0].request.finish_reason))
+                self._retire(group, now, group.seqs[0].request.finish_reason)
         self.record_stats()
         return outputs
+
+    def _fail_step(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """Fail every request that the step ``sched`` ran, after the step raised ``error``
+        (see :meth:`step`); returns their final outputs."""
+        kv = self.kv_cache_manager
+        kv.take_pending_copies()        # copy-on-write copies into the failed requests' pages
+        groups = {s.request.group_id: self._groups[s.request.group_id] for s in sched.scheduled}
+        logger.error("a model step failed; failing the requests it ran: %s", list(groups),
+                     exc_info=error)
+        for s in sched.scheduled:       # the step did not (fully) write these pages
+            kv.uncache_from(s.request.request_id, s.start)
+        message = f"the model step running this request failed: {type(error).__name__}: {error}"
+        outputs, now = [], time.monotonic()
+        for group in groups.values():
+            group.error = message
+            for seq in group.seqs:
+                if not seq.request.is_finished:
+                    seq.request.finish_reason = "error"
+                    self.scheduler.finish_request(seq.request)
+            outputs.append(self.output_processor.make_output(group))
+            self._retire(group, now, "error")
+        if self.runner.kv_pool_lost:
+            logger.error("the failed step consumed the KV pool: reallocating it; %d running "
+                         "sequences recompute, the prefix cache is emptied",
+                         len(self.scheduler.running))
+            self.scheduler.preempt_all()
+            kv.reset_prefix_cache()
+            self.runner.reallocate_kv_pool()
+        self.record_stats()
+        return outputs
+
+    def _retire(self, group: RequestGroup, now: float, reason: str) -> None:
+        """Forget a finished request and record its statistics."""
+        del self._groups[group.request_id]
+        for seq in group.seqs:
+            self._seqs.pop(seq.request.request_id, None)
+        self._iteration.finished_requests.append(_finished_stats(group, now, reason))
 
     def _note_tokens(self, group: RequestGroup, now: float) -> None:
         """Time-to-first-token or inter-token latency of a request that got tokens now."""

@@ -251,6 +251,36 @@ class KVCacheManager:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
+    def uncache_from(self, request_id: str, num_tokens: int) -> None:
+        """Drop from the prefix cache the request's pages after its first ``num_tokens``
+        tokens (their contents were not written: the step meant to compute them failed), so
+        that no later request can hit them. Other requests that hold one of these pages keep
+        it (they were in the same failed step: a page is cached only by the step that
+        computes it). Call it just before freeing the request."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        for page_id in table.pages[num_tokens // self.page_size:]:
+            page = self._pages[page_id]
+            if page.page_hash is not None:
+                del self._cached[page.page_hash]
+            page.page_hash, page.token_ids, page.parent = None, (), None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached page (the device pool's contents were lost); needs every page
+        free.
+
+        Raises:
+            RuntimeError: a request still holds pages.
+        """
+        if self.num_used_pages:
+            raise RuntimeError(f"cannot reset the prefix cache: {self.num_used_pages} pages "
+                               "are still in use")
+        self._cached.clear()
+        for page in self._pages:
+            page.page_hash, page.token_ids, page.parent = None, (), None
+        self._pending_copies.clear()
+
     def free(self, request_id: str) -> None:
         """Release every page of ``request_id`` (no-op if it holds none). Pages whose count
         drops to zero join the free queue, the request's tail first, keeping cached contents."""

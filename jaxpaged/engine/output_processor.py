@@ -32,8 +32,9 @@ class SequenceState:
 
 @dataclass
 class RequestGroup:
-    """The sequences of one user request (one unless ``n > 1``), its prompt logprobs, and
-    its timestamps (``time.monotonic()`` seconds; None until the event happens)."""
+    """The sequences of one user request (one unless ``n > 1``), its prompt logprobs, its
+    timestamps (``time.monotonic()`` seconds; None until the event happens), and why it
+    failed (``error``; None unless a step that ran it raised)."""
 
     request_id: str
     seqs: list[SequenceState] = field(default_factory=list)
@@ -42,11 +43,12 @@ class RequestGroup:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.seqs[0].request.params.n and all(
-            s.request.is_finished for s in self.seqs)
+        return self.error is not None or (len(self.seqs) == self.seqs[0].request.params.n and all(
+            s.request.is_finished for s in self.seqs))
 
 
 class OutputProcessor:
@@ -175,5 +177,6 @@ class OutputProcessor:
             prompt_token_ids=first.prompt_token_ids, prompt_logprobs=group.prompt_logprobs,
             outputs=outs, finished=group.finished,
             num_cached_tokens=first.num_cached_tokens or 0,
-            num_preemptions=sum(s.request.num_preemptions for s in group.seqs))
+            num_preemptions=sum(s.request.num_preemptions for s in group.seqs),
+            error=group.error)
 

@@ -113,6 +113,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_waiting_seqs(self) -> int:
+        """Sequences waiting to be scheduled (a parallel-sampling request not yet forked
+        counts its ``n``)."""
+        return sum(r.n_samples for r in self.waiting)
+
     def _chunk(self, req: Request, budget: int) -> int:
         num_new = min(req.num_tokens - req.num_computed_tokens, budget)
         threshold = self.config.long_prefill_token_threshold
@@ -182,6 +188,12 @@ class Scheduler:
         if self.config.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival))
         return self.running[-1]
+
+    def preempt_all(self) -> None:
+        """Preempt every running sequence (the device lost their K/V): they recompute from
+        the waiting queue."""
+        for req in list(self.running):
+            self._preempt(req)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -176,6 +176,18 @@ class ModelRunner:
         """Step shapes compiled so far (a rise while serving means a recompilation)."""
         return len(self._executables)
 
+    @property
+    def kv_pool_lost(self) -> bool:
+        """True when the KV pool's arrays are gone: a step that failed after the pool was
+        donated to it (its contents cannot be recovered)."""
+        return any(a.is_deleted() for pair in self._kv_caches for a in pair)
+
+    def reallocate_kv_pool(self) -> None:
+        """Replace the pool with a zero-filled one of the same layout (after
+        :attr:`kv_pool_lost`); every page's contents are then gone."""
+        k = self._kv_caches[0][0]
+        self._kv_caches = allocate_kv_pool(len(self._kv_caches), *k.shape, k.dtype, k.sharding)
+
     # ---- execution ---------------------------------------------------------------------------
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:

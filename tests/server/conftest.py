@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -86,13 +87,17 @@ class LiveServer:
             del engine.step      # the class's method again
 
     @contextlib.contextmanager
-    def chat_template(self, template: str | None):
-        """Serve with another chat template for the duration of the block."""
-        old, self.config.chat_template = self.config.chat_template, template
+    def configured(self, **changes):
+        """Serve with these :class:`ServerConfig` fields changed for the duration of the
+        block (``chat_template=...``, ``request_timeout=...``)."""
+        old = {name: getattr(self.config, name) for name in changes}
+        for name, value in changes.items():
+            setattr(self.config, name, value)
         try:
             yield
         finally:
-            self.config.chat_template = old
+            for name, value in old.items():
+                setattr(self.config, name, value)
 
 
 def engine_args(**overrides) -> EngineArgs:
@@ -122,10 +127,37 @@ def http(live_server) -> httpx.Client:
         yield c
 
 
+def wait_engine_empty(live_server, timeout=3.0) -> float:
+    """Seconds until the engine holds no request and every page is free again."""
+    start = time.monotonic()
+    engine, kv = live_server.engine.engine, live_server.kv
+    while engine.has_unfinished_requests() or kv.num_free_pages != kv.num_usable_pages:
+        assert time.monotonic() - start < timeout, "the aborted requests still hold pages"
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def wait_until(condition, what: str, timeout: float = 30.0) -> None:
+    """Poll ``condition()`` until it is true; fail naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def open_request(live_server, body: dict) -> socket.socket:
+    """A raw HTTP connection with ``body`` posted to /v1/completions (closing the socket is a
+    client disconnect)."""
+    payload = json.dumps(body).encode()
+    host, port = live_server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    return sock
+
+
 def sse_events(response: httpx.Response) -> list:
     """The JSON payloads of an SSE response, and the literal "[DONE]" last."""
-    import json
-
     events = []
     for line in response.iter_lines():
         if line.startswith("data: "):

@@ -2,8 +2,6 @@
 /metrics against the traffic sent."""
 
 import asyncio
-import json
-import socket
 import threading
 import time
 
@@ -13,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxpaged import SamplingParams
-from tests.server.conftest import MAX_MODEL_LEN, MODEL
+from tests.server.conftest import MAX_MODEL_LEN, MODEL, open_request, wait_engine_empty
 
 LONG = dict(model=MODEL, prompt="Once upon a time", max_tokens=MAX_MODEL_LEN - 8,
             ignore_eos=True, temperature=0)
@@ -27,16 +25,6 @@ def metrics(http) -> dict:
             labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
             out[(s.name, labels)] = s.value
     return out
-
-
-def wait_engine_empty(live_server, timeout=3.0) -> float:
-    """Seconds until the engine holds no request and every page is free again."""
-    start = time.monotonic()
-    engine, kv = live_server.engine.engine, live_server.kv
-    while engine.has_unfinished_requests() or kv.num_free_pages != kv.num_usable_pages:
-        assert time.monotonic() - start < timeout, "the aborted requests still hold pages"
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 def disconnect_after(live_server, seconds, stream, n=1):
@@ -74,17 +62,6 @@ def run_b20(live_server, http, repeats):
 @pytest.mark.parametrize("repeats", [3, pytest.param(50, marks=pytest.mark.slow)])
 def test_b20_disconnect_aborts_and_frees_pages(live_server, http, repeats):
     run_b20(live_server, http, repeats)
-
-
-def open_request(live_server, body: dict) -> socket.socket:
-    """A raw HTTP connection with ``body`` posted to /v1/completions (closing the socket is a
-    client disconnect)."""
-    payload = json.dumps(body).encode()
-    host, port = live_server.url.removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                 b"\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))
-    return sock
 
 
 def test_b20_waiting_requests_are_removed_on_disconnect(live_server, http):

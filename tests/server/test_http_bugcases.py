@@ -270,14 +270,14 @@ def test_b19_sse_framing(http, endpoint, options):
 
 def test_b27_chat_template_errors(http, live_server):
     messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
-    with live_server.chat_template(None):        # the bundled tokenizer has no template
+    with live_server.configured(chat_template=None):        # the bundled tokenizer has no template
         for stream in (False, True):
             r = chat(http, messages=messages, stream=stream)
             assert_error(r, 400, None, "no chat template", "--chat-template")
         assert completion(http, prompt="Once", max_tokens=2).status_code == 200
     raising = ("{% if messages[0]['role'] == messages[1]['role'] %}"
                "{{ raise_exception('roles must alternate') }}{% endif %}")
-    with live_server.chat_template(raising):
+    with live_server.configured(chat_template=raising):
         for stream in (False, True):
             error = assert_error(chat(http, messages=messages, stream=stream), 400)
             assert error["message"] == "roles must alternate"
@@ -380,7 +380,7 @@ def test_completion_logprob_tokens_spell_the_text(http):
             == lp["tokens"]
 
 
-def test_prompt_logprobs_and_per_request_chat_template(http):
+def test_prompt_logprobs_and_per_request_chat_template(http, live_server):
     r = completion(http, prompt="Once upon a time", max_tokens=1, prompt_logprobs=2).json()
     entries = r["choices"][0]["prompt_logprobs"]
     assert entries[0] is None and len(entries) == r["usage"]["prompt_tokens"]
@@ -388,8 +388,11 @@ def test_prompt_logprobs_and_per_request_chat_template(http):
                for e in entries[1:])
     template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
     ids = http.post("/tokenize", json={"prompt": "<<hi>>", "add_special_tokens": False}).json()
-    r = chat(http, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
-             chat_template=template)
+    body = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                chat_template=template)
+    assert_error(chat(http, **body), 400, "chat_template", "--trust-request-chat-template")
+    with live_server.configured(trust_request_chat_template=True):
+        r = chat(http, **body)
     assert r.json()["usage"]["prompt_tokens"] == ids["count"]
 
 
