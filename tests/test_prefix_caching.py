@@ -117,7 +117,10 @@ def test_logprobs_equal_reference_distribution(uncached):
     assert abs(c.cumulative_logprob - sum(ref_lp[39 + i][t] for i, t in enumerate(c.token_ids))) < 1e-3
 
 
-def test_prompt_logprobs_match_reference_and_survive_chunking():
+@pytest.mark.parametrize("k", [2, 0])
+def test_prompt_logprobs_match_reference_and_survive_chunking(k):
+    """k = 0: only the prompt token's own logprob, so a chunk's last row (which predicts the
+    next chunk's first token) cannot borrow a correct value from the top-k list."""
     ids = np.load(os.path.join(STORIES_REFERENCE, "reference_input_ids_bos_plus_63_greedy.npy"))
     ref = np.load(os.path.join(STORIES_REFERENCE, "reference_logits_bos_plus_63_greedy.npy"))
     ref_lp = ref - ref.max(-1, keepdims=True)
@@ -126,10 +129,10 @@ def test_prompt_logprobs_match_reference_and_survive_chunking():
     for budget in (512, 16):             # whole prompt in one step, or chunks of 16
         llm = LLM(enforce_eager=True, max_num_batched_tokens=budget, max_num_seqs=4)
         run(llm, prompt)                 # would fill the prefix cache: prompt_logprobs skip it
-        out = run(llm, prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))
+        out = run(llm, prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=k))
         plp = out.prompt_logprobs
         assert out.num_cached_tokens == 0 and len(plp) == 50 and plp[0] is None
         for i in range(1, 50):
             row = ref_lp[i - 1]
             assert abs(plp[i][prompt[i]].logprob - row[prompt[i]]) < 1e-4
-            assert set(plp[i]) == set(np.argsort(-row)[:2].tolist()) | {prompt[i]}
+            assert set(plp[i]) == set(np.argsort(-row)[:k].tolist()) | {prompt[i]}

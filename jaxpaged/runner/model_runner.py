@@ -126,24 +126,25 @@ class ModelRunner:
         self._executables: dict[tuple, object] = {}
         self._eos_token_ids = eos_token_ids
 
-        def step(state, kv_caches, input_ids, positions, logits_indices, attn_metadata,
-                 sampling, adjust, with_logprobs, with_prompt_logprobs):
+        def step(state, kv_caches, input_ids, prompt_targets, positions, logits_indices,
+                 attn_metadata, sampling, adjust, with_logprobs, with_prompt_logprobs):
             model = nnx.merge(graphdef, state)
             hidden, kv_caches = model(input_ids, positions, kv_caches, attn_metadata)
             logits = model.compute_logits(hidden[logits_indices])
             out = sample(logits, sampling, with_logprobs, adjust)
             if with_prompt_logprobs:
-                # Every token's distribution over the next token; the target is the next input.
-                targets = jnp.concatenate([input_ids[1:], input_ids[:1]])
-                out["prompt"] = token_logprobs(model.compute_logits(hidden), targets)
+                # Every token's distribution over the next prompt token (a chunk's last
+                # token predicts the first token of the request's next chunk, which is not
+                # among this step's inputs: the host passes every row's target).
+                out["prompt"] = token_logprobs(model.compute_logits(hidden), prompt_targets)
             return out, kv_caches
 
         state_sharding = jax.tree.map(lambda a: a.sharding, self._state)
         kv_sharding = jax.tree.map(lambda a: a.sharding, kv_caches)
         rep = replicated
-        self._step = jax.jit(step, donate_argnums=(1,), static_argnums=(8, 9),
+        self._step = jax.jit(step, donate_argnums=(1,), static_argnums=(9, 10),
                              in_shardings=(state_sharding, kv_sharding, rep, rep, rep, rep, rep,
-                                           rep),
+                                           rep, rep),
                              out_shardings=(rep, kv_sharding))
 
         def copy_pages(kv_caches, src, dst):
@@ -226,15 +227,15 @@ class ModelRunner:
         with_logprobs = any(s.request.params.logprobs is not None for s in sched.scheduled)
         with_prompt = any(s.request.params.prompt_logprobs is not None
                           and s.start < s.request.num_prompt_tokens - 1 for s in sched.scheduled)
-        layout, input_ids, logits_indices = self._layout(sched, kv, owners)
+        layout, input_ids, prompt_targets, logits_indices = self._layout(sched, kv, owners)
         metadata = self._metadata(layout)
         sampling = SamplingMetadata.from_host(rows, layout.seq_lens.shape[0])
         adjust = (pack(adjustments, layout.seq_lens.shape[0])
                   if any(a is not None for a in adjustments) else None)
-        fn = self._executable(layout, (with_logprobs, with_prompt), input_ids, logits_indices,
-                              metadata, sampling, adjust)
-        out, self._kv_caches = fn(self._state, self._kv_caches, input_ids, layout.positions,
-                                  logits_indices, metadata, sampling, adjust)
+        fn = self._executable(layout, (with_logprobs, with_prompt), input_ids, prompt_targets,
+                              logits_indices, metadata, sampling, adjust)
+        out, self._kv_caches = fn(self._state, self._kv_caches, input_ids, prompt_targets,
+                                  layout.positions, logits_indices, metadata, sampling, adjust)
         out = jax.tree.map(to_host, out)
         results: list[list[int]] = [[] for _ in sched.scheduled]
         for r, i in enumerate(owners):
@@ -265,15 +266,15 @@ class ModelRunner:
                             [out["top_logprobs"][r].tolist() for r in rows], prompt)
 
     def _executable(self, layout: BatchLayout, logprob_flags: tuple[bool, bool], input_ids,
-                    logits_indices, metadata, sampling, adjust):
+                    prompt_targets, logits_indices, metadata, sampling, adjust):
         key = (layout.positions.shape[0], layout.seq_lens.shape[0], layout.page_table.shape[1],
                layout.is_decode_only, logprob_flags,
                None if adjust is None else (adjust.ids.shape[1], adjust.allowed_ids.shape[1]))
         fn = self._executables.get(key)
         if fn is None:
             t0 = time.perf_counter()
-            fn = self._step.lower(self._state, self._kv_caches, input_ids, layout.positions,
-                                  logits_indices, metadata, sampling, adjust,
+            fn = self._step.lower(self._state, self._kv_caches, input_ids, prompt_targets,
+                                  layout.positions, logits_indices, metadata, sampling, adjust,
                                   *logprob_flags).compile()
             self._executables[key] = fn
             logger.debug("compiled step %s in %.2fs", key, time.perf_counter() - t0)
@@ -343,6 +344,7 @@ class ModelRunner:
         t_pad, b_pad, p_pad = self._pad_sizes(num_tokens, num_seqs, len(owners), max_pages,
                                               num_tokens == num_seqs)
         input_ids = np.zeros(t_pad, np.int32)
+        prompt_targets = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
         slot_mapping = np.full(t_pad, NULL_PAGE * self._page_size, np.int32)
         page_table = np.full((b_pad, p_pad), NULL_PAGE, np.int32)
@@ -354,6 +356,8 @@ class ModelRunner:
             rid, start, n = s.request.request_id, s.start, s.num_new_tokens
             query_start_loc[i] = t
             input_ids[t:t + n] = s.request.all_token_ids[start:start + n]
+            following = s.request.all_token_ids[start + 1:start + n + 1]
+            prompt_targets[t:t + len(following)] = following
             positions[t:t + n] = np.arange(start, start + n)
             slot_mapping[t:t + n] = kv.slots(rid, start, start + n)
             table = kv.page_table(rid)
@@ -366,7 +370,7 @@ class ModelRunner:
         layout = BatchLayout(query_start_loc=query_start_loc, seq_lens=seq_lens,
                              positions=positions, slot_mapping=slot_mapping,
                              page_table=page_table, num_seqs=num_seqs, num_tokens=num_tokens)
-        return layout, input_ids, logits_indices
+        return layout, input_ids, prompt_targets, logits_indices
 
     def _dummy_layout(self, t_pad: int, b_pad: int, p_pad: int, decode_only: bool):
         """A layout of the given padded shape whose tokens all write to the null page."""
@@ -379,8 +383,8 @@ class ModelRunner:
 
     def _dummy_args(self, layout: BatchLayout):
         t_pad, b_pad = layout.positions.shape[0], layout.seq_lens.shape[0]
-        return (np.zeros(t_pad, np.int32), np.zeros(b_pad, np.int32), self._metadata(layout),
-                SamplingMetadata.from_host([], b_pad), None)
+        return (np.zeros(t_pad, np.int32), np.zeros(t_pad, np.int32), np.zeros(b_pad, np.int32),
+                self._metadata(layout), SamplingMetadata.from_host([], b_pad), None)
 
     def profile_peak_bytes(self) -> int | None:
         """Run the largest prefill step once on dummy data; the device's peak bytes in use
@@ -390,9 +394,9 @@ class ModelRunner:
         layout = self._dummy_layout(t_pad, b_pad, self._page_buckets[-1], False)
         args = self._dummy_args(layout)
         fn = self._executable(layout, (True, False), *args)
-        input_ids, logits_indices, metadata, sampling, adjust = args
-        out, self._kv_caches = fn(self._state, self._kv_caches, input_ids, layout.positions,
-                                  logits_indices, metadata, sampling, adjust)
+        input_ids, prompt_targets, logits_indices, metadata, sampling, adjust = args
+        out, self._kv_caches = fn(self._state, self._kv_caches, input_ids, prompt_targets,
+                                  layout.positions, logits_indices, metadata, sampling, adjust)
         jax.block_until_ready(out)
         stats = jax.local_devices()[0].memory_stats()
         return None if not stats else stats.get("peak_bytes_in_use")
