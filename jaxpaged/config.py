@@ -15,6 +15,14 @@ from dataclasses import dataclass
 #: :mod:`jaxpaged.models`.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", "MixtralForCausalLM", "Gemma2ForCausalLM")
+#: Settings a family's transformers config class defaults when ``config.json`` leaves them
+#: out (so a sparse config means what it means to transformers).
+_FAMILY_DEFAULTS = {
+    "MistralForCausalLM": {"sliding_window": 4096},
+    "MixtralForCausalLM": {"rms_norm_eps": 1e-5, "num_experts_per_tok": 2},
+    "Gemma2ForCausalLM": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
+                          "final_logit_softcapping": 30.0},
+}
 #: MLP activations by their transformers name.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 #: Weight-only quantization methods (``--quantization``; ``jaxpaged.layers.quantization``).
@@ -108,6 +116,7 @@ class ModelConfig:
         if act not in ACTIVATIONS:
             raise UnsupportedModelError(f"unsupported hidden_act {act!r}; supported: "
                                         f"{list(ACTIVATIONS)}")
+        cfg = {**_FAMILY_DEFAULTS.get(arch, {}), **cfg}
         rope_theta, rope_scaling = _rope(cfg)
         if cfg.get("mlp_bias", False):
             raise UnsupportedModelError("mlp_bias=true is not supported")
@@ -219,8 +228,9 @@ def _rope(cfg: dict) -> tuple[float, RopeScaling | None]:
     ``rope_parameters`` dict holding ``rope_theta``, ``rope_type`` and the scaling fields.
 
     Raises:
-        UnsupportedModelError: a scaling type other than ``default`` and ``llama3``, or a
-            llama3 scaling that lacks a field.
+        UnsupportedModelError: a non-positive theta, a scaling type other than ``default``
+            and ``llama3``, or a llama3 scaling that lacks a field or has
+            ``high_freq_factor <= low_freq_factor``.
     """
     params = cfg.get("rope_parameters")
     if isinstance(params, dict):
@@ -229,6 +239,8 @@ def _rope(cfg: dict) -> tuple[float, RopeScaling | None]:
         params = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else {}
         theta = cfg.get("rope_theta", 10000.0)
     rope_type = params.get("rope_type", params.get("type"))
+    if not float(theta) > 0:
+        raise UnsupportedModelError(f"rope_theta must be positive, got {theta!r}")
     if rope_type in (None, "default"):
         return float(theta), None
     if rope_type != "llama3":
@@ -238,6 +250,10 @@ def _rope(cfg: dict) -> tuple[float, RopeScaling | None]:
     missing = [f for f in fields if f not in params]
     if missing:
         raise UnsupportedModelError(f"llama3 rope scaling lacks {missing}")
+    if not float(params["high_freq_factor"]) > float(params["low_freq_factor"]):
+        raise UnsupportedModelError("llama3 rope scaling needs high_freq_factor > "
+                                    f"low_freq_factor, got {params['high_freq_factor']!r} and "
+                                    f"{params['low_freq_factor']!r}")
     return float(theta), RopeScaling(float(params["factor"]), float(params["low_freq_factor"]),
                                      float(params["high_freq_factor"]),
                                      int(params["original_max_position_embeddings"]))
@@ -252,7 +268,8 @@ def _sliding_windows(cfg: dict, arch: str) -> tuple[int | None, ...]:
     even layers, Mistral and Mixtral on every layer whenever ``sliding_window`` is set.
 
     Raises:
-        UnsupportedModelError: ``layer_types`` of the wrong length or with unknown kinds.
+        UnsupportedModelError: ``layer_types`` of the wrong length or with unknown kinds, or
+            a ``sliding_window`` that is not a positive integer.
     """
     n = int(cfg["num_hidden_layers"])
     window = cfg.get("sliding_window")
@@ -260,7 +277,8 @@ def _sliding_windows(cfg: dict, arch: str) -> tuple[int | None, ...]:
         window = None
     if window is None:
         return (None,) * n
-    window = int(window)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise UnsupportedModelError(f"sliding_window must be a positive integer, got {window!r}")
     kinds = cfg.get("layer_types")
     if kinds is None:
         if arch.startswith("Qwen"):

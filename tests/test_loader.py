@@ -88,3 +88,16 @@ def test_bfloat16_checkpoint_loads(tmp_path):
     model = load_model(str(tmp_path), cfg, dtype=jnp.float32, backend=XLA)
     emb = np.asarray(model.model.embed_tokens.embedding[...])
     np.testing.assert_array_equal(emb, tensors["model.embed_tokens.weight"].astype(np.float32))
+
+
+def test_tensor_of_an_unloadable_dtype_is_named(tmp_path):
+    """float8_e5m2 has no numpy dtype: a typed error naming the tensor and its dtype."""
+    import json as _json
+    header = _json.dumps({"model.norm.weight": {"dtype": "F8_E5M2", "shape": [64],
+                                                "data_offsets": [0, 64]}}).encode()
+    header += b" " * (-len(header) % 8)
+    (tmp_path / "model.safetensors").write_bytes(
+        len(header).to_bytes(8, "little") + header + bytes(64))
+    from jaxpaged.models.loader import _SafetensorsReader
+    with pytest.raises(UnsupportedModelError, match=r"model\.norm\.weight.*F8_E5M2"):
+        _SafetensorsReader(str(tmp_path)).get("model.norm.weight")

@@ -100,6 +100,14 @@ def test_family_settings_parsed():
     ({"num_local_experts": 4, "num_experts_per_tok": 5}, "num_experts_per_tok"),
     ({"layer_types": ["sliding_attention"], "sliding_window": 8}, "layer_types"),
     ({"hidden_act": "relu"}, "relu"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, "rope_theta"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0,
+                          "low_freq_factor": 2.0, "high_freq_factor": 2.0,
+                          "original_max_position_embeddings": 32}}, "high_freq_factor"),
+    ({"sliding_window": 0}, "sliding_window"),
+    ({"sliding_window": -4}, "sliding_window"),
+    ({"sliding_window": 8.5}, "sliding_window"),
+    ({"sliding_window": "8"}, "sliding_window"),
 ])
 def test_unsupported_family_settings_are_named(overrides, match):
     import json
@@ -175,3 +183,26 @@ def test_kv_scale_calibration_refuses_a_foreign_tokenizer():
     with pytest.raises(ValueError, match="vocabulary of 304"):
         LLM(enforce_eager=True, model=fixture("mistral_sliding_window"), tokenizer=DEFAULT_MODEL,
             max_num_seqs=4, block_size=8, kv_cache_dtype="fp8", calculate_kv_scales=True)
+
+
+def test_absent_family_settings_take_transformers_defaults():
+    """A sparse config.json means what it means to transformers' config classes."""
+    import json
+    with open(os.path.join(fixture("gemma2_softcap"), "config.json")) as f:
+        gemma = json.load(f)
+    for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+        del gemma[key]
+    cfg = ModelConfig.from_dict(gemma)
+    assert (cfg.query_pre_attn_scalar, cfg.attn_logit_softcapping,
+            cfg.final_logit_softcapping) == (256, 50.0, 30.0)
+    with open(os.path.join(fixture("mixtral_moe"), "config.json")) as f:
+        mixtral = json.load(f)
+    del mixtral["rms_norm_eps"], mixtral["num_experts_per_tok"]
+    cfg = ModelConfig.from_dict(mixtral)
+    assert (cfg.rms_norm_eps, cfg.num_experts_per_tok) == (1e-5, 2)
+    with open(os.path.join(fixture("mistral_sliding_window"), "config.json")) as f:
+        mistral = json.load(f)
+    del mistral["sliding_window"]
+    assert set(ModelConfig.from_dict(mistral).sliding_windows) == {4096}
+    mistral["sliding_window"] = None                 # written null: no window
+    assert set(ModelConfig.from_dict(mistral).sliding_windows) == {None}

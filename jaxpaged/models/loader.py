@@ -240,11 +240,15 @@ class _SafetensorsReader:
                 raise FileNotFoundError(f"checkpoint shard {path!r} (holding {name}) is missing")
             self._open[path] = _open_safetensors(path)
         try:
-            dtype = _RAW_DTYPES.get(self._open[path].get_slice(name).get_dtype())
+            stored = self._open[path].get_slice(name).get_dtype()
+            dtype = _RAW_DTYPES.get(stored)
             return self._open[path].get_tensor(name) if dtype is None else \
                 _read_raw(path, name, dtype)
         except SafetensorError as e:
             raise MissingWeightsError(f"cannot read tensor {name} from {path!r}: {e}") from e
+        except (AttributeError, TypeError, ValueError) as e:   # a dtype numpy cannot hold
+            raise UnsupportedModelError(f"tensor {name} in {path!r} is stored as {stored}, "
+                                        f"which jaxpaged cannot load ({e})") from e
 
 
 def _read_raw(path: str, name: str, dtype) -> np.ndarray:
