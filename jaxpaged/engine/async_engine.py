@@ -125,6 +125,12 @@ class AsyncEngine:
             raise EngineNotReadyError("the model is still loading")
         return self.engine
 
+    @property
+    def num_open_streams(self) -> int:
+        """Requests whose output stream is still open (0 once every request has finished or
+        been aborted; a leak shows here)."""
+        return len(self._streams)
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block (not in the event loop) until ready or failed; True if ready."""
         self._ready.wait(timeout)

@@ -1,0 +1,66 @@
+"""The soak (``benchmarks/soak.py``) against the live server: many clients, random
+disconnects, then no leaked page, idle gauges, no 5xx, and outputs equal to offline
+``LLM.generate``."""
+
+import json
+
+import pytest
+
+from benchmarks import soak
+from benchmarks.soak import SoakConfig, run_soak
+from jaxpaged.cli import build_parser
+
+#: The CI soak: the acceptance run, without the features that compile step shapes of their
+#: own (logprobs, penalties, min_tokens), which the nightly run adds.
+CI_SOAK = SoakConfig(num_requests=500, concurrency=32, disconnect_fraction=0.2, seed=0,
+                     max_tokens=24, logprobs_fraction=0, penalty_fraction=0,
+                     min_tokens_fraction=0)
+
+
+def check(summary: dict, config: SoakConfig) -> None:
+    print(json.dumps({k: v for k, v in summary.items() if k != "problems"}))
+    assert summary["problems"] == [], "\n".join(summary["problems"][:10])
+    assert summary["num_requests"] == config.num_requests
+    assert summary["server_errors"] == 0 and summary["unexpected_errors"] == 0
+    assert summary["leaked_pages"] == 0 and summary["open_streams"] == 0
+    assert summary["final_gauges"] == {"num_requests_running": 0, "num_requests_waiting": 0,
+                                       "kv_cache_usage_perc": 0}
+    # the workload did what it says: hang-ups aborted requests, most outputs were compared
+    expected_hangups = config.num_requests * config.disconnect_fraction
+    assert 0.8 * expected_hangups < summary["hangups_planned"] < 1.2 * expected_hangups
+    assert summary["disconnected"] > 0.6 * summary["hangups_planned"]
+    assert summary["server_aborts"] > 0.5 * summary["disconnected"]
+    assert summary["compared"] > 0.6 * summary["completed"] > 0.5 * config.num_requests
+    assert summary["mismatches"] == 0
+    assert summary["chat"] > 0 and summary["n_gt_1"] > 0 and summary["streamed"] > 0
+
+
+def test_soak_ci(live_server, stories_llm):
+    summary = run_soak(CI_SOAK, live_server.url, stories_llm, engine=live_server.engine)
+    check(summary, CI_SOAK)
+
+
+@pytest.mark.slow
+def test_soak_every_feature(live_server, stories_llm):
+    config = SoakConfig(num_requests=1000, concurrency=48, seed=1)
+    check(run_soak(config, live_server.url, stories_llm, engine=live_server.engine), config)
+
+
+def test_soak_command_small(tmp_path):
+    """``jaxpaged bench soak`` serving the bundled model itself."""
+    out = tmp_path / "soak.json"
+    args = build_parser().parse_args(
+        ["bench", "soak", "--num-requests", "8", "--concurrency", "4", "--enforce-eager",
+         "--max-model-len", "48", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
+         "--soak-max-tokens", "4", "--logprobs-fraction", "0", "--penalty-fraction", "0",
+         "--min-tokens-fraction", "0", "--output-json", str(out)])
+    summary = soak.main(args)
+    assert summary["num_problems"] == 0 and summary["leaked_pages"] == 0
+    assert out.exists()
+
+
+def test_soak_config_checks():
+    with pytest.raises(ValueError, match="inject_fault"):
+        SoakConfig(fault_fraction=0.1)
+    with pytest.raises(ValueError, match="disconnect_fraction"):
+        SoakConfig(disconnect_fraction=1.5)
