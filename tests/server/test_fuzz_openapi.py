@@ -38,6 +38,20 @@ def test_openapi_fuzz(case, live_server, http):
     case.call_and_validate(base_url=live_server.url, checks=CHECKS, timeout=60)
 
 
+def test_integral_numbers_are_integers(http):
+    """Found by schemathesis: JSON Schema counts ``2.0`` as an integer (the document says
+    "integer"), and so does the server now; strings, bools and fractions stay refused."""
+    r = http.post("/v1/completions", json={"prompt": [1.0, 403.0], "max_tokens": 2.0, "n": 1.0,
+                                           "temperature": 0, "seed": 3.0, "top_k": -1.0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    for bad in ({"max_tokens": 2.5}, {"max_tokens": "2"}, {"max_tokens": True}, {"n": 1.5}):
+        r = http.post("/v1/completions", json={"prompt": "x", **bad})
+        assert r.status_code == 400 and "integer" in r.json()["error"]["message"], (bad, r.text)
+    assert http.post("/v1/completions", json={"prompt": [1.5]}).status_code == 400
+    assert http.post("/detokenize", json={"tokens": [1.0, 403.0]}).status_code == 200
+
+
 def test_document_states_the_accepted_values():
     doc = schema.raw_schema["components"]["schemas"]
     props = doc["CompletionRequest"]["properties"]
