@@ -196,3 +196,14 @@ def test_generate_any_input(fuzz_llm, prompts, kwargs):
         check_output(p, len(out.prompt_token_ids), [out])
     check_idle(fuzz_llm.engine)
 
+
+def test_one_token_prompt_logprobs(fuzz_llm):
+    """Found by the fuzz above: a one-token prompt asking for prompt logprobs got None (or
+    [None] when batched with a longer prompt that asked for them too); it is [None], as the
+    first token of any prompt has no logprob."""
+    p = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    alone = fuzz_llm.generate([[1]], p, use_tqdm=False)[0]
+    batched = fuzz_llm.generate([[1], [1, 403, 407]], p, use_tqdm=False)
+    assert alone.prompt_logprobs == [None] == batched[0].prompt_logprobs
+    assert len(batched[1].prompt_logprobs) == 3 and batched[1].prompt_logprobs[0] is None
+    assert alone.outputs[0].token_ids == batched[0].outputs[0].token_ids
