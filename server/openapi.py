@@ -41,9 +41,13 @@ REQUEST_ERRORS = {
     "500": "The engine has failed",
     "503": "The model is still loading, or the server is shutting down",
 }
-#: The SSE stream of the completion routes (``stream: true``): ``data: <chunk JSON>`` events,
-#: then ``data: [DONE]``.
-EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+#: The SSE stream of the completion routes (``stream: true``). Before OpenAPI 3.2 a stream's
+#: ``schema`` describes one event: ``data`` is a chunk's JSON (CompletionResponse /
+#: ChatCompletionChunk, or an ErrorResponse if the engine fails mid-stream), then ``[DONE]``.
+EVENT_STREAM = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"], "properties": {
+        "data": {"type": "string", "description": "a chunk's JSON, or [DONE] last"},
+        "event": {"type": "string"}}}}}
 
 _REF = "#/components/schemas/{model}"
 
