@@ -14,10 +14,9 @@ from server.serving import ServerConfig
 from tests.server.conftest import MAX_MODEL_LEN, MODEL, PLAIN_TEMPLATE, LiveServer, engine_args
 
 #: The CI soak: the acceptance run, without the features that compile step shapes of their
-#: own (logprobs, penalties, min_tokens), which the nightly run adds.
+#: own (penalties, min_tokens), which the nightly run adds.
 CI_SOAK = SoakConfig(num_requests=500, concurrency=32, disconnect_fraction=0.2, seed=0,
-                     max_tokens=24, logprobs_fraction=0, penalty_fraction=0,
-                     min_tokens_fraction=0)
+                     max_tokens=24, penalty_fraction=0, min_tokens_fraction=0)
 
 
 def check(summary: dict, config: SoakConfig) -> None:
