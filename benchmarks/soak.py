@@ -4,9 +4,9 @@
 (when the server has a chat template) chat, streaming and not, ``n`` of 1 to 4, greedy and
 sampled (mostly seeded), stop strings, ``min_tokens``, penalties, token-id and text prompts
 (some repeated, for prefix-cache hits), all with logprobs (as token ids, so that token ids are
-compared, not only text). A ``disconnect_fraction`` of the
-clients hang up at a random moment: after a random part of the recent median latency, or
-(streams) after a random number of events. Every request body is valid, so any answer but a 200 is a failure.
+compared, not only text). A ``disconnect_fraction`` of the clients hang up at a random
+moment: after a random part of the recent median latency, or (streams) after a random number
+of events. Every request body is valid, so any answer but a 200 is a failure.
 
 At the end it checks that:
 
@@ -47,14 +47,15 @@ import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.results import distribution, write_outputs
-from benchmarks.serve import DONE, auth_headers, http_client, run_limited, served_model, sse_payloads
+from benchmarks.serve import (DONE, auth_headers, http_client, run_limited, served_model,
+                              sse_payloads)
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.sampling_params import SamplingParams
 
@@ -89,10 +90,9 @@ class SoakConfig:
         logprobs_fraction: requests that ask for top logprobs (every request asks for the
             sampled tokens' logprobs, as token ids, which are compared).
         penalty_fraction: requests with repetition / presence / frequency penalties.
-        min_tokens_fraction: requests with ``min_tokens``.
-
-            Logprobs and logit adjustments (penalties, ``min_tokens``) compile step shapes
-            of their own: a short run on a CPU spends most of its time compiling them.
+        min_tokens_fraction: requests with ``min_tokens``. Logit adjustments (penalties,
+            ``min_tokens``) compile step shapes of their own: a short run on a CPU spends
+            much of its time compiling them.
         idle_timeout: seconds the server has to go idle after the last answer.
         fault_fraction: requests handed to ``inject_fault`` first.
         inject_fault: ``inject_fault(body, headers)`` changes a request (in place) so that a
