@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -68,10 +69,9 @@ async def send(client: httpx.AsyncClient, model: str, q: SampleRequest) -> Reque
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for chunk in sse_payloads(r):
+                if chunk == DONE:
                     continue
-                chunk = json.loads(line[len("data: "):])
                 if "error" in chunk:
                     res.error = chunk["error"]["message"]
                     return res
@@ -96,24 +96,79 @@ async def send(client: httpx.AsyncClient, model: str, q: SampleRequest) -> Reque
 
 async def run(args: argparse.Namespace, model: str, requests: list[SampleRequest]
               ) -> tuple[list[RequestResult], float]:
-    rng = np.random.default_rng(args.seed)
-    limit = asyncio.Semaphore(args.max_concurrency or len(requests))
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None,
-                                 limits=httpx.Limits(max_connections=None)) as client:
+    async with http_client(args.base_url, args.api_key) as client:
+        return await run_limited(requests, lambda q: send(client, model, q),
+                                 args.max_concurrency, args.request_rate, args.seed)
 
-        async def limited(q):
-            async with limit:
-                return await send(client, model, q)
 
-        tasks = []
-        t0 = time.perf_counter()
-        for q in requests:
-            tasks.append(asyncio.create_task(limited(q)))
-            if np.isfinite(args.request_rate):
-                await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
-        results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - t0
+# ---- client pieces (shared with benchmarks/soak.py) -------------------------------------------
+
+#: What :func:`sse_payloads` yields for the stream's closing ``data: [DONE]``.
+DONE = "[DONE]"
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """``Authorization: Bearer KEY`` when a key is given."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def http_client(base_url: str, api_key: str | None = None) -> httpx.AsyncClient:
+    """An async client for ``base_url``: no timeout, no connection limit (the caller bounds
+    the concurrency)."""
+    return httpx.AsyncClient(base_url=base_url, headers=auth_headers(api_key), timeout=None,
+                             limits=httpx.Limits(max_connections=None))
+
+
+async def sse_payloads(response: httpx.Response) -> AsyncIterator[dict | str]:
+    """The JSON payload of each server-sent event of ``response``; :data:`DONE` for
+    ``data: [DONE]``."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            yield DONE if data == DONE else json.loads(data)
+
+
+async def run_limited(items: list, worker: Callable[[object], Awaitable], max_concurrency:
+                      int | None, request_rate: float = float("inf"), seed: int = 0
+                      ) -> tuple[list, float]:
+    """``worker(item)`` for every item, at most ``max_concurrency`` at once, started at
+    Poisson arrivals of ``request_rate`` per second (inf: all at once); returns the results
+    in order and the seconds it all took."""
+    rng = np.random.default_rng(seed)
+    limit = asyncio.Semaphore(max_concurrency or max(len(items), 1))
+
+    async def limited(item):
+        async with limit:
+            return await worker(item)
+
+    tasks = []
+    t0 = time.perf_counter()
+    for item in items:
+        tasks.append(asyncio.create_task(limited(item)))
+        if np.isfinite(request_rate):
+            await asyncio.sleep(rng.exponential(1.0 / request_rate))
+    results = await asyncio.gather(*tasks)
+    return list(results), time.perf_counter() - t0
+
+
+def served_model(base_url: str, api_key: str | None, model: str | None) -> tuple[str, dict]:
+    """The server's base URL (without a trailing ``/v1``) and the ``/v1/models`` card of
+    ``model`` (default: the first listed).
+
+    Raises:
+        ValueError: no OpenAI-compatible server at ``base_url``, or it does not serve
+            ``model``.
+    """
+    url = base_url.rstrip("/").removesuffix("/v1")
+    try:
+        r = httpx.get(url + "/v1/models", headers=auth_headers(api_key), timeout=30)
+        cards = r.json()["data"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"no OpenAI-compatible server at {url} (GET /v1/models: {e!r})") from None
+    names = [c["id"] for c in cards]
+    if model is not None and model not in names:
+        raise ValueError(f"the server at {url} serves {names}, not {model!r}")
+    return url, cards[names.index(model)] if model else cards[0]
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:
@@ -164,18 +219,7 @@ def main(args: argparse.Namespace) -> dict:
     """
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    url = args.base_url.rstrip("/").removesuffix("/v1")
-    args.base_url = url
-    try:
-        r = httpx.get(url + "/v1/models", headers=headers, timeout=30)
-        cards = r.json()["data"]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"no OpenAI-compatible server at {url} (GET /v1/models: {e!r})") from None
-    names = [c["id"] for c in cards]
-    if args.model is not None and args.model not in names:
-        raise ValueError(f"the server at {url} serves {names}, not {args.model!r}")
-    card = cards[names.index(args.model)] if args.model else cards[0]
+    args.base_url, card = served_model(args.base_url, args.api_key, args.model)
     model = card["id"]
     max_len = args.max_model_len or card.get("max_model_len") or 2**31
     tokenizer = load_tokenizer(args.tokenizer)

@@ -11,9 +11,12 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
+import time
 
+import httpx
 import jinja2
 import uvicorn
 
@@ -234,3 +237,47 @@ class GracefulServer(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         self._engine.stop_requests()
         await super().shutdown(sockets)
+
+
+class ServerThread:
+    """:func:`make_server`'s engine and app served by uvicorn on a free local port, in a
+    background thread of this process (the server tests, ``benchmarks/soak.py``).
+
+    Args:
+        engine_args: the engine's settings.
+        config: the HTTP layer's settings.
+        host: the address to listen on.
+    """
+
+    def __init__(self, engine_args: EngineArgs, config: ServerConfig, host: str = "127.0.0.1"):
+        self.config = config
+        self.engine, app = make_server(engine_args, config, log_stats=False)
+        self.sock = socket.socket()
+        self.sock.bind((host, 0))
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        self.server = GracefulServer(self.engine, uvicorn.Config(
+            app, log_level="warning", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    def start(self, timeout: float = 180.0):
+        """Start serving and wait until ``/health`` answers 200; returns ``self``.
+
+        Raises:
+            RuntimeError: not healthy within ``timeout`` seconds (the engine's error, if any).
+        """
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server did not become healthy: {self.engine.error!r}")
+
+    def stop(self) -> None:
+        """Shut the server down (running requests end at once) and wait for its thread."""
+        self.server.should_exit = True
+        self.thread.join(30)

@@ -3,7 +3,8 @@
 Field names, types and defaults follow the OpenAI API reference (Completions, Chat
 Completions, Models) plus vLLM's extra sampling fields (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ...; ``vllm/entrypoints/openai/protocol.py``).
-Types are strict (``"5"`` is not an integer, ``1`` is not a boolean); unknown request fields
+Types are strict (``"5"`` is not an integer, ``1`` is not a boolean; an integer written with a
+zero fraction, ``2.0``, is one, as in JSON Schema); unknown request fields
 are ignored, as OpenAI and vLLM do, but fields of features this server does not have (tools,
 structured output, beam search) are refused rather than silently ignored.
 """
@@ -11,9 +12,21 @@ structured output, beam search) are refused rather than silently ignored.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictStr
+
+
+def _integral(value):
+    """An integral JSON number written with a fraction (``2.0``) as the int it is."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+#: An integer request field: a JSON integer, or a number with a zero fraction (JSON Schema's
+#: "integer"); never a string, a bool, or a number with a fraction.
+Int = Annotated[int, BeforeValidator(_integral)]
 
 
 class _Request(BaseModel):
@@ -31,11 +44,11 @@ class SamplingFields(_Request):
     """
 
     model: str | None = None
-    n: int = 1
+    n: Int = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -43,20 +56,20 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Int = 0
+    stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[Int] | None = None
     bad_words: list[str] | None = None
     return_tokens_as_token_ids: bool = False
     cache_salt: str | None = None
-    priority: int = 0
+    priority: Int = 0
     # Known fields of features this server lacks: refused with a 400 when set.
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
@@ -87,13 +100,13 @@ class CompletionRequest(SamplingFields):
     """``POST /v1/completions``. ``max_tokens`` null or absent means 16 (OpenAI's default),
     capped by the room left in the context."""
 
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: int | None = None
+    prompt: StrictStr | list[StrictStr] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = None
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: Int | None = None
+    best_of: Int | None = None
     suffix: str | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Int | None = None
     add_special_tokens: bool = True
 
 
@@ -113,10 +126,10 @@ class ChatCompletionRequest(SamplingFields):
     null or absent means "the room left in the context"."""
 
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
@@ -269,7 +282,7 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[StrictInt]
+    tokens: list[Int]
 
 
 class DetokenizeResponse(BaseModel):

@@ -13,6 +13,9 @@ Failures (``docs/reliability.md``): a request refused for ``--max-pending-reques
 with ``Retry-After``; one that passes ``--request-timeout`` 504; one whose model step failed,
 or that was running when the engine died, 500 with the reason (for a stream: an error event,
 then ``[DONE]``); requests to a dead or loading engine 503.
+
+Request ids: ``cmpl-<32 hex>`` / ``chatcmpl-<32 hex>``, or, as vLLM does, the client's
+``X-Request-Id`` header after the same prefix (engine ids add ``-<prompt index>``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import contextlib
 import logging
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -30,7 +34,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxpaged.engine.async_engine import (AsyncEngine, EngineDeadError, EngineNotReadyError,
-                                          RequestFailedError, RequestStream, RequestTimeoutError,
+                                          RequestFailedError, RequestIdInUseError, RequestStream,
+                                          RequestTimeoutError,
                                           TooManyPendingRequestsError)
 from jaxpaged.outputs import Logprob, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
@@ -47,6 +52,8 @@ CLIENT_GONE = 499
 #: Seconds a client refused for ``--max-pending-requests`` is told to wait (``Retry-After``):
 #: about the time a waiting request needs to be scheduled under load.
 RETRY_AFTER_S = 1
+#: What an ``X-Request-Id`` header may hold: 1-128 printable ASCII characters, no spaces.
+_REQUEST_ID_HEADER = re.compile(r"[!-~]{1,128}")
 
 
 @dataclass
@@ -113,6 +120,24 @@ class OpenAIServing:
             raise APIError(404, f"The model `{name}` does not exist; this server serves "
                                 f"{self.config.served_model_names}.", "NotFoundError",
                            "model", "model_not_found")
+
+    @staticmethod
+    def request_id(raw_request: Request, prefix: str) -> str:
+        """``{prefix}-{X-Request-Id}`` when the client sent that header (vLLM's
+        ``_base_request_id``), else ``{prefix}-{uuid4 hex}``.
+
+        Raises:
+            APIError: 400 for a header that is empty, longer than 128 characters or holds
+                anything but printable ASCII without spaces. (An id still in use is refused
+                by the engine when the request is added: 400.)
+        """
+        given = raw_request.headers.get("x-request-id")
+        if given is None:
+            return f"{prefix}-{uuid.uuid4().hex}"
+        if not _REQUEST_ID_HEADER.fullmatch(given):
+            raise bad_request("the X-Request-Id header must be 1 to 128 printable ASCII "
+                              "characters without spaces")
+        return f"{prefix}-{given}"
 
     def check_request(self, body: SamplingFields) -> None:
         """Checks both endpoints share beyond the schema.
@@ -247,6 +272,9 @@ class OpenAIServing:
                 self.engine.abort(stream.request_id)
             if isinstance(e, SamplingParamsError):
                 raise sampling_error(e) from None
+            if isinstance(e, RequestIdInUseError):
+                raise bad_request(f"{e} (X-Request-Id must be unique among running "
+                                  f"requests)") from None
             if isinstance(e, (ValueError, TypeError)):
                 raise bad_request(str(e), prompt_param) from None
             if isinstance(e, Exception):

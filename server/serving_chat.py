@@ -8,7 +8,6 @@ open each choice with a ``role`` delta (B19).
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
@@ -94,7 +93,7 @@ class OpenAIServingChat(OpenAIServing):
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = self.sampling_params(body, max_tokens, k, None, body.stream,
                                       {"logprobs": "top_logprobs", "max_tokens": limit_param})
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = self.request_id(raw_request, "chatcmpl")
         return await self.respond(
             raw_request, body, request_id, [prompt], [params], "messages",
             lambda streams: self._stream(request_id, body, prompt, streams, raw_request),

@@ -7,7 +7,6 @@ prompt before each choice's text (and its logprobs first, the first one null);
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
@@ -47,7 +46,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs = body.logprobs
         params = [self.sampling_params(body, p.max_tokens, body.logprobs, prompt_logprobs,
                                        body.stream) for p in prompts]
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = self.request_id(raw_request, "cmpl")
         return await self.respond(
             raw_request, body, request_id, prompts, params, "prompt",
             lambda streams: self._stream(request_id, body, prompts, streams, raw_request),

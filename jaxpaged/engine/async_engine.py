@@ -73,6 +73,10 @@ class RequestTimeoutError(RuntimeError):
     """The request passed its deadline before it finished (it is aborted)."""
 
 
+class RequestIdInUseError(ValueError):
+    """Refused: a request with this id is still running (ids are unique while in flight)."""
+
+
 class TooManyPendingRequestsError(RuntimeError):
     """Refused: admitting the request would take the sequences waiting to be scheduled past
     ``max_pending_requests``.
@@ -228,6 +232,12 @@ class AsyncEngine:
     def _dead_error(self) -> EngineDeadError:
         return EngineDeadError(f"the engine failed: {self.error!r}")
 
+    @property
+    def num_open_streams(self) -> int:
+        """Requests whose output stream is still open (0 once every request has finished or
+        been aborted; a leak shows here)."""
+        return len(self._streams)
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block (not in the event loop) until ready or failed; True if ready."""
         self._ready.wait(timeout)
@@ -287,13 +297,14 @@ class AsyncEngine:
 
         Raises:
             ValueError / TypeError: the engine refused the request (bad prompt or params).
+            RequestIdInUseError: (a ValueError) ``request_id`` is still in flight.
             TooManyPendingRequestsError: beyond ``max_pending_requests``.
             RequestTimeoutError: the deadline passed first.
             EngineNotReadyError / EngineDeadError: as :meth:`check_ready`.
         """
         self.check_ready()
         if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestIdInUseError(f"request id {request_id!r} is already in use")
         aggregate = getattr(params, "output_kind", None) is RequestOutputKind.DELTA
         stream = RequestStream(request_id, aggregate, deadline)
         self._streams[request_id] = stream

@@ -247,11 +247,12 @@ class ModelRunner:
     @staticmethod
     def _result(out, rows: list[int], s, first_token: int) -> SampleResult:
         prompt = None
-        if "prompt" in out and s.request.params.prompt_logprobs is not None:
-            # Positions p of this chunk that predict a prompt token (p + 1 < prompt length).
+        if s.request.params.prompt_logprobs is not None:
+            # Positions p of this chunk that predict a prompt token (p + 1 < prompt length);
+            # none for a one-token prompt, whose prompt logprobs are then just [None].
             end = min(s.start + s.num_new_tokens, s.request.num_prompt_tokens - 1)
             idx = [first_token + p - s.start for p in range(s.start, end)]
-            p_out = out["prompt"]
+            p_out = out.get("prompt")
             prompt = [(float(p_out["logprobs"][t]), int(p_out["ranks"][t]),
                        p_out["top_ids"][t].tolist(), p_out["top_logprobs"][t].tolist())
                       for t in idx]

@@ -5,16 +5,14 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from jaxpaged.engine.arg_utils import EngineArgs
-from server.launcher import GracefulServer, make_server
+from server.launcher import ServerThread
 from server.serving import ServerConfig
 
 #: The server tests' context limit (BUGCASES B11 uses L = 128).
@@ -27,35 +25,9 @@ PLAIN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}assistant:{% endif %}"
 
 
-class LiveServer:
-    """uvicorn serving one engine on a free local port, in a background thread."""
-
-    def __init__(self, engine_args: EngineArgs, config: ServerConfig):
-        self.config = config
-        self.engine, app = make_server(engine_args, config, log_stats=False)
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = GracefulServer(self.engine, uvicorn.Config(
-            app, log_level="warning", timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                       daemon=True)
-
-    def start(self, timeout: float = 180.0) -> "LiveServer":
-        self.thread.start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"server did not become healthy: {self.engine.error!r}")
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
+class LiveServer(ServerThread):
+    """uvicorn serving one engine on a free local port, in a background thread, with test
+    helpers."""
 
     @property
     def kv(self):

@@ -130,3 +130,37 @@ def test_dead_engine_loop_fails_running_requests_and_turns_health_503():
                 assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
     finally:
         server.stop()
+
+
+def test_x_request_id_names_the_request_a_fault_injector_sees(server, http):
+    """vLLM's ``X-Request-Id``: the engine request is ``cmpl-<header>-<prompt index>`` (what
+    ``FailSteps(request_id=...)`` and the soak's fault marks match), the response's id is
+    ``cmpl-<header>``; a malformed header or an id still running is a 400."""
+    injector = FailSteps(request_id="cmpl-client-7-0")
+    server.engine.engine.fault_injector = injector
+    body = {**LONG, "max_tokens": 3}
+    ok = http.post("/v1/completions", json=body, headers={"X-Request-Id": "client-6"})
+    assert ok.status_code == 200 and ok.json()["id"] == "cmpl-client-6"
+    failed = http.post("/v1/completions", json=body, headers={"X-Request-Id": "client-7"})
+    assert failed.status_code == 500 and injector.failed_steps[0][1] == ["cmpl-client-7-0"]
+    chat = http.post("/v1/chat/completions", headers={"X-Request-Id": "c1"}, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["id"] == "chatcmpl-c1"
+    for bad in ("", "has space", "x" * 129, "é"):
+        r = http.post("/v1/completions", json=body, headers={"X-Request-Id": bad.encode()})
+        assert r.status_code == 400, bad
+        assert "X-Request-Id header must be 1 to 128 printable" in r.json()["error"]["message"]
+    with server.slow_steps(0.05):
+        running = threading.Thread(target=http.post, args=("/v1/completions",),
+                                   kwargs={"json": {**body, "max_tokens": 20},
+                                           "headers": {"X-Request-Id": "twice"}})
+        running.start()
+        wait_until(lambda: server.engine.engine.has_unfinished_requests(), "the first request")
+        again = http.post("/v1/completions", json=body, headers={"X-Request-Id": "twice"})
+        running.join()
+    assert again.status_code == 400
+    assert again.json()["error"]["message"] == ("request id 'cmpl-twice-0' is already in use "
+                                                "(X-Request-Id must be unique among running "
+                                                "requests)")
+    after = http.post("/v1/completions", json=body, headers={"X-Request-Id": "twice"})
+    assert after.status_code == 200 and after.json()["id"] == "cmpl-twice"
