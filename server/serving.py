@@ -33,10 +33,11 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from jaxpaged.engine.async_engine import (AsyncEngine, EngineDeadError, EngineNotReadyError,
-                                          RequestFailedError, RequestIdInUseError, RequestStream,
-                                          RequestTimeoutError,
-                                          TooManyPendingRequestsError)
+from jaxpaged.engine.async_engine import AsyncEngine
+from jaxpaged.engine.request_stream import (EngineDeadError, EngineNotReadyError,
+                                            RequestFailedError, RequestIdInUseError,
+                                            RequestStream, RequestTimeoutError,
+                                            TooManyPendingRequestsError)
 from jaxpaged.outputs import Logprob, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from server.errors import APIError, bad_request

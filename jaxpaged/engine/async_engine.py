@@ -4,9 +4,8 @@ One thread owns the :class:`Engine` (it builds it, then loops: take queued comma
 abort — then run one step, then hand the step's outputs to the event loop). Coroutines never
 touch the engine directly, so a long step never blocks the event loop (health checks, new
 connections) and the engine needs no locks. Each request's outputs arrive on its own
-:class:`RequestStream`, which holds at most one output: outputs that arrive while the consumer
-is busy (a slow streaming client) are folded into it, so memory never grows with the
-consumer's lag.
+:class:`~jaxpaged.engine.request_stream.RequestStream` (memory bounded whatever the
+consumer's lag).
 
 Admission: with ``max_pending_requests``, an add that would take the sequences waiting to be
 scheduled past the limit is refused on the engine thread (:class:`TooManyPendingRequestsError`),
@@ -19,7 +18,7 @@ running requests end with :class:`RequestFailedError` and queued ones with
 :class:`EngineDeadError`.
 
 The split mirrors vLLM's ``AsyncLLM`` (``vllm/v1/engine/async_llm.py``) with a thread in place of
-its engine-core process; the folding of outputs is its ``RequestOutputCollector``.
+its engine-core process.
 
 In a multi-host job (``--num-processes`` > 1) this runs in process 0, which sends each step's
 commands to the other processes before applying them (``jaxpaged.distributed.step_sync``);
@@ -34,13 +33,17 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
 
 from jaxpaged.distributed.multihost import first_line, leave_failed_job
 from jaxpaged.distributed.step_sync import JobStopped, sync_step
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.data_parallel import DataParallelEngine, make_engine
-from jaxpaged.engine.engine import Engine, Prompt
+from jaxpaged.engine.engine import Engine
+from jaxpaged.engine.input_processor import Prompt
+from jaxpaged.engine.request_stream import (EngineDeadError, EngineNotReadyError,
+                                            EngineStoppedError, RequestFailedError,
+                                            RequestIdInUseError, RequestStream,
+                                            RequestTimeoutError, TooManyPendingRequestsError)
 from jaxpaged.metrics.stats import StatLogger
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -50,126 +53,6 @@ logger = logging.getLogger(__name__)
 #: Seconds an idle multi-host leader waits for a command before it sends an empty list, so
 #: the other processes never sit in one collective for long.
 HEARTBEAT_S = 0.5
-
-
-class EngineNotReadyError(RuntimeError):
-    """The engine is still loading (or warming up)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread failed; no request can run until the process restarts."""
-
-
-class EngineStoppedError(EngineNotReadyError):
-    """The engine is shutting down: running requests were ended, new ones are refused."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed this request: a model step that ran it raised, or the engine died
-    while it was running. The message says why."""
-
-
-class RequestTimeoutError(RuntimeError):
-    """The request passed its deadline before it finished (it is aborted)."""
-
-
-class RequestIdInUseError(ValueError):
-    """Refused: a request with this id is still running (ids are unique while in flight)."""
-
-
-class TooManyPendingRequestsError(RuntimeError):
-    """Refused: admitting the request would take the sequences waiting to be scheduled past
-    ``max_pending_requests``.
-
-    Attributes:
-        num_waiting: sequences waiting when the request was refused.
-        limit: the limit.
-    """
-
-    def __init__(self, num_waiting: int, requested: int, limit: int):
-        super().__init__(f"the server is overloaded: {num_waiting} sequences are waiting to be "
-                         f"scheduled and this request adds {requested}, beyond "
-                         f"--max-pending-requests={limit}; retry later")
-        self.num_waiting, self.limit = num_waiting, limit
-
-
-_OPEN = object()    # a stream that has not ended
-
-
-class RequestStream:
-    """The outputs of one request, in order, as an async iterator.
-
-    It holds at most one output: one that arrives before the previous one was taken is folded
-    into it (:meth:`RequestOutput.add`; deltas are concatenated, cumulative outputs replaced).
-
-    Iteration ends after the request's finished output, or when the request was aborted
-    (after any output not yet taken). It raises :class:`RequestFailedError` for a request
-    the engine failed, :class:`RequestTimeoutError` once ``deadline`` passes, and the error
-    the stream was ended with otherwise (:class:`EngineStoppedError` at shutdown).
-
-    Args:
-        request_id: the engine's request id.
-        aggregate: the outputs are deltas (``RequestOutputKind.DELTA``).
-        deadline: ``time.monotonic()`` by which the request must finish (None: no limit).
-    """
-
-    def __init__(self, request_id: str, aggregate: bool = False, deadline: float | None = None):
-        self.request_id = request_id
-        self.deadline = deadline
-        self.finished = False
-        self._aggregate = aggregate
-        self._output: RequestOutput | None = None
-        self._end: object = _OPEN          # then None (the end) or the error to raise
-        self._ready = asyncio.Event()
-
-    def put(self, item: RequestOutput | BaseException | None) -> None:
-        """Deliver an output, an error, or None (the end); event-loop thread only. The first
-        end or error wins."""
-        if isinstance(item, RequestOutput):
-            if self._output is None:
-                self._output = item
-            else:
-                self._output.add(item, self._aggregate)
-        elif self._end is _OPEN:
-            self._end = item
-        self._ready.set()
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while not self.finished:
-            await self._wait()
-            if self._output is not None:
-                out, self._output = self._output, None
-                if out.error is not None:
-                    self.finished = True
-                    raise RequestFailedError(out.error)
-                self.finished = out.finished
-                yield out
-            else:
-                self.finished = True
-                if self._end is not None:
-                    raise self._end
-                return
-
-    async def _wait(self) -> None:
-        """Until there is an output or the end (at once if there is one already).
-
-        Raises:
-            RequestTimeoutError: the deadline has passed (even with an output waiting: a
-                consumer that keeps up with a fast producer still times out).
-        """
-        if self._output is None and self._end is _OPEN:
-            self._ready.clear()
-        if self.deadline is None:
-            await self._ready.wait()
-            return
-        try:
-            remaining = self.deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError
-            await asyncio.wait_for(self._ready.wait(), remaining)
-        except TimeoutError:
-            self.finished = True
-            raise RequestTimeoutError("the request did not finish before its deadline") from None
 
 
 class AsyncEngine:

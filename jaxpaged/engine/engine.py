@@ -26,6 +26,7 @@ from jaxpaged.distributed.multihost import initialize as initialize_multihost
 from jaxpaged.distributed.step_sync import install_signal_handlers, stop_requested_anywhere
 from jaxpaged.distributed.tensor_parallel import TensorParallel, request_host_devices
 from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.engine.input_processor import InputProcessor, Prompt
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
 from jaxpaged.engine.kv_scales import calibrate_kv_scales, calibration_token_ids, set_kv_scales
 from jaxpaged.engine.kv_sizing import check_pool_fits, num_kv_pages
@@ -40,12 +41,11 @@ from jaxpaged.metrics.stats import (FinishedRequestStats, IterationStats, Schedu
 from jaxpaged.models.loader import load_model
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.runner.model_runner import ModelRunner, RunnerLimits
-from jaxpaged.sampling_params import SamplingParams, SamplingParamsError
+from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int] | dict
 #: Separates a request id from a parallel-sampling sequence index in internal sequence ids.
 _SEQ_SEP = "\x1f"
 
@@ -130,6 +130,8 @@ class Engine:
         generation_config = _generation_config(args.model)
         #: generation_config.json's default sampling fields, by SamplingParams name.
         self.generation_defaults = _generation_defaults(generation_config)
+        self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size,
+                                              self.max_model_len, args.max_num_seqs)
         self.output_processor = OutputProcessor(
             self.tokenizer, _eos_token_ids(cfg, generation_config, self.tokenizer),
             self.max_model_len)
@@ -231,14 +233,7 @@ class Engine:
                 Nothing is queued then.
             TypeError: a prompt, id, params or priority of the wrong type.
         """
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.verify()
-        if params.n > self.args.max_num_seqs:
-            raise SamplingParamsError("n", f"={params.n} exceeds max_num_seqs="
-                                      f"{self.args.max_num_seqs}: its sequences could never run "
-                                      "together")
+        params = self.input_processor.check_params(params)
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self._groups:
@@ -246,72 +241,20 @@ class Engine:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an integer, got {priority!r}")
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        text, ids = self._tokenize(prompt)
+        text, ids = self.input_processor.tokenize(prompt)
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**62))
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
-        vocab = self.model_config.vocab_size
-        for name, tokens in (("logit_bias", params.logit_bias or {}),
-                             ("allowed_token_ids", params.allowed_token_ids or ()),
-                             ("stop_token_ids", params.stop_token_ids or ())):
-            bad = [t for t in tokens if not 0 <= t < vocab]
-            if bad:
-                raise SamplingParamsError(name, f"has token ids {bad[:8]} outside the "
-                                                f"vocabulary [0, {vocab})")
         req = Request(request_id, text, ids, params, seed=seed, max_tokens=max(max_tokens, 1),
                       arrival=self._arrivals, priority=priority, cache_salt=cache_salt,
-                      n_samples=params.n, bad_words_ids=self._bad_words_ids(params))
+                      n_samples=params.n, bad_words_ids=self.input_processor.bad_words_ids(params))
         self._arrivals += 1
         group = RequestGroup(request_id, [self.output_processor.new_sequence(req)],
                              arrival_time=time.monotonic())
         self._groups[request_id] = group
         self._seqs[request_id] = group.seqs[0]
         self.scheduler.add_request(req)
-
-    def _bad_words_ids(self, params: SamplingParams) -> list[list[int]]:
-        """Token sequences of each bad word, as written and with a leading space (vLLM's
-        rule), without duplicates."""
-        seqs: list[list[int]] = []
-        for word in params.bad_words or ():
-            for variant in (word, " " + word.lstrip()):
-                ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                if ids and ids not in seqs:
-                    seqs.append(ids)
-        return seqs
-
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, np.ndarray) and prompt.ndim == 1:
-            prompt = prompt.tolist()
-        if isinstance(prompt, str):
-            try:
-                text, ids = prompt, self.tokenizer.encode(prompt)
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"the prompt cannot be tokenized: {e}") from e
-        elif isinstance(prompt, (list, tuple)):
-            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
-                raise TypeError("a token-id prompt must be a list of integers")
-            text, ids = None, [int(t) for t in prompt]
-        else:
-            raise TypeError(f"prompt must be a string, a list of token ids or a dict, "
-                            f"got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty (no tokens)")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"the prompt (length {len(ids)}) is longer than the maximum "
-                             f"model length of {self.max_model_len}")
-        return text, ids
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests now and free their pages; unknown ids are ignored."""

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 

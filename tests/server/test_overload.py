@@ -11,8 +11,8 @@ import pytest
 
 from jaxpaged.cli import build_parser
 from jaxpaged.engine.arg_utils import EngineArgs
-from jaxpaged.engine.async_engine import (AsyncEngine, RequestFailedError, RequestStream,
-                                          RequestTimeoutError)
+from jaxpaged.engine.async_engine import AsyncEngine
+from jaxpaged.engine.request_stream import RequestFailedError, RequestStream, RequestTimeoutError
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from server.launcher import server_config
 from server.serving import ServerConfig, merge_streams

@@ -1,0 +1,113 @@
+"""Request inputs checked and turned into what the scheduler runs: the prompt tokenized (or its
+token ids checked), the sampling parameters verified against the model, bad words tokenized.
+
+Every check raises before anything is queued, so a bad request never reaches a step. The job is
+vLLM's ``Processor`` (``vllm/v1/engine/processor.py``): prompt and parameter validation on the
+way into the engine core.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxpaged.sampling_params import SamplingParams, SamplingParamsError
+
+#: A prompt: text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``
+#: dict (with an optional ``"cache_salt"``).
+Prompt = str | list[int] | dict
+
+
+class InputProcessor:
+    """Checks one engine's request inputs.
+
+    Args:
+        tokenizer: a transformers tokenizer (``encode``).
+        vocab_size: token ids must lie in ``[0, vocab_size)``.
+        max_model_len: longest prompt, in tokens.
+        max_num_seqs: most sequences a step runs (``n`` may not exceed it).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+
+    def check_params(self, params: SamplingParams | None) -> SamplingParams:
+        """``params`` verified (``SamplingParams()`` for None).
+
+        Raises:
+            TypeError: not a SamplingParams.
+            SamplingParamsError: (a ValueError) a field out of range, ``n`` beyond
+                ``max_num_seqs``, or token ids outside the vocabulary in ``logit_bias``,
+                ``allowed_token_ids`` or ``stop_token_ids``.
+        """
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.verify()
+        if params.n > self.max_num_seqs:
+            raise SamplingParamsError("n", f"={params.n} exceeds max_num_seqs="
+                                      f"{self.max_num_seqs}: its sequences could never run "
+                                      "together")
+        for name, tokens in (("logit_bias", params.logit_bias or {}),
+                             ("allowed_token_ids", params.allowed_token_ids or ()),
+                             ("stop_token_ids", params.stop_token_ids or ())):
+            bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+            if bad:
+                raise SamplingParamsError(name, f"has token ids {bad[:8]} outside the "
+                                                f"vocabulary [0, {self.vocab_size})")
+        return params
+
+    def bad_words_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Token sequences of each bad word, as written and with a leading space (vLLM's
+        rule), without duplicates."""
+        seqs: list[list[int]] = []
+        for word in params.bad_words or ():
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
+
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """The prompt's text (None for token ids) and its token ids.
+
+        Raises:
+            ValueError: an empty or untokenizable prompt, a dict without ``prompt`` or
+                ``prompt_token_ids``, ids outside the vocabulary, or more than
+                ``max_model_len`` tokens.
+            TypeError: not text, a list of integers (or a 1-D integer array) or a dict.
+        """
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, np.ndarray) and prompt.ndim == 1:
+            prompt = prompt.tolist()
+        if isinstance(prompt, str):
+            try:
+                text, ids = prompt, self.tokenizer.encode(prompt)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"the prompt cannot be tokenized: {e}") from e
+        elif isinstance(prompt, (list, tuple)):
+            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                       for t in prompt):
+                raise TypeError("a token-id prompt must be a list of integers")
+            text, ids = None, [int(t) for t in prompt]
+        else:
+            raise TypeError(f"prompt must be a string, a list of token ids or a dict, "
+                            f"got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:8]} are outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"the prompt (length {len(ids)}) is longer than the maximum "
+                             f"model length of {self.max_model_len}")
+        return text, ids
