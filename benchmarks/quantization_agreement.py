@@ -12,8 +12,8 @@ variant's most likely next token is the reference's (its rank is 1; the last pos
 variant's greedy token); the logprob error is the largest |variant - reference|
 log-probability of the reference's next token.
 
-Usage: ``python -m benchmarks.quantization_agreement [--model DIR]`` (about a minute for
-the bundled model on 2 CPU cores).
+Usage: ``python -m benchmarks.quantization_agreement [--model DIR] [--tokenizer DIR]`` (about
+a minute for the bundled model on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -83,16 +83,19 @@ def row(llm: LLM, label: str, greedy_text: str, reference: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="Hugging Face model directory (default: the bundled stories260K)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory, for a model directory without one (default: "
+                        "the model's)")
     args = p.parse_args(argv)
     reference = published_reference(args.model)
     source = "published float32 reference" if reference else f"{VARIANTS[0]['label']} variant"
     rows = []
     for variant in VARIANTS:
         settings = {k: v for k, v in variant.items() if k != "label"}
-        llm = LLM(model=args.model, dtype="float32", enforce_eager=True,
+        llm = LLM(model=args.model, tokenizer=args.tokenizer, dtype="float32", enforce_eager=True,
                   enable_prefix_caching=False, max_num_seqs=4, max_num_batched_tokens=256,
                   **settings)
         greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS),

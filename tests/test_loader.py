@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 
 import jax.numpy as jnp
@@ -52,6 +53,68 @@ def test_missing_tensor_is_named(tmp_path):
     cfg = ModelConfig.from_pretrained(str(tmp_path))
     with pytest.raises(MissingWeightsError, match=r"model\.layers\.3\.mlp\.up_proj\.weight"):
         load_model(str(tmp_path), cfg, dtype=jnp.float32, backend=XLA)
+
+
+def _edited_checkpoint(directory, source: str, edit) -> str:
+    """``source``'s config.json and its tensors after ``edit(tensors)`` (in place)."""
+    os.makedirs(directory, exist_ok=True)
+    shutil.copy(os.path.join(source, "config.json"), directory)
+    tensors = load_file(os.path.join(source, "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    return str(directory)
+
+
+def test_tensors_the_config_has_no_place_for_are_named(tmp_path):
+    """An extra layer or expert is a checkpoint/config mismatch (vLLM refuses unexpected
+    names too); rotary caches and fp8 activation / KV scales are skipped."""
+    def extra(tensors):
+        tensors["model.layers.5.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"]
+        tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+        tensors["model.layers.0.self_attn.k_proj.input_scale"] = np.ones(1, np.float32)
+        tensors["model.layers.0.self_attn.k_scale"] = np.ones(1, np.float32)
+
+    model = _edited_checkpoint(tmp_path, STORIES, extra)
+    with pytest.raises(MissingWeightsError, match=r"does not match the LlamaForCausalLM config: "
+                       r"tensors the config has no place for \['model\.layers\.5\.mlp\.up_proj"
+                       r"\.weight'\]$"):
+        load_model(model, ModelConfig.from_pretrained(model), dtype=jnp.float32, backend=XLA)
+
+
+def test_an_extra_expert_and_an_odd_expert_shape_are_named(tmp_path):
+    source = os.path.join(FIXTURES, "mixtral_moe")
+    cfg = ModelConfig.from_pretrained(source)
+    w1 = "model.layers.0.block_sparse_moe.experts.{}.w1.weight"
+
+    def add_expert(tensors):
+        tensors[w1.format(cfg.num_experts)] = tensors[w1.format(0)]
+
+    model = _edited_checkpoint(tmp_path / "extra", source, add_expert)
+    with pytest.raises(MissingWeightsError, match=rf"no place for \['{re.escape(w1.format(4))}'"):
+        load_model(model, cfg, dtype=jnp.float32, backend=XLA)
+
+    def odd_shape(tensors):
+        tensors[w1.format(2)] = tensors[w1.format(2)][:-1]
+
+    model = _edited_checkpoint(tmp_path / "odd", source, odd_shape)
+    out, inp = load_file(os.path.join(source, "model.safetensors"))[w1.format(0)].shape
+    with pytest.raises(MissingWeightsError, match=re.escape(
+            f"wrong shapes ['{w1.format(2)}: checkpoint ({out - 1}, {inp})']: the other experts "
+            f"of model.layers.0.block_sparse_moe.experts.{{e}}.w1.weight are ({out}, {inp})")):
+        load_model(model, cfg, dtype=jnp.float32, backend=XLA)
+
+
+def test_lm_head_beside_tied_embeddings_is_skipped_with_a_warning(tmp_path, caplog):
+    def add_head(tensors):
+        tensors["lm_head.weight"] = np.zeros_like(tensors["model.embed_tokens.weight"])
+
+    model = _edited_checkpoint(tmp_path, STORIES, add_head)
+    cfg = ModelConfig.from_pretrained(model)
+    assert cfg.tie_word_embeddings
+    loaded = load_model(model, cfg, dtype=jnp.float32, backend=XLA)
+    embedding = load_file(os.path.join(STORIES, "model.safetensors"))["model.embed_tokens.weight"]
+    np.testing.assert_array_equal(np.asarray(loaded.model.embed_tokens.embedding[...]), embedding)
+    assert "lm_head.weight is not used" in caplog.text
 
 
 def test_missing_checkpoint_files(tmp_path):

@@ -4,6 +4,7 @@ bundled model's agreement with its float32 reference, tensor parallelism, fp8 ch
 import argparse
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -216,10 +217,11 @@ COMPRESSED_TENSORS_FP8 = {
 FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
 
 
-def _fp8_checkpoint(directory, quantization_config, per_channel: bool, without=()) -> str:
+def _fp8_checkpoint(directory, quantization_config, per_channel: bool, without=(),
+                    edit=None) -> str:
     """The bundled model with its projections stored in fp8 and a ``weight_scale`` each
     ([out, 1] per channel, [1] per tensor), as llm-compressor and AutoFP8 write them; the
-    tensors named in ``without`` left out."""
+    tensors named in ``without`` left out; ``edit(tensors)`` last."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(STORIES, name), directory)
     with open(os.path.join(STORIES, "config.json")) as f:
@@ -236,6 +238,8 @@ def _fp8_checkpoint(directory, quantization_config, per_channel: bool, without=(
         else:
             flat, scale = quantize_weight(w.reshape(-1, 1), "fp8")
             tensors[name], tensors[f"{name}_scale"] = flat.reshape(w.shape), scale
+    if edit is not None:
+        edit(tensors)
     save_file({k: v for k, v in tensors.items() if k not in without},
               os.path.join(directory, "model.safetensors"))
     return str(directory)
@@ -269,6 +273,20 @@ def test_fp8_checkpoint_refuses_int8_and_missing_scales(tmp_path):
         ModelConfig.from_pretrained(model).with_quantization("int8")
     with pytest.raises(MissingWeightsError, match=r"k_proj\.weight is stored in fp8 but the "
                                                   r"checkpoint has no .*k_proj\.weight_scale"):
+        full_sequence_logits(model, REFERENCE_IDS)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -0.5])
+def test_fp8_checkpoint_with_a_corrupt_scale_is_refused(tmp_path, bad):
+    name = "model.layers.1.self_attn.k_proj.weight_scale"
+
+    def corrupt(tensors):
+        tensors[name][3] = bad
+
+    model = _fp8_checkpoint(tmp_path, FP8, per_channel=True, edit=corrupt)
+    with pytest.raises(MissingWeightsError, match=re.escape(
+            f"{name}: weight_scale holds 1 value(s) that are NaN, infinite or negative (e.g. "
+            f"{np.float32(bad)}); the checkpoint is corrupt")):
         full_sequence_logits(model, REFERENCE_IDS)
 
 

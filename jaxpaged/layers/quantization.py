@@ -83,12 +83,17 @@ def per_channel_scale(weight_scale: np.ndarray, out_features: int) -> np.ndarray
         [out_features] float32.
 
     Raises:
-        ValueError: any other size (e.g. block-wise scales).
+        ValueError: any other size (e.g. block-wise scales), or a value that is NaN,
+            infinite or negative (a corrupt checkpoint; 0 is kept: an all-zero channel).
     """
     flat = np.asarray(weight_scale, np.float32).reshape(-1)
     if flat.size not in (1, out_features):
         raise ValueError(f"weight_scale of shape {list(np.shape(weight_scale))} is neither "
                          f"per-tensor nor per-channel for {out_features} output features")
+    bad = ~(np.isfinite(flat) & (flat >= 0))
+    if bad.any():
+        raise ValueError(f"weight_scale holds {int(bad.sum())} value(s) that are NaN, infinite "
+                         f"or negative (e.g. {flat[bad][0]}); the checkpoint is corrupt")
     return np.broadcast_to(flat, (out_features,)).copy()
 
 

@@ -44,6 +44,11 @@ logger = logging.getLogger(__name__)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 #: safetensors dtypes its numpy reader cannot build (it looks them up on numpy itself).
 _RAW_DTYPES = {"F8_E4M3": QUANTIZED_DTYPES["fp8"]}
+#: Checkpoint tensors no model reads, as vLLM skips them: rotary caches, and the activation
+#: and KV-cache scales of fp8 checkpoints (jaxpaged quantizes weights only and takes KV
+#: scales from ``--calculate-kv-scales``).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
+                     ".input_scale", ".output_scale", ".k_scale", ".v_scale", ".kv_scale")
 
 
 class MissingWeightsError(ValueError):
@@ -73,8 +78,10 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
             float one (or an fp8 one for an fp8 model) is expected.
         ValueError: unknown ``load_format``.
         FileNotFoundError: no safetensors files in ``model_dir``.
-        MissingWeightsError: tensors missing or of the wrong shape (all are named); an fp8
-            weight without its ``weight_scale``.
+        MissingWeightsError: tensors missing, of the wrong shape, or that the config has no
+            place for (extra layers or experts; all are named; an ``lm_head.weight`` beside
+            ``tie_word_embeddings`` is skipped with a warning, as vLLM does); an fp8 weight
+            without a usable ``weight_scale`` (absent, or NaN, infinite or negative).
     """
     cls = model_class(config.architecture)
     if load_format not in LOAD_FORMATS:
@@ -122,12 +129,19 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
         arr = tp.repeat_kv_heads(path, arr).astype(var.dtype)
         var.set_value(jax.make_array_from_callback(arr.shape, tp.param_sharding(path, arr.shape),
                                                    lambda index, arr=arr: arr[index]))
-    if missing or bad_shapes:
-        raise MissingWeightsError(
-            f"checkpoint {model_dir!r} does not match the {config.architecture} config: "
-            + (f"missing tensors {list(missing)}" if missing else "")
-            + ("; " if missing and bad_shapes else "")
-            + (f"wrong shapes {bad_shapes}" if bad_shapes else ""))
+    unexpected = [n for n in reader.unread() if not n.endswith(_IGNORED_SUFFIXES)]
+    if config.tie_word_embeddings and "lm_head.weight" in unexpected:
+        unexpected.remove("lm_head.weight")
+        logger.warning("the checkpoint has lm_head.weight but config.json ties the LM head to "
+                       "the embeddings (tie_word_embeddings): lm_head.weight is not used")
+    if missing or bad_shapes or unexpected:
+        problems = [f"missing tensors {list(missing)}"] if missing else []
+        problems += [f"wrong shapes {bad_shapes}"] if bad_shapes else []
+        problems += [f"tensors the config has no place for {unexpected[:20]}"
+                     + (f" and {len(unexpected) - 20} more" if len(unexpected) > 20 else "")
+                     ] if unexpected else []
+        raise MissingWeightsError(f"checkpoint {model_dir!r} does not match the "
+                                  f"{config.architecture} config: " + "; ".join(problems))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -166,6 +180,12 @@ def _read_experts(reader, path: tuple, num_experts: int, method: str | None
     if absent:
         return ", ".join(absent), {}
     label = ".".join(prefix + ["{e}", leaf, "weight"])
+    shapes = [e["kernel"].shape for e in experts]
+    common = max(set(shapes), key=shapes.count)
+    odd = [f"{n}: checkpoint {s[::-1]}" for n, s in zip(names, shapes) if s != common]
+    if odd:
+        raise MissingWeightsError(f"wrong shapes {odd}: the other experts of {label} are "
+                                  f"{common[::-1]}")
     return label, {part: np.stack([e[part] for e in experts]) for part in experts[0]}
 
 
@@ -230,11 +250,17 @@ class _SafetensorsReader:
             raise FileNotFoundError(
                 f"no model.safetensors or model.safetensors.index.json in {model_dir!r}")
         self._open: dict[str, object] = {}
+        self._read: set[str] = set()
+
+    def unread(self) -> list[str]:
+        """The checkpoint's tensors no :meth:`get` asked for, sorted."""
+        return sorted(set(self._where) - self._read)
 
     def get(self, name: str) -> np.ndarray | None:
         path = self._where.get(name)
         if path is None:
             return None
+        self._read.add(name)
         if path not in self._open:
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"checkpoint shard {path!r} (holding {name}) is missing")
