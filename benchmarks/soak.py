@@ -6,7 +6,8 @@ sampled (mostly seeded), stop strings, ``min_tokens``, penalties, token-id and t
 (some repeated, for prefix-cache hits), all with logprobs (as token ids, so that token ids are
 compared, not only text). A ``disconnect_fraction`` of the clients hang up at a random
 moment: after a random part of the recent median latency, or (streams) after a random number
-of events. Every request body is valid, so any answer but a 200 is a failure.
+of events. Every request body is valid, so any answer but a 200 is a failure, except a 429
+(a server with ``--max-pending-requests``): the client waits ``Retry-After`` and retries.
 
 At the end it checks that:
 
@@ -185,6 +186,7 @@ class SoakResult:
     token_ids: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
     completion_tokens: int | None = None
     latency: float = 0.0
+    retries: int = 0                 # 429s (--max-pending-requests) waited out and retried
 
     @property
     def completed(self) -> bool:
@@ -362,27 +364,44 @@ async def send(client: httpx.AsyncClient, req: SoakRequest, latencies: Latencies
     stream = req.body["stream"]
 
     async def go():
+        while await attempt():      # refused for --max-pending-requests: wait as told, retry
+            res.retries += 1
+
+    async def backoff(r: httpx.Response) -> bool:
+        if r.status_code != 429:
+            return False
+        await asyncio.sleep(float(r.headers.get("retry-after", 1)))
+        return True
+
+    async def attempt() -> bool:
+        """One try; True when the server said 429 (and the wait it asked for is over)."""
         if not stream:
             r = await client.post(req.path, json=req.body, headers=req.headers)
+            if await backoff(r):
+                return True
             res.status = r.status_code
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {r.text[:300]}"
-                return
+                return False
             answer = r.json()
             absorb(res, answer["choices"], req.chat, stream=False)
             res.completion_tokens = answer["usage"]["completion_tokens"]
             res.done = True
-            return
+            return False
         async with client.stream("POST", req.path, json=req.body, headers=req.headers) as r:
+            if r.status_code == 429:
+                await r.aread()
+            if await backoff(r):
+                return True
             res.status = r.status_code
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}"
-                return
+                return False
             events = 0
             async for payload in sse_payloads(r):
                 if req.disconnect_events is not None and events >= req.disconnect_events:
                     res.disconnected = True
-                    return           # leaving the block closes the connection
+                    return False     # leaving the block closes the connection
                 events += 1
                 if payload == DONE:
                     res.done = True
@@ -392,6 +411,7 @@ async def send(client: httpx.AsyncClient, req: SoakRequest, latencies: Latencies
                     absorb(res, payload["choices"], req.chat, stream=True)
                     if payload.get("usage"):
                         res.completion_tokens = payload["usage"]["completion_tokens"]
+        return False
 
     t0 = time.perf_counter()
     try:
@@ -667,6 +687,7 @@ def run_soak(config: SoakConfig, base_url: str, llm, api_key: str | None = None,
         "streamed": sum(q.body["stream"] for q in requests),
         "chat": sum(q.chat for q in requests), "n_gt_1": sum(q.params.n > 1 for q in requests),
         "statuses": {str(k): v for k, v in sorted(statuses.items(), key=str)},
+        "retried_429": sum(r.retries for r in results),
         "server_errors": server_errors, "fault_marked": sum(q.fault for q in requests),
         "failed_steps_requests": len(failed_by_fault), "failed_by_faults": injected,
         "unexpected_errors": unexpected, "compared": len(compared),

@@ -52,7 +52,9 @@ def render_chat(tokenizer, conversation: list[dict], chat_template: str | None =
             continue_final_message=continue_final_message, **(template_kwargs or {}))
     except jinja2.TemplateError as e:
         raise ChatTemplateError(str(e)) from e
-    except (ValueError, TypeError, KeyError, IndexError) as e:
+    except (ValueError, TypeError, KeyError, IndexError, ArithmeticError, RecursionError) as e:
+        # ArithmeticError: the sandbox's range limit (OverflowError); RecursionError: a
+        # template that recurses without end
         raise ChatTemplateError(f"the chat template cannot render these messages: {e}") from e
 
 

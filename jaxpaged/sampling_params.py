@@ -14,6 +14,12 @@ from dataclasses import dataclass
 GREEDY_TEMPERATURE_EPS = 1e-5
 #: Most top log-probabilities a request can ask for (vLLM's default ``max_logprobs``).
 MAX_LOGPROBS = 20
+#: Most ``bad_words`` a request can give (each is tokenized twice when the request is added,
+#: on the engine's thread, and checked at every step).
+MAX_BAD_WORDS = 1024
+#: float32's largest value: sampling runs in float32, so a larger temperature or penalty
+#: would become infinite.
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -108,10 +114,12 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_real(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
-        _check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0,
-               "repetition_penalty", f"must be a number > 0, got {self.repetition_penalty!r}")
-        _check(_is_real(self.temperature) and self.temperature >= 0, "temperature",
-               f"must be a finite number >= 0, got {self.temperature!r}")
+        _check(_is_real(self.repetition_penalty) and 0 < self.repetition_penalty <= FLOAT32_MAX,
+               "repetition_penalty", f"must be a number > 0 (and at most {FLOAT32_MAX:.4g}, "
+                                     f"float32's largest), got {self.repetition_penalty!r}")
+        _check(_is_real(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX,
+               "temperature", f"must be a finite number >= 0 (and at most {FLOAT32_MAX:.4g}, "
+                              f"float32's largest), got {self.temperature!r}")
         _check(_is_real(self.top_p) and 0 < self.top_p <= 1,
                "top_p", f"must be in (0, 1], got {self.top_p!r}")
         _check(_is_int(self.top_k) and self.top_k >= -1,
@@ -162,6 +170,8 @@ class SamplingParams:
         _check(words is None or (isinstance(words, (list, tuple)) and all(
             isinstance(w, str) and w for w in words)), "bad_words",
             f"must be a list of non-empty strings, got {words!r}")
+        _check(words is None or len(words) <= MAX_BAD_WORDS, "bad_words",
+               f"may hold at most {MAX_BAD_WORDS} words, got {len(words or ())}")
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import logging
 from importlib.metadata import version
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -28,9 +29,11 @@ from server.openapi import openapi_document
 from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
                              TokenizeResponse, VersionResponse)
-from server.serving import ServerConfig, engine_error
+from server.serving import CLIENT_GONE, ServerConfig, engine_error, off_loop
 from server.serving_chat import OpenAIServingChat
 from server.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger("server")
 
 #: Paths that need the API key (when one is set); health, metrics and version stay open.
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
@@ -58,11 +61,23 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > config.max_request_body_bytes:
             raise too_large()               # refused before reading it
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+            # as FastAPI (vLLM's server) does: a browser's cross-site "simple" request
+            # (text/plain, a form) never reaches the engine
+            raise APIError(415, f"the request body must be JSON (Content-Type: "
+                                f"application/json), got Content-Type {media_type!r}",
+                           "invalid_request_error", None, "unsupported_media_type")
         body = bytearray()
-        async for chunk in request.stream():   # a chunked body (or a lying length)
-            body += chunk
-            if len(body) > config.max_request_body_bytes:
-                raise too_large()
+        try:
+            async for chunk in request.stream():   # a chunked body (or a lying length)
+                body += chunk
+                if len(body) > config.max_request_body_bytes:
+                    raise too_large()
+        except ClientDisconnect:                   # hung up while sending: nobody to answer
+            logger.info("client disconnected while sending its request body")
+            raise APIError(CLIENT_GONE, "the client disconnected", "invalid_request_error",
+                           None) from None
         try:
             data = json.loads(body)
         except (ValueError, RecursionError) as e:   # bad JSON or UTF-8, too deep, huge ints
@@ -124,10 +139,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if body.prompt is not None:
             special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = tokenizer.encode(body.prompt, add_special_tokens=special)
+            ids = await off_loop(tokenizer.encode, body.prompt, add_special_tokens=special)
         else:
-            ids = chat.render(body.messages, body.add_generation_prompt,
-                              add_special_tokens=bool(body.add_special_tokens))
+            ids = await off_loop(chat.render, body.messages, body.add_generation_prompt,
+                                 add_special_tokens=bool(body.add_special_tokens))
         return JSONResponse(TokenizeResponse(count=len(ids), tokens=ids,
                                              max_model_len=engine.engine.max_model_len).model_dump())
 
@@ -140,7 +155,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         if bad:
             raise bad_request(f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})",
                               "tokens")
-        return JSONResponse(DetokenizeResponse(prompt=tokenizer.decode(body.tokens)).model_dump())
+        text = await off_loop(tokenizer.decode, body.tokens)
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     async def openapi(request: Request) -> Response:
         return JSONResponse(openapi_document(version("jaxpaged")))

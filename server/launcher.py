@@ -98,7 +98,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
     Raises:
         FileNotFoundError: ``--chat-template`` names a missing ``.jinja`` file.
-        ValueError: an invalid template, or empty or repeated served model names.
+        ValueError: an invalid template, empty or repeated served model names, or an empty
+            ``--api-key`` / ``$JAXPAGED_API_KEY``.
     """
     names = args.served_model_name or [
         "stories260K" if args.model == DEFAULT_MODEL else args.model]
@@ -116,6 +117,13 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"--chat-template is not a valid Jinja template: {e}") from None
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():
+        source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+        raise ValueError(f"{source} is empty: give a key, or leave it out to serve without "
+                         "one (an empty key would turn authentication off unnoticed)")
+    if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without an API key: anyone who can reach this address "
+                       "can use the model (give --api-key)", args.host)
     if args.disable_log_requests:
         logger.warning("--disable-log-requests is deprecated and has no effect: requests are "
                        "not logged unless --enable-log-requests")

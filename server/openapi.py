@@ -38,6 +38,7 @@ REQUEST_ERRORS = {
     "401": "Missing or wrong API key (servers started with --api-key)",
     "404": "The model is not served",
     "413": "The request body is too large",
+    "415": "The request body is not declared as JSON (Content-Type)",
     "500": "The engine has failed",
     "503": "The model is still loading, or the server is shutting down",
 }

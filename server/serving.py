@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -53,6 +55,22 @@ CLIENT_GONE = 499
 #: Seconds a client refused for ``--max-pending-requests`` is told to wait (``Retry-After``):
 #: about the time a waiting request needs to be scheduled under load.
 RETRY_AFTER_S = 1
+#: The one thread that tokenizes and renders chat templates for every route: off the event loop
+#: (a long prompt never delays /health or other streams) and one at a time (a fast tokenizer
+#: must not be used by two threads at once).
+_TOKENIZER_THREAD = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+#: A prompt text longer than ``max_model_len`` x this x the tokenizer's longest piece cannot
+#: fit the context whatever it tokenizes to (a safety factor for normalizers that compose
+#: characters); it is refused before it is tokenized.
+_CHARS_SAFETY_FACTOR = 4
+
+
+async def off_loop(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on the tokenizer thread; its exceptions are raised here."""
+    return await asyncio.get_running_loop().run_in_executor(
+        _TOKENIZER_THREAD, functools.partial(fn, *args, **kwargs))
+
+
 #: What an ``X-Request-Id`` header may hold: 1-128 printable ASCII characters, no spaces.
 _REQUEST_ID_HEADER = re.compile(r"[!-~]{1,128}")
 
@@ -110,6 +128,22 @@ class OpenAIServing:
         self.engine = engine
         self.config = config
         self.tokenizer = tokenizer
+        #: The most characters one token can stand for (its vocabulary's longest piece).
+        self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
+
+    def check_text_length(self, text: str, param: str) -> None:
+        """Refuse, without tokenizing it, a text too long to fit ``max_model_len`` tokens.
+
+        Raises:
+            APIError: 400 when ``text`` has more characters than ``max_model_len`` tokens of
+                the longest piece could cover (times a safety factor).
+        """
+        max_model_len = self.engine.engine.max_model_len
+        limit = max_model_len * self.max_token_chars * _CHARS_SAFETY_FACTOR
+        if len(text) > limit:
+            raise bad_request(f"the prompt has {len(text)} characters: more than any "
+                              f"{max_model_len} tokens (the maximum model length) of this "
+                              f"tokenizer can hold", param)
 
     @property
     def model_name(self) -> str:

@@ -20,7 +20,8 @@ from server.errors import bad_request, error_body
 from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
                              ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                              ChatLogprobs, ChatMessage, DeltaMessage, TokenLogprob)
-from server.serving import OpenAIServing, PreparedPrompt, clamp_logprob, sse, usage
+from server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, off_loop, sse,
+                            usage)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -80,8 +81,9 @@ class OpenAIServingChat(OpenAIServing):
             if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
                 raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
                                   f"{body.top_logprobs}", "top_logprobs")
-        ids = self.render(body.messages, body.add_generation_prompt, body.continue_final_message,
-                          body.chat_template_kwargs, body.add_special_tokens, body.chat_template)
+        ids = await off_loop(self.render, body.messages, body.add_generation_prompt,
+                             body.continue_final_message, body.chat_template_kwargs,
+                             body.add_special_tokens, body.chat_template)
         if body.max_completion_tokens is not None:
             limit_param, requested = "max_completion_tokens", body.max_completion_tokens
         else:

@@ -16,8 +16,8 @@ from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from server.errors import bad_request, error_body
 from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                              CompletionResponse, PromptLogprob)
-from server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, merge_streams, sse,
-                            usage)
+from server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, merge_streams,
+                            off_loop, sse, usage)
 
 #: OpenAI's default ``max_tokens`` for legacy completions.
 DEFAULT_MAX_TOKENS = 16
@@ -40,7 +40,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if body.best_of is not None and body.best_of != body.n:
             raise bad_request(f"best_of must equal n (best_of > n is not supported), got "
                               f"best_of={body.best_of}, n={body.n}", "best_of")
-        prompts = self._prepare_prompts(body)
+        prompts = await off_loop(self._prepare_prompts, body)
         prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = body.logprobs
@@ -75,6 +75,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(p, str):
                 if not p:
                     raise bad_request("prompt must not be empty (an empty string)", "prompt")
+                self.check_text_length(p, "prompt")
                 text, ids = p, self.tokenizer.encode(p, add_special_tokens=body.add_special_tokens)
             else:
                 if not p:

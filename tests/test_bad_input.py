@@ -214,3 +214,19 @@ def test_bad_model_directories(tmp_path):
         shutil.copy(f"{STORIES}/{f}", no_tok)
     with pytest.raises(FileNotFoundError, match="no usable tokenizer"):
         LLM(model=str(no_tok), enforce_eager=True)
+
+
+def test_float32_overflowing_temperature_and_penalty_are_refused():
+    """Found by the fresh-user review: 1e308 became inf in the float32 sampler."""
+    from jaxpaged.sampling_params import SamplingParams, SamplingParamsError
+    for field in ("temperature", "repetition_penalty"):
+        with pytest.raises(SamplingParamsError, match=rf"{field}.*at most 3\.403e\+38"):
+            SamplingParams(**{field: 1e308}).verify()
+        SamplingParams(**{field: 1e38}).verify()
+
+
+def test_too_many_bad_words_are_refused():
+    from jaxpaged.sampling_params import MAX_BAD_WORDS, SamplingParams, SamplingParamsError
+    SamplingParams(bad_words=[f"w{i}" for i in range(MAX_BAD_WORDS)]).verify()
+    with pytest.raises(SamplingParamsError, match=r"bad_words.*at most 1024 words, got 1025"):
+        SamplingParams(bad_words=[f"w{i}" for i in range(MAX_BAD_WORDS + 1)]).verify()

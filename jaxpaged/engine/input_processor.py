@@ -62,13 +62,13 @@ class InputProcessor:
     def bad_words_ids(self, params: SamplingParams) -> list[list[int]]:
         """Token sequences of each bad word, as written and with a leading space (vLLM's
         rule), without duplicates."""
-        seqs: list[list[int]] = []
+        seqs: dict[tuple[int, ...], None] = {}     # an ordered set
         for word in params.bad_words or ():
             for variant in (word, " " + word.lstrip()):
                 ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                if ids and ids not in seqs:
-                    seqs.append(ids)
-        return seqs
+                if ids:
+                    seqs[tuple(ids)] = None
+        return [list(ids) for ids in seqs]
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """The prompt's text (None for token ids) and its token ids.

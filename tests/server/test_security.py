@@ -21,7 +21,7 @@ from jaxpaged.tokenizer import load_tokenizer
 from server.launcher import make_server, server_config
 from server.serving import ServerConfig
 from tests.conftest import STORIES
-from tests.server.conftest import MAX_BODY_BYTES, MODEL, engine_args
+from tests.server.conftest import MAX_BODY_BYTES, MODEL, engine_args, wait_until
 
 KEY = "s3cret"
 PROTECTED = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
@@ -202,3 +202,91 @@ def test_log_request_flags(caplog):
 def test_default_bind_is_loopback_only():
     args = build_parser().parse_args(["serve"])
     assert args.host == "127.0.0.1"
+
+
+# ---- found by the fresh-user review of issue 10 ----------------------------------------------
+
+
+@pytest.mark.parametrize("given", [["--api-key", ""], ["--api-key", "  "]])
+def test_an_empty_api_key_is_refused(given, monkeypatch):
+    monkeypatch.delenv("JAXPAGED_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="--api-key is empty"):
+        server_config(build_parser().parse_args(["serve", *given]))
+    monkeypatch.setenv("JAXPAGED_API_KEY", "")
+    with pytest.raises(ValueError, match=r"\$JAXPAGED_API_KEY is empty"):
+        server_config(build_parser().parse_args(["serve"]))
+
+
+def test_exposed_host_without_a_key_warns(caplog, monkeypatch):
+    monkeypatch.delenv("JAXPAGED_API_KEY", raising=False)
+    with caplog.at_level(logging.WARNING, logger="server"):
+        server_config(build_parser().parse_args(["serve", "--host", "0.0.0.0"]))
+    assert "serving on 0.0.0.0 without an API key" in caplog.text
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+def test_a_body_not_declared_as_json_gets_415(http, path, content_type):
+    """A browser's cross-site "simple" request cannot reach the engine (FastAPI's rule)."""
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1})
+    r = http.post(path, content=body, headers={"Content-Type": content_type})
+    assert r.status_code == 415
+    assert r.json()["error"]["message"] == (
+        "the request body must be JSON (Content-Type: application/json), got Content-Type "
+        f"{content_type.split(';')[0]!r}")
+    for ok in ("application/json; charset=utf-8", None):
+        headers = {} if ok is None else {"Content-Type": ok}
+        assert http.post(path, content=body, headers=headers).status_code == 200
+
+
+def test_a_client_hanging_up_mid_body_is_not_an_error(live_server, http):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    watched = [logging.getLogger(n) for n in ("uvicorn.error", "server")]
+    levels = [lg.level for lg in watched]
+    for lg in watched:
+        lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+    try:
+        host, port = live_server.url.removeprefix("http://").split(":")
+        for _ in range(3):
+            with socket.create_connection((host, int(port))) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                             b"application/json\r\nContent-Length: 68\r\n\r\n{\"model\": \"st")
+        wait_until(lambda: sum("while sending its request body" in r.getMessage()
+                               for r in records) == 3, "three hang-ups logged", timeout=5)
+    finally:
+        for lg, level in zip(watched, levels):
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+    assert not [r for r in records if r.levelno >= logging.ERROR]
+    assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("template, named", [
+    ("{% for x in range(100001) %}{% endfor %}", "Range too big"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "recursion")])
+def test_runaway_request_templates_get_400(live_server, http, template, named):
+    with live_server.configured(trust_request_chat_template=True):
+        r = http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "chat_template": template})
+    assert r.status_code == 400, r.text
+    assert named in r.json()["error"]["message"]
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_untokenized(live_server, http):
+    """Refused by its length in characters (the tokenizer never sees it), and tokenizing
+    happens off the event loop: /health answers meanwhile."""
+    engine = live_server.engine.engine
+    limit = engine.max_model_len * 4 * max(map(len, engine.tokenizer.get_vocab()))
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "a" * (limit + 1)})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (
+        f"the prompt has {limit + 1} characters: more than any {engine.max_model_len} tokens "
+        "(the maximum model length) of this tokenizer can hold")
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Once " * 200})
+    assert r.status_code == 400        # tokenized (short enough to try), then too long
+    assert "maximum context length is 128 tokens" in r.json()["error"]["message"]

@@ -85,6 +85,21 @@ def test_soak_command_small(tmp_path):
     assert out.exists()
 
 
+def test_soak_waits_out_429s(live_server, stories_llm):
+    """Against a server with --max-pending-requests the soak's clients wait Retry-After and
+    retry: refusals are not failures."""
+    config = SoakConfig(num_requests=48, concurrency=16, disconnect_fraction=0, seed=3,
+                        max_tokens=8, penalty_fraction=0, min_tokens_fraction=0,
+                        logprobs_fraction=0)
+    live_server.engine.max_pending_requests = 4
+    try:
+        summary = run_soak(config, live_server.url, stories_llm, engine=live_server.engine)
+    finally:
+        live_server.engine.max_pending_requests = None
+    assert summary["problems"] == [] and summary["completed"] == config.num_requests
+    assert summary["retried_429"] > 0
+
+
 def test_soak_config_checks():
     with pytest.raises(ValueError, match="fault_fraction > 0 needs the server in this process"):
         run_soak(SoakConfig(fault_fraction=0.1), "http://127.0.0.1:1", llm=None)
