@@ -8,6 +8,7 @@ open each choice with a ``role`` delta (B19).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator
 
 from starlette.requests import Request
@@ -38,6 +39,13 @@ class OpenAIServingChat(OpenAIServing):
         """
         if not messages:
             raise bad_request("messages must not be empty", "messages")
+        own = {name for name, p in inspect.signature(
+            self.tokenizer.apply_chat_template).parameters.items()
+            if p.kind != p.VAR_KEYWORD and name not in ("tools", "documents")}
+        clash = sorted(own.intersection(template_kwargs or ()))
+        if clash:
+            raise bad_request(f"chat_template_kwargs may not set {clash}: they are arguments "
+                              "of the template rendering itself", "chat_template_kwargs")
         conversation = []
         for m in messages:
             content = m.content if isinstance(m.content, str) or m.content is None else \

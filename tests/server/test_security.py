@@ -290,3 +290,14 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_untokenized(live_serv
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Once " * 200})
     assert r.status_code == 400        # tokenized (short enough to try), then too long
     assert "maximum context length is 128 tokens" in r.json()["error"]["message"]
+
+
+def test_chat_template_kwargs_cannot_set_the_renderings_own_arguments(http):
+    r = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+        "chat_template_kwargs": {"tokenize": True, "add_generation_prompt": False, "x": 1}})
+    assert r.status_code == 400
+    assert r.json()["error"] == {
+        "message": "chat_template_kwargs may not set ['add_generation_prompt', 'tokenize']: "
+                   "they are arguments of the template rendering itself",
+        "type": "invalid_request_error", "param": "chat_template_kwargs", "code": 400}
