@@ -198,8 +198,7 @@ class KVCacheManager:
         page_id, _ = self._free.popitem(last=False)
         page = self._pages[page_id]
         if page.page_hash is not None:     # evict it from the cache
-            del self._cached[page.page_hash]
-            page.page_hash, page.token_ids, page.parent = None, (), None
+            self._uncache(page)
             self.stats.evictions += 1
         page.ref_cnt = 1
         return page_id
@@ -261,10 +260,7 @@ class KVCacheManager:
         if table is None:
             return
         for page_id in table.pages[num_tokens // self.page_size:]:
-            page = self._pages[page_id]
-            if page.page_hash is not None:
-                del self._cached[page.page_hash]
-            page.page_hash, page.token_ids, page.parent = None, (), None
+            self._uncache(self._pages[page_id])
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached page (the device pool's contents were lost); needs every page
@@ -276,10 +272,15 @@ class KVCacheManager:
         if self.num_used_pages:
             raise RuntimeError(f"cannot reset the prefix cache: {self.num_used_pages} pages "
                                "are still in use")
-        self._cached.clear()
         for page in self._pages:
-            page.page_hash, page.token_ids, page.parent = None, (), None
+            self._uncache(page)
         self._pending_copies.clear()
+
+    def _uncache(self, page) -> None:
+        """Forget ``page``'s prefix-cache entry and contents (no-op for an uncached page)."""
+        if page.page_hash is not None:
+            del self._cached[page.page_hash]
+        page.page_hash, page.token_ids, page.parent = None, (), None
 
     def free(self, request_id: str) -> None:
         """Release every page of ``request_id`` (no-op if it holds none). Pages whose count
