@@ -226,7 +226,8 @@ class ModelRunner:
         with_logprobs = any(s.request.params.logprobs is not None for s in sched.scheduled)
         with_prompt = any(s.request.params.prompt_logprobs is not None
                           and s.start < s.request.num_prompt_tokens - 1 for s in sched.scheduled)
-        layout, input_ids, prompt_targets, logits_indices = self._layout(sched, kv, owners)
+        layout, input_ids, prompt_targets, logits_indices = self._layout(sched, kv, owners,
+                                                                         with_prompt)
         metadata = self._metadata(layout)
         sampling = SamplingMetadata.from_host(rows, layout.seq_lens.shape[0])
         adjust = (pack(adjustments, layout.seq_lens.shape[0])
@@ -338,13 +339,16 @@ class ModelRunner:
                                 max(num_rows, min(t_pad, self._limits.max_num_seqs)))
         return t_pad, b_pad, pick_bucket(self._page_buckets, max_pages)
 
-    def _layout(self, sched: SchedulerOutput, kv: KVCacheManager, owners: list[int]):
+    def _layout(self, sched: SchedulerOutput, kv: KVCacheManager, owners: list[int],
+                with_prompt_targets: bool):
         num_seqs, num_tokens = len(sched.scheduled), sched.num_tokens
         max_pages = max(len(kv.page_table(s.request.request_id)) for s in sched.scheduled)
         t_pad, b_pad, p_pad = self._pad_sizes(num_tokens, num_seqs, len(owners), max_pages,
                                               num_tokens == num_seqs)
         input_ids = np.zeros(t_pad, np.int32)
-        prompt_targets = np.zeros(t_pad, np.int32)
+        # each row's next prompt token, only for a step that scores prompts (None otherwise:
+        # no host work or transfer)
+        prompt_targets = np.zeros(t_pad, np.int32) if with_prompt_targets else None
         positions = np.zeros(t_pad, np.int32)
         slot_mapping = np.full(t_pad, NULL_PAGE * self._page_size, np.int32)
         page_table = np.full((b_pad, p_pad), NULL_PAGE, np.int32)
@@ -356,8 +360,9 @@ class ModelRunner:
             rid, start, n = s.request.request_id, s.start, s.num_new_tokens
             query_start_loc[i] = t
             input_ids[t:t + n] = s.request.all_token_ids[start:start + n]
-            following = s.request.all_token_ids[start + 1:start + n + 1]
-            prompt_targets[t:t + len(following)] = following
+            if prompt_targets is not None:
+                following = s.request.all_token_ids[start + 1:start + n + 1]
+                prompt_targets[t:t + len(following)] = following
             positions[t:t + n] = np.arange(start, start + n)
             slot_mapping[t:t + n] = kv.slots(rid, start, start + n)
             table = kv.page_table(rid)
@@ -383,7 +388,7 @@ class ModelRunner:
 
     def _dummy_args(self, layout: BatchLayout):
         t_pad, b_pad = layout.positions.shape[0], layout.seq_lens.shape[0]
-        return (np.zeros(t_pad, np.int32), np.zeros(t_pad, np.int32), np.zeros(b_pad, np.int32),
+        return (np.zeros(t_pad, np.int32), None, np.zeros(b_pad, np.int32),
                 self._metadata(layout), SamplingMetadata.from_host([], b_pad), None)
 
     def profile_peak_bytes(self) -> int | None:
