@@ -139,6 +139,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
             raise bad_request("give exactly one of prompt and messages", "prompt")
         if body.prompt is not None:
             special = True if body.add_special_tokens is None else body.add_special_tokens
+            completion.check_text_length(body.prompt, "prompt")
             ids = await off_loop(tokenizer.encode, body.prompt, add_special_tokens=special)
         else:
             ids = await off_loop(chat.render, body.messages, body.add_generation_prompt,

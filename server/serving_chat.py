@@ -62,6 +62,7 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request(str(e), "messages") from None
         except ValueError as e:
             raise bad_request(str(e), None) from None
+        self.check_text_length(text, "messages")
         ids = (self.tokenizer.encode(text, add_special_tokens=True) if add_special_tokens
                else encode_chat(self.tokenizer, text))
         if not ids:

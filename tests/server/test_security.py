@@ -282,11 +282,21 @@ def test_a_prompt_too_long_for_any_tokenization_is_refused_untokenized(live_serv
     happens off the event loop: /health answers meanwhile."""
     engine = live_server.engine.engine
     limit = engine.max_model_len * 4 * max(map(len, engine.tokenizer.get_vocab()))
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "a" * (limit + 1)})
-    assert r.status_code == 400
-    assert r.json()["error"]["message"] == (
-        f"the prompt has {limit + 1} characters: more than any {engine.max_model_len} tokens "
-        "(the maximum model length) of this tokenizer can hold")
+    long_text = "a" * (limit + 1)
+    for path, body, param in (
+            ("/v1/completions", {"prompt": long_text}, "prompt"),
+            ("/tokenize", {"prompt": long_text}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]},
+             "messages")):
+        r = http.post(path, json={"model": MODEL, **body})
+        assert r.status_code == 400, path
+        error = r.json()["error"]
+        assert error["param"] == param
+        # a chat's rendered text adds the template's characters to the message's
+        count = str(limit + 1) if param == "prompt" else str(limit + 1 + len("user: \nassistant:"))
+        assert error["message"] == (
+            f"the prompt has {count} characters: more than any {engine.max_model_len} tokens "
+            "(the maximum model length) of this tokenizer can hold")
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Once " * 200})
     assert r.status_code == 400        # tokenized (short enough to try), then too long
     assert "maximum context length is 128 tokens" in r.json()["error"]["message"]
