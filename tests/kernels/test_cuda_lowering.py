@@ -17,6 +17,7 @@ from pallas_kernels.lowering import lower_for_cuda
 from pallas_kernels.paged_attention import paged_decode_attention
 from pallas_kernels.paged_attention_v1 import paged_attention
 from pallas_kernels.prefill_attention import paged_prefill_attention
+from pallas_kernels.schedule_check import capture_ttir
 
 # Llama-3-8B attention: 32 query heads, 8 KV heads, head_dim 128, page 16, bf16.
 QH, KVH = 32, 8
@@ -134,6 +135,10 @@ def test_kv_write_lowers_for_h200(dtype, num_kv_heads, head_dim):
     assert triton_calls(text) == 1
     assert "output_operand_aliases" in text  # the pool is aliased, not copied
     assert "grid_x = 2048 : i32" in text     # one program per token
+    (kernel,) = capture_ttir(functools.partial(write_kv, interpret=False), pool, pool, rows,
+                             rows, sds((2048,), jnp.int32))
+    stores = re.findall(r"tt\.store %\S+, %\S+ : tensor<([\dx]+)x", kernel.ttir)
+    assert stores == (["8x128"] * 2 if num_kv_heads == 8 else ["64"] * 24)
 
 
 
