@@ -7,8 +7,8 @@ sequence (32 in the engine) times the ``G`` query heads sharing the KV head, so
 keeps the tensor cores busy (FlashAttention-2, Dao 2023, algorithm 1 and section 3.2: one
 program per query block, K/V tiles streamed through shared memory). The tiles are 64 keys
 for up to 128 rows and 32 keys above that (register budget), walked with the prefetching loop
-of :mod:`pallas_kernels.attention_tiles`; ``num_warps`` 8 from 128 rows, 4 below, and
-``num_stages`` 3. Only tiles holding keys some row can see are visited (up to the block's
+of :mod:`pallas_kernels.attention_tiles`; ``num_warps`` 4 up to 64 rows, 8 at 128, 16 above
+(:func:`prefill_launch`), and ``num_stages`` 3. Only tiles holding keys some row can see are visited (up to the block's
 last position; from the first inside the sliding window). No split-K: a prefill step has
 enough query blocks to fill the GPU.
 
@@ -34,8 +34,12 @@ PREFILL_STAGES = 3
 
 
 def prefill_launch(rows: int) -> tuple[int, int]:
-    """(KV tile keys, num_warps) for a program of ``rows`` query rows."""
-    return (64 if rows <= 128 else 32), (8 if rows >= 128 else 4)
+    """(KV tile keys, num_warps) for a program of ``rows`` query rows: 64 keys and 4 warps up
+    to 64 rows, 8 warps at 128 rows; 32 keys and 16 warps above (256 rows at G = 8 take 255
+    registers and spill with 8 warps, 128 with 16 on sm_90: ``schedule_check``)."""
+    if rows <= 128:
+        return 64, (8 if rows == 128 else 4)
+    return 32, 16
 
 
 def _prefill_kernel(q_ref, row_pos_ref, block_seq_ref, page_table_ref, k_ref, v_ref, o_ref, *,

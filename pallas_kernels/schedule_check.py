@@ -119,6 +119,7 @@ class ScheduleFacts:
             0 when the tiles are not staged through shared memory at all).
         async_waits: the ``num`` of every ``ttg.async_wait`` in the kernel.
         registers: registers per thread (cuobjdump's REG).
+        stack: stack frame per thread in bytes (cuobjdump's STACK; register spills go there).
         shared: shared memory per program in bytes.
         num_warps: warps per program.
     """
@@ -126,6 +127,7 @@ class ScheduleFacts:
     tile_buffers: int
     async_waits: tuple[int, ...]
     registers: int
+    stack: int
     shared: int
     num_warps: int
 
@@ -146,12 +148,13 @@ class ScheduleFacts:
     def describe(self) -> str:
         """One line for logs and notes."""
         return (f"buffers={self.tile_buffers} async_wait nums={list(self.async_waits)} "
-                f"registers={self.registers} shared={self.shared} B "
+                f"registers={self.registers} stack={self.stack} B shared={self.shared} B "
                 f"programs/SM={self.programs_per_sm}")
 
 
-def _cubin_registers(cubin: bytes) -> int:
-    """Registers per thread from cuobjdump (Triton's bundled copy, else one on PATH)."""
+def _cubin_resources(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) per thread from cuobjdump (Triton's bundled copy, else one on
+    PATH)."""
     from triton.backends.nvidia import compiler as nvidia
     tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
@@ -161,7 +164,7 @@ def _cubin_registers(cubin: bytes) -> int:
         out = subprocess.run([tool if os.path.exists(tool) else "cuobjdump",
                               "--dump-resource-usage", path],
                              capture_output=True, text=True, check=True).stdout
-    return int(re.search(r"REG:(\d+)", out).group(1))
+    return int(re.search(r"REG:(\d+)", out).group(1)), int(re.search(r"STACK:(\d+)", out).group(1))
 
 
 def schedule_facts(compiled, *, tile_keys: int, head_dim: int) -> ScheduleFacts:
@@ -175,8 +178,9 @@ def schedule_facts(compiled, *, tile_keys: int, head_dim: int) -> ScheduleFacts:
                        ttgir)
     waits = tuple(int(n) for n in re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+) : i32\}",
                                              ttgir))
+    registers, stack = _cubin_resources(compiled.asm["cubin"])
     return ScheduleFacts(tile_buffers=max(buffers, default=1 if single else 0),
-                         async_waits=waits, registers=_cubin_registers(compiled.asm["cubin"]),
+                         async_waits=waits, registers=registers, stack=stack,
                          shared=int(compiled.metadata.shared),
                          num_warps=int(compiled.metadata.num_warps))
 

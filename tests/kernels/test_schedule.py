@@ -35,6 +35,7 @@ def test_v2_decode_keeps_tiles_in_flight_with_4_programs_per_sm(kv_dtype):
     assert facts.tile_buffers >= 2
     assert max(facts.async_waits) > 0
     assert facts.programs_per_sm >= PROGRAMS_PER_SM
+    assert facts.stack == 0                                 # no register spills
     assert passes(facts, PROGRAMS_PER_SM)
 
 
@@ -44,6 +45,7 @@ def test_v2_prefill_keeps_tiles_in_flight():
     assert facts.tile_buffers >= 2
     assert max(facts.async_waits) > 0
     assert facts.programs_per_sm >= 1
+    assert facts.stack == 0
 
 
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
