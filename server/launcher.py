@@ -27,8 +27,8 @@ from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs, cli_error_messa
 from jaxpaged.engine.async_engine import AsyncEngine, run_follower
 from jaxpaged.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from jaxpaged.tokenizer import load_tokenizer
-from server.app import build_app
-from server.serving import ServerConfig
+from jaxpaged.server.app import build_app
+from jaxpaged.server.serving import ServerConfig
 
 logger = logging.getLogger("server")
 

@@ -11,7 +11,7 @@ from pydantic.json_schema import models_json_schema
 
 from jaxpaged.sampling_params import MAX_LOGPROBS
 
-from server.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+from jaxpaged.server.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                              CompletionRequest, CompletionResponse, DetokenizeRequest,
                              DetokenizeResponse, ErrorResponse, ModelList, TokenizeRequest,
                              TokenizeResponse, VersionResponse)
