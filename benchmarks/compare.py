@@ -30,12 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged import LLM
 from jaxpaged.benchmarks.baselines.checkpoint import write_random_checkpoint
 from jaxpaged.benchmarks.datasets import ROOT, SampleRequest, load_w1, random_requests, w1_requests
 from jaxpaged.benchmarks.plots import plot_throughput_by_engine, plot_throughput_vs_max_num_seqs
 from jaxpaged.benchmarks.results import plot_next_to, write_outputs
 from jaxpaged.benchmarks.throughput import measure, run_requests, shifted
-from jaxpaged import LLM
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.tensor_parallel import request_host_devices
 

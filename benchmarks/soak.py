@@ -60,7 +60,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxpaged.benchmarks.results import distribution, write_outputs
 from jaxpaged.benchmarks.serve import (DONE, auth_headers, http_client, run_limited, served_model,
-                              sse_payloads)
+                                       sse_payloads)
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.sampling_params import SamplingParams
 

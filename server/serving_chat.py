@@ -19,10 +19,11 @@ from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import MAX_LOGPROBS
 from jaxpaged.server.errors import bad_request, error_body
 from jaxpaged.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
-                             ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                             ChatLogprobs, ChatMessage, DeltaMessage, TokenLogprob)
+                                      ChatCompletionChunk, ChatCompletionRequest,
+                                      ChatCompletionResponse, ChatLogprobs, ChatMessage,
+                                      DeltaMessage, TokenLogprob)
 from jaxpaged.server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, off_loop, sse,
-                            usage)
+                                     usage)
 
 
 class OpenAIServingChat(OpenAIServing):

@@ -15,9 +15,9 @@ from starlette.responses import Response
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.server.errors import bad_request, error_body
 from jaxpaged.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                             CompletionResponse, PromptLogprob)
+                                      CompletionResponse, PromptLogprob)
 from jaxpaged.server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, merge_streams,
-                            off_loop, sse, usage)
+                                     off_loop, sse, usage)
 
 #: OpenAI's default ``max_tokens`` for legacy completions.
 DEFAULT_MAX_TOKENS = 16

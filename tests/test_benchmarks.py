@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from jaxpaged.benchmarks import latency, throughput
-from jaxpaged.benchmarks.datasets import (prefix_repetition_requests, random_requests, sharegpt_requests,
-                                 w1_requests)
+from jaxpaged.benchmarks.datasets import (prefix_repetition_requests, random_requests,
+                                          sharegpt_requests, w1_requests)
 from jaxpaged.cli import build_parser
 from jaxpaged.tokenizer import load_tokenizer
 from tests.conftest import LLAMA2_TOKENIZER

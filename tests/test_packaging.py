@@ -109,8 +109,9 @@ def test_editable_install_imports_beside_a_clone_named_jaxpaged(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=120)
     python = str(venv / "bin" / "python")
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = subprocess.run([python, "-c", purelib], capture_output=True, text=True,
+                          check=True).stdout.strip()
     # The dependencies come from this interpreter's site-packages (a plain path entry: its own
     # .pth files, this checkout's editable install among them, are not run).
     Path(site, "_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")

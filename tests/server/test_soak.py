@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from jaxpaged import SamplingParams
 from jaxpaged.benchmarks import soak
 from jaxpaged.benchmarks.soak import SoakConfig, near_tie, run_soak
-from jaxpaged import SamplingParams
 from jaxpaged.cli import build_parser
 from jaxpaged.server.serving import ServerConfig
 from tests.server.conftest import MAX_MODEL_LEN, MODEL, PLAIN_TEMPLATE, LiveServer, engine_args
