@@ -29,7 +29,7 @@ timeout 50 python3 benchmarks/kernels/paged_attention.py --mode mixed \
     2>&1 | tee "$OUT/bench_mixed.log"
 
 for backend in pallas xla; do
-    timeout 90 python3 -m benchmarks.throughput --model configs/models/llama3-8b-shape \
+    timeout 90 python3 -m jaxpaged.benchmarks.throughput --model configs/models/llama3-8b-shape \
         --tokenizer configs/tokenizers/llama2 --load-format dummy --dtype bfloat16 \
         --attention-backend "$backend" --max-model-len 1024 --max-num-seqs 64 \
         --max-num-batched-tokens 2048 --dataset-name random --num-prompts 64 \

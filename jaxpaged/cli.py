@@ -48,14 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine start-up details")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
 
-    from server.launcher import add_server_args
+    from jaxpaged.server.launcher import add_server_args
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="model directory (same as --model)")
     EngineArgs.add_cli_args(serve)
     add_server_args(serve)
 
-    from benchmarks import latency, serve as serve_bench, soak, throughput
+    from jaxpaged.benchmarks import latency, serve as serve_bench, soak, throughput
     bench = sub.add_parser("bench", help="benchmarks (vllm bench equivalents)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     for name, module, text in (
@@ -86,7 +86,7 @@ def _main(argv: list[str] | None) -> int:
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("jax").setLevel(logging.WARNING)   # backend probing is not news
     if args.command == "bench":
-        from benchmarks import latency, serve as serve_bench, soak, throughput
+        from jaxpaged.benchmarks import latency, serve as serve_bench, soak, throughput
 
         module = {"throughput": throughput, "latency": latency, "serve": serve_bench,
                   "soak": soak}
@@ -97,7 +97,7 @@ def _main(argv: list[str] | None) -> int:
             return 2
         return 0
     if args.command == "serve":
-        from server.launcher import run_server
+        from jaxpaged.server.launcher import run_server
 
         if args.model_tag is not None:
             args.model = args.model_tag

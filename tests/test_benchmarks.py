@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks import latency, throughput
-from benchmarks.datasets import (prefix_repetition_requests, random_requests, sharegpt_requests,
-                                 w1_requests)
+from jaxpaged.benchmarks import latency, throughput
+from jaxpaged.benchmarks.datasets import (prefix_repetition_requests, random_requests,
+                                          sharegpt_requests, w1_requests)
 from jaxpaged.cli import build_parser
 from jaxpaged.tokenizer import load_tokenizer
 from tests.conftest import LLAMA2_TOKENIZER
@@ -81,7 +81,7 @@ def test_sharegpt_file(tmp_path):
     (["--data-parallel-size", "2"], "jaxpaged dp=2", {"jaxpaged tp=1", "contiguous-static-8"}),
 ])
 def test_compare_small(tmp_path, flags, ours, others):
-    from benchmarks import compare
+    from jaxpaged.benchmarks import compare
 
     result = compare.main(["--small", "--output-dir", str(tmp_path), "--work-dir",
                            str(tmp_path / "work"), *flags])

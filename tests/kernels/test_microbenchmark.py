@@ -2,7 +2,7 @@
 
 import json
 
-from benchmarks.kernels import paged_attention as bench
+from jaxpaged.benchmarks.kernels import paged_attention as bench
 
 
 def test_microbenchmark_smoke(tmp_path, capsys):
