@@ -65,6 +65,22 @@ def plan_rotation(set_bytes: int, rotate_bytes: int, bytes_per_call: int,
     return sets, reps
 
 
+def make_sweep(step: Callable, reps: int) -> Callable:
+    """``sweep(donated, constants) -> (donated, checksum)``: ``step`` over every input set in
+    turn, ``reps`` times (unrolled), each set's donated arrays threaded through; the float32
+    checksum adds one element of every output so that no forward is dead code."""
+    def sweep(donated, constants):
+        checksum = jnp.zeros((), jnp.float32)
+        donated = list(donated)
+        for _ in range(reps):
+            for i, const in enumerate(constants):
+                donated[i], out = step(donated[i], const)
+                checksum = checksum + out.reshape(-1)[0].astype(jnp.float32)
+        return tuple(donated), checksum
+
+    return sweep
+
+
 def time_sweep(step: Callable, donated: tuple, constants: tuple, *, reps: int,
                trial_s: float, max_trials: int, time_limit_s: float) -> tuple[Timing, tuple]:
     """Time ``step`` over the rotated input sets.
@@ -81,17 +97,8 @@ def time_sweep(step: Callable, donated: tuple, constants: tuple, *, reps: int,
     Returns:
         (the :class:`Timing`, the donated arrays after the last call).
     """
-    def sweep(donated, constants):
-        checksum = jnp.zeros((), jnp.float32)
-        donated = list(donated)
-        for _ in range(reps):
-            for i, const in enumerate(constants):
-                donated[i], out = step(donated[i], const)
-                checksum = checksum + out.reshape(-1)[0].astype(jnp.float32)  # keeps it live
-        return tuple(donated), checksum
-
     t0 = time.perf_counter()
-    call = jax.jit(sweep, donate_argnums=0).lower(donated, constants).compile()
+    call = jax.jit(make_sweep(step, reps), donate_argnums=0).lower(donated, constants).compile()
     compile_s = time.perf_counter() - t0
     start = time.perf_counter()
     donated, checksum = call(donated, constants)                       # warm-up

@@ -131,6 +131,17 @@ def parse_args(argv):
     return args
 
 
+def forward_step(backend, scale: float):
+    """``step(kv_pages, (q, k, v, metadata)) -> (kv_pages, output)``: one ``backend.forward``
+    (the step's KV write, then attention), the unit that ``device_timing`` rotates."""
+    def step(kv_pages, const):
+        q, k, v, metadata = const
+        out, kv_pages = backend.forward(q, k, v, kv_pages, metadata, scale=scale)
+        return kv_pages, out
+
+    return step
+
+
 def run_case(case, backends, shape, args, peaks, copy_bps, deadline, rows_by_case):
     """Measure ``case`` on every backend; returns its row."""
     rng = np.random.default_rng(case.batch * 7 + case.context)
@@ -164,14 +175,8 @@ def run_case(case, backends, shape, args, peaks, copy_bps, deadline, rows_by_cas
             backend = backend.with_kv_scales(*cases_mod.FP8_SCALES)
         meta = cases_mod.step_metadata(backend, layout)
         constants = tuple((s["q"], s["k"], s["v"], meta) for s in sets)
-
-        def step(kv_pages, const, backend=backend):
-            q, k, v, metadata = const
-            out, kv_pages = backend.forward(q, k, v, kv_pages, metadata, scale=scale)
-            return kv_pages, out
-
         try:
-            timing, pools = time_sweep(step, pools, constants, reps=reps,
+            timing, pools = time_sweep(forward_step(backend, scale), pools, constants, reps=reps,
                                        trial_s=args.trial_ms / 1e3, max_trials=args.trials,
                                        time_limit_s=min(args.row_time_limit, left))
         except Exception as e:  # noqa: BLE001 - one backend failing (e.g. memory) ends only its row

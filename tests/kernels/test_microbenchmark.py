@@ -1,14 +1,21 @@
 """The kernel microbenchmark (benchmarks/kernels/paged_attention.py) on a CPU: tiny shapes in
-interpret mode, its byte and FLOP counts, its rotation plan, budget and variant selection."""
+interpret mode, its byte and FLOP counts, its rotation plan, budget and variant selection, and
+its timed call cross-lowered for an H200."""
 
+import dataclasses
 import json
+import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from benchmarks.kernels import attention_cases as cases
 from benchmarks.kernels import paged_attention as bench
-from benchmarks.kernels.device_timing import plan_rotation
+from benchmarks.kernels.device_timing import make_sweep, plan_rotation
+from pallas_kernels.kv_quant import FP8_DTYPE
+from pallas_kernels.lowering import cuda_lowering_context
 
 
 def test_smoke_run_rows_ratios_and_counts(tmp_path, capsys):
@@ -102,3 +109,32 @@ def test_plan_rotation():
     assert plan_rotation(1_073_741_824, 256_000_000, 512_000_000) == (2, 1)
     # tiny sets: capped at 32 forwards a call
     assert plan_rotation(1000, 256_000_000, 512_000_000) == (32, 1)
+
+
+@pytest.mark.parametrize("name", ["decode:64x4096:fp8", "mixed:64x4096"])
+def test_benchmark_step_lowers_for_an_h200_with_pools_donated(name):
+    """The jitted call the benchmark times, at Llama-3-8B shapes, cross-lowered for an H200
+    (abstract inputs, no memory): Pallas (Triton) kernels for every variant, and all four pools
+    of its two input sets aliased to outputs, so the KV writes stay in place on the GPU."""
+    shape = cases.Shape(32, 8, 128, 16, "bfloat16")
+    case = cases.parse_case(name)
+    layout, num_pages = cases.build_layout(cases.sequences(case, 2048), 16,
+                                           np.random.default_rng(0))
+    abstract = lambda shape_, dtype: jax.ShapeDtypeStruct(shape_, dtype)
+    pool = (abstract((num_pages, 16, 8, 128), FP8_DTYPE if case.fp8 else jnp.bfloat16),) * 2
+    t = layout.num_tokens
+    for backend in bench.make_backends(list(bench.available_kernels()), False).values():
+        backend = dataclasses.replace(backend, interpret=False)
+        if case.fp8:
+            backend = backend.with_kv_scales(*cases.FP8_SCALES)
+        meta = {k: abstract(v.shape, v.dtype)
+                for k, v in cases.step_metadata(backend, layout).items()}
+        const = (abstract((t, 32, 128), jnp.bfloat16), abstract((t, 8, 128), jnp.bfloat16),
+                 abstract((t, 8, 128), jnp.bfloat16), meta)
+        with cuda_lowering_context():
+            text = jax.jit(make_sweep(bench.forward_step(backend, 128 ** -0.5), 1),
+                           donate_argnums=0).trace((pool, pool), (const, const)).lower(
+                lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text
+        main = text[text.index("func.func public @main"):].split("\n", 1)[0]
+        assert [int(i) for i in re.findall(r"tf.aliasing_output = (\d+)", main)] == [0, 1, 2, 3]
