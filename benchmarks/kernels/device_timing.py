@@ -4,12 +4,13 @@ Method (the advice of NVIDIA's and Triton's benchmarking guides: warm up, time a
 work with a synchronisation at the end, rotate inputs larger than the cache, take the median
 of repeats):
 
-- The work is cut into *input sets* whose total size is at least ``rotate_bytes`` (> 100 MB
-  by default, against the 50-60 MB L2 of an H100/H200), so consecutive uses of one set are a
+- The work is cut into *input sets* whose total size is at least ``rotate_bytes`` (128 MB by
+  default, against the 50-60 MB L2 of an H100/H200), so consecutive uses of one set are a
   whole rotation apart and its data comes from HBM.
 - One jitted *call* runs the step over every set in turn, ``reps`` times (an unrolled Python
-  loop inside one jit), so one dispatch carries enough device work (``bytes_per_call``) to
-  outlast the host's dispatch of the next call. Pools are donated and threaded through, so
+  loop inside one jit, at most :data:`MAX_FORWARDS`), so one dispatch carries enough device
+  work (``bytes_per_call``) to outlast the host's dispatch of the next call; the step's
+  metadata, the same for every set, is passed once a call. Pools are donated and threaded through, so
   the KV writes happen in place as in the engine.
 - A *trial* is ``n`` calls dispatched back to back with one ``block_until_ready`` at the end;
   ``n`` is calibrated so that a trial lasts about ``trial_s``. The result is the median over
@@ -53,8 +54,12 @@ class Timing:
     host_bound: bool
 
 
+#: Forwards in one jitted call at most: each is a copy of the step in the compiled program.
+MAX_FORWARDS = 8
+
+
 def plan_rotation(set_bytes: int, rotate_bytes: int, bytes_per_call: int,
-                  max_forwards: int = 32) -> tuple[int, int]:
+                  max_forwards: int = MAX_FORWARDS) -> tuple[int, int]:
     """(number of input sets, repetitions of the sweep per call): at least two sets and at
     least ``rotate_bytes`` over all of them; enough sweeps that one call moves about
     ``bytes_per_call``, at most ``max_forwards`` forwards a call."""
@@ -66,30 +71,31 @@ def plan_rotation(set_bytes: int, rotate_bytes: int, bytes_per_call: int,
 
 
 def make_sweep(step: Callable, reps: int) -> Callable:
-    """``sweep(donated, constants) -> (donated, checksum)``: ``step`` over every input set in
-    turn, ``reps`` times (unrolled), each set's donated arrays threaded through; the float32
-    checksum adds one element of every output so that no forward is dead code."""
-    def sweep(donated, constants):
+    """``sweep(donated, constants, shared) -> (donated, checksum)``: ``step`` over every input
+    set in turn, ``reps`` times (unrolled), each set's donated arrays threaded through; the
+    float32 checksum adds one element of every output so that no forward is dead code."""
+    def sweep(donated, constants, shared):
         checksum = jnp.zeros((), jnp.float32)
         donated = list(donated)
         for _ in range(reps):
             for i, const in enumerate(constants):
-                donated[i], out = step(donated[i], const)
+                donated[i], out = step(donated[i], const, shared)
                 checksum = checksum + out.reshape(-1)[0].astype(jnp.float32)
         return tuple(donated), checksum
 
     return sweep
 
 
-def time_sweep(step: Callable, donated: tuple, constants: tuple, *, reps: int,
+def time_sweep(step: Callable, donated: tuple, constants: tuple, shared, *, reps: int,
                trial_s: float, max_trials: int, time_limit_s: float) -> tuple[Timing, tuple]:
     """Time ``step`` over the rotated input sets.
 
     Args:
-        step: ``step(donated_i, constants_i) -> (new donated_i, output)`` for one input set,
-            traceable (it is jitted here).
+        step: ``step(donated_i, constants_i, shared) -> (new donated_i, output)`` for one
+            input set, traceable (it is jitted here).
         donated: per-set arrays updated in place (the KV pools), one entry per set.
-        constants: per-set read-only arrays (queries, new K/V rows, metadata).
+        constants: per-set read-only arrays (queries, new K/V rows).
+        shared: read-only arrays of every set (the step's metadata), passed once a call.
         reps: sweeps over all sets per call.
         trial_s: target seconds per trial; max_trials: trials at most.
         time_limit_s: no new trial starts after this many seconds (one always runs).
@@ -98,13 +104,14 @@ def time_sweep(step: Callable, donated: tuple, constants: tuple, *, reps: int,
         (the :class:`Timing`, the donated arrays after the last call).
     """
     t0 = time.perf_counter()
-    call = jax.jit(make_sweep(step, reps), donate_argnums=0).lower(donated, constants).compile()
+    call = jax.jit(make_sweep(step, reps), donate_argnums=0).lower(donated, constants,
+                                                                    shared).compile()
     compile_s = time.perf_counter() - t0
     start = time.perf_counter()
-    donated, checksum = call(donated, constants)                       # warm-up
+    donated, checksum = call(donated, constants, shared)                       # warm-up
     jax.block_until_ready((donated, checksum))
     t0 = time.perf_counter()
-    donated, checksum = call(donated, constants)
+    donated, checksum = call(donated, constants, shared)
     jax.block_until_ready((donated, checksum))
     per_call = max(time.perf_counter() - t0, 1e-6)
     n = max(1, min(1000, round(trial_s / per_call)))
@@ -114,7 +121,7 @@ def time_sweep(step: Callable, donated: tuple, constants: tuple, *, reps: int,
                         and time.perf_counter() - start < time_limit_s):
         t0 = time.perf_counter()
         for _ in range(n):
-            donated, checksum = call(donated, constants)
+            donated, checksum = call(donated, constants, shared)
         t_dispatch = time.perf_counter() - t0
         jax.block_until_ready((donated, checksum))
         times.append((time.perf_counter() - t0) / forwards)

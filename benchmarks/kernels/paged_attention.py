@@ -106,7 +106,7 @@ def parse_args(argv):
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--prefill-chunk", type=int, default=2048,
                    help="tokens of a prefill chunk (prefill and mixed cases)")
-    p.add_argument("--rotate-bytes", type=float, default=256e6,
+    p.add_argument("--rotate-bytes", type=float, default=128e6,
                    help="distinct input bytes rotated per case (> L2)")
     p.add_argument("--bytes-per-call", type=float, default=512e6,
                    help="device bytes one jitted call should move (hides dispatch)")
@@ -132,10 +132,10 @@ def parse_args(argv):
 
 
 def forward_step(backend, scale: float):
-    """``step(kv_pages, (q, k, v, metadata)) -> (kv_pages, output)``: one ``backend.forward``
+    """``step(kv_pages, (q, k, v), metadata) -> (kv_pages, output)``: one ``backend.forward``
     (the step's KV write, then attention), the unit that ``device_timing`` rotates."""
-    def step(kv_pages, const):
-        q, k, v, metadata = const
+    def step(kv_pages, const, metadata):
+        q, k, v = const
         out, kv_pages = backend.forward(q, k, v, kv_pages, metadata, scale=scale)
         return kv_pages, out
 
@@ -174,9 +174,10 @@ def run_case(case, backends, shape, args, peaks, copy_bps, deadline, rows_by_cas
         if case.fp8:
             backend = backend.with_kv_scales(*cases_mod.FP8_SCALES)
         meta = cases_mod.step_metadata(backend, layout)
-        constants = tuple((s["q"], s["k"], s["v"], meta) for s in sets)
+        constants = tuple((s["q"], s["k"], s["v"]) for s in sets)
         try:
-            timing, pools = time_sweep(forward_step(backend, scale), pools, constants, reps=reps,
+            timing, pools = time_sweep(forward_step(backend, scale), pools, constants, meta,
+                                       reps=reps,
                                        trial_s=args.trial_ms / 1e3, max_trials=args.trials,
                                        time_limit_s=min(args.row_time_limit, left))
         except Exception as e:  # noqa: BLE001 - one backend failing (e.g. memory) ends only its row

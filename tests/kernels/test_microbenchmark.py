@@ -103,12 +103,13 @@ def test_parse_case():
 
 
 def test_plan_rotation():
-    # batch 1 / context 8192 bf16 at 8B shapes: a 33.6 MB pool -> 8 sets (268 MB), 2 sweeps a call
-    assert plan_rotation(33_554_432, 256_000_000, 512_000_000) == (8, 2)
-    # batch 64 / context 4096: 1.07 GB a set -> the minimum two sets, one sweep
-    assert plan_rotation(1_073_741_824, 256_000_000, 512_000_000) == (2, 1)
-    # tiny sets: capped at 32 forwards a call
-    assert plan_rotation(1000, 256_000_000, 512_000_000) == (32, 1)
+    # batch 1 / context 8192 bf16 at 8B shapes: a 33.6 MB pool -> 4 sets (134 MB), 2 sweeps a
+    # call (8 forwards, the most a call holds)
+    assert plan_rotation(33_554_432, 128_000_000, 512_000_000) == (4, 2)
+    # batch 33: 554 MB a set -> the minimum two sets, one sweep
+    assert plan_rotation(554_000_000, 128_000_000, 512_000_000) == (2, 1)
+    # tiny sets: capped at 8 forwards a call
+    assert plan_rotation(1000, 128_000_000, 512_000_000) == (8, 1)
 
 
 @pytest.mark.parametrize("name", ["decode:64x4096:fp8", "mixed:64x4096"])
@@ -130,10 +131,10 @@ def test_benchmark_step_lowers_for_an_h200_with_pools_donated(name):
         meta = {k: abstract(v.shape, v.dtype)
                 for k, v in cases.step_metadata(backend, layout).items()}
         const = (abstract((t, 32, 128), jnp.bfloat16), abstract((t, 8, 128), jnp.bfloat16),
-                 abstract((t, 8, 128), jnp.bfloat16), meta)
+                 abstract((t, 8, 128), jnp.bfloat16))
         with cuda_lowering_context():
             text = jax.jit(make_sweep(bench.forward_step(backend, 128 ** -0.5), 1),
-                           donate_argnums=0).trace((pool, pool), (const, const)).lower(
+                           donate_argnums=0).trace((pool, pool), (const, const), meta).lower(
                 lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
         main = text[text.index("func.func public @main"):].split("\n", 1)[0]
