@@ -177,8 +177,8 @@ def run_case(case, backends, shape, args, peaks, copy_bps, deadline, rows_by_cas
         constants = tuple((s["q"], s["k"], s["v"]) for s in sets)
         try:
             timing, pools = time_sweep(forward_step(backend, scale), pools, constants, meta,
-                                       reps=reps,
-                                       trial_s=args.trial_ms / 1e3, max_trials=args.trials,
+                                       reps=reps, trial_s=args.trial_ms / 1e3,
+                                       max_trials=args.trials,
                                        time_limit_s=min(args.row_time_limit, left))
         except Exception as e:  # noqa: BLE001 - one backend failing (e.g. memory) ends only its row
             row["results"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
