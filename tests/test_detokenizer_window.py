@@ -140,3 +140,31 @@ def test_stop_string_across_tokens_on_byte_level_bpe():
     for t in ids:
         matched = matched or detok.add_token(t)
     assert (matched, detok.text) == ("\u00e8me, th", "Caf\u00e9 cr")
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_match_where_the_whole_decode_first_holds_them(path, include):
+    tok = _load(path)
+    rng = np.random.default_rng([len(tok), include, 7])
+    for prompt, ids in cases(tok, rng):
+        texts, final = reference_texts(tok, prompt, ids, skip_special_tokens=True)
+        stops = []
+        for n in (3, 1):     # two substrings of the text, 1-4 characters long
+            i = int(rng.integers(0, max(len(final) - n, 1)))
+            stops.append(final[i:i + n + int(rng.integers(0, 2))] or "x")
+        hit = next(((k, t) for k, t in enumerate(texts) if any(s in t for s in stops)), None)
+        detok = IncrementalDetokenizer(tok, prompt, True, stop=tuple(stops),
+                                       include_stop_str_in_output=include)
+        matched = None
+        for t in ids[:hit[0] + 1] if hit else ids:
+            assert matched is None
+            matched = detok.add_token(t)
+        if hit is None:
+            assert matched is None and detok.text == texts[-1]
+            continue
+        k, text = hit
+        i, s = min((text.find(s), j, s) for j, s in enumerate(stops) if s in text)[::2]
+        assert matched == s
+        assert detok.text == text[:i + len(s) if include else i]
+        assert detok.visible_text(finished=True) == detok.text

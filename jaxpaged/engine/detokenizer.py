@@ -18,7 +18,9 @@ the new text is the window's decode minus the decode of its already-emitted part
 per token does not grow with the output. The window is decoded by the Rust backend directly,
 without ``transformers``' ``decode`` wrapper. Where the window's decode does not start with
 the text already emitted for it (a decoder that rewrites earlier text), that token falls back
-to decoding the whole output, which is what every token of a slow tokenizer does. Both paths
+to decoding the whole output, which is what every token of a slow tokenizer does. The text
+is kept as a list of per-token pieces, joined when read, and stop strings are searched for in
+the last characters only, so no per-token step copies the whole text. Both paths
 give the same text as the whole-output decode; ``tokenizers``' own ``DecodeStream`` is not
 used because it emits a byte-fallback token's character before its run is closed
 (``<0x41>`` gives ``"A"``, but ``<0x41><0xE4>`` decodes as two U+FFFD).
@@ -27,8 +29,12 @@ used because it emits a byte-fallback token's character before its run is closed
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase, TokenizersBackend
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 #: Prompt tokens decoded before the generated ones as context (vLLM's initial offset).
 INITIAL_OFFSET = 5
@@ -68,7 +74,7 @@ def special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     return _token_sets_of(tokenizer)[2]
 
 
-def fast_backend(tokenizer: PreTrainedTokenizerBase):
+def fast_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
     """The ``tokenizers.Tokenizer`` whose ``decode`` gives exactly ``tokenizer.decode``'s text,
     or None (a slow tokenizer, a subclass with its own ``_decode``, text clean-up on, or a
     decoder not known to be local)."""
@@ -99,6 +105,7 @@ class IncrementalDetokenizer:
                  include_stop_str_in_output: bool = False,
                  spaces_between_special_tokens: bool = True):
         self._tok = tokenizer
+        self._skip_special = skip_special_tokens
         self._decode_kwargs = {"skip_special_tokens": skip_special_tokens,
                                "spaces_between_special_tokens": spaces_between_special_tokens}
         self._backend = fast_backend(tokenizer)
@@ -113,7 +120,9 @@ class IncrementalDetokenizer:
         self._closed = self._num_context     # ids before any open run of byte tokens
         self._stop = stop
         self._include_stop = include_stop_str_in_output
-        self.text = ""
+        self._pieces: list[str] = []   # the text, joined when read (see :attr:`text`)
+        self._num_chars = 0
+        self._hold = max((len(s) for s in stop), default=1) - 1   # chars a stop may share
         # The decode window (fast path): ids[_prefix:_read] are emitted and decode to
         # _prefix_text; the text of ids[:_read] after the context is _read_chars long. A
         # context ending inside a character or a byte run may merge with the output, so such
@@ -140,14 +149,23 @@ class IncrementalDetokenizer:
         new = self._new_text(self._closed, final=False)
         if not new:
             return None
-        start = max(len(self.text) - max((len(s) for s in self._stop), default=0) + 1, 0)
-        self.text += new
-        return self._match_stop(start) if check_stop else None
+        before = self._last_chars(self._hold) if check_stop and self._stop else ""
+        self._append(new)
+        return self._match_stop(before + new) if check_stop and self._stop else None
 
     def flush(self) -> None:
         """At the end of generation, release text held back for an incomplete UTF-8
         character, rendered as the full decode renders it (with U+FFFD)."""
-        self.text += self._new_text(len(self._ids), final=True)
+        self._append(self._new_text(len(self._ids), final=True))
+
+    @property
+    def text(self) -> str:
+        """The text so far: stop strings applied, trailing partial characters held back.
+        Pieces are appended per token and joined here, so that a token costs the same
+        however long the text is."""
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     def visible_text(self, finished: bool) -> str:
         """The text to report: while generation goes on, the last ``len(longest stop) - 1``
@@ -155,31 +173,29 @@ class IncrementalDetokenizer:
         them), so reported text only ever grows; all of it once finished."""
         if finished or not self._stop:
             return self.text
-        hold = max(len(s) for s in self._stop) - 1
-        return self.text[:max(len(self.text) - hold, 0)]
+        return self.text[:max(self._num_chars - self._hold, 0)]
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=self._decode_kwargs[
-                "skip_special_tokens"])
+            return self._backend.decode(ids, skip_special_tokens=self._skip_special)
         return self._tok.decode(ids, **self._decode_kwargs)
 
     def _new_text(self, end: int, final: bool) -> str:
         """What :attr:`text` lacks of the text of ``ids[:end]`` after the context: with
         trailing U+FFFD held back unless ``final``; empty when ``text`` is not shorter."""
         base = self._read_chars
-        if self._windowed and len(self.text) >= base:
+        if self._windowed and self._num_chars >= base:
             window = self._decode(self._ids[self._prefix:end])
             if window.startswith(self._prefix_text):
                 tail = window[len(self._prefix_text):]
                 if not final:
                     self._advance(end, window, tail)
                     tail = tail.rstrip(_REPLACEMENT)
-                return tail[len(self.text) - base:]
+                return tail[self._num_chars - base:]
         whole = self._decoded(end)
         if not final:
             whole = whole.rstrip(_REPLACEMENT)
-        return whole[len(self.text):]
+        return whole[self._num_chars:]
 
     def _advance(self, end: int, window: str, tail: str) -> None:
         """Mark ``ids[:end]`` emitted when its text is complete (no trailing U+FFFD); the
@@ -202,14 +218,33 @@ class IncrementalDetokenizer:
             return full[len(self._context_text):]
         return self._decode(self._ids[self._num_context:end])
 
-    def _match_stop(self, search_from: int) -> str | None:
+    def _append(self, piece: str) -> None:
+        if piece:
+            self._pieces.append(piece)
+            self._num_chars += len(piece)
+
+    def _last_chars(self, n: int) -> str:
+        """The last ``n`` characters of the text (all of it if shorter)."""
+        out, count = [], 0
+        for piece in reversed(self._pieces):
+            if count >= n:
+                break
+            out.append(piece)
+            count += len(piece)
+        return "".join(reversed(out))[max(count - n, 0):]
+
+    def _match_stop(self, recent: str) -> str | None:
+        """Cut the text at the first stop string in ``recent`` (the text's last characters:
+        the new ones and the ``len(longest stop) - 1`` before them); the stop matched."""
         best = None
         for s in self._stop:
-            i = self.text.find(s, search_from)
+            i = recent.find(s)
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
             return None
         i, s = best
-        self.text = self.text[: i + len(s)] if self._include_stop else self.text[:i]
+        end = self._num_chars - len(recent) + i + (len(s) if self._include_stop else 0)
+        self._pieces[:] = [self.text[:end]]
+        self._num_chars = end
         return s
