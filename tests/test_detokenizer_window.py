@@ -52,7 +52,8 @@ def reference_texts(tok, prompt, ids, **kw):
 def cases(tok, rng):
     """(prompt, generated ids) pairs: uniform random ids (specials and byte pieces
     included), runs of byte-fallback pieces, multi-byte text split across tokens, special
-    tokens in text, and prompts that are empty, BOS only, text, or end in a byte piece."""
+    tokens in text, and prompts that are empty, BOS only, text, or end in a byte piece; and
+    prompts that end inside a character or byte run the output then continues."""
     vocab = len(tok)
     byte_ids = sorted(byte_fallback_ids(tok))
     special = sorted(set(tok.all_special_ids))
@@ -69,6 +70,12 @@ def cases(tok, rng):
             ids = text_ids + [int(rng.choice(special))] + text_ids[::2] + ids[:20]
         ids[rng.integers(0, len(ids))] = int(rng.choice(special))
         out.append((prompts[i % len(prompts)], ids))
+    splits = [k for k in range(1, len(text_ids)) if text_ids[k - 1] in byte_ids
+              or tok.decode(text_ids[:k]).endswith("\ufffd")]
+    assert len(splits) >= 2
+    for k in sorted(set(splits[:3] + splits[-2:])):
+        out.append((tok.encode("Prompt:") + text_ids[:k],
+                    text_ids[k:] + rng.integers(0, vocab, 20).tolist()))
     return out
 
 

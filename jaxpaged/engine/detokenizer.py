@@ -114,9 +114,8 @@ class IncrementalDetokenizer:
         self._context_text = self._decode(self._ids)
         # Tokens that leave a run of byte-fallback pieces open: byte pieces, and special
         # tokens when they are skipped (the decode then joins the runs on either side).
-        _, byte_ids, special, both = _token_sets_of(tokenizer)
+        _, byte_ids, _, both = _token_sets_of(tokenizer)
         self._run_ids = both if skip_special_tokens and byte_ids else byte_ids
-        shown = [i for i in self._ids if not (skip_special_tokens and i in special)]
         self._closed = self._num_context     # ids before any open run of byte tokens
         self._stop = stop
         self._include_stop = include_stop_str_in_output
@@ -124,12 +123,11 @@ class IncrementalDetokenizer:
         self._num_chars = 0
         self._hold = max((len(s) for s in stop), default=1) - 1   # chars a stop may share
         # The decode window (fast path): ids[_prefix:_read] are emitted and decode to
-        # _prefix_text; the text of ids[:_read] after the context is _read_chars long. A
-        # context ending inside a character or a byte run may merge with the output, so such
-        # a request decodes its whole output every token, as the context rule requires.
-        self._windowed = self._backend is not None and not (
-            self._context_text.endswith(_REPLACEMENT)
-            or (shown and shown[-1] in byte_ids))
+        # _prefix_text; the text of ids[:_read] after the context is _read_chars long. Until
+        # the first advance the window holds the whole context, so its check is the context
+        # rule's own; once output tokens have closed the context's last character and byte
+        # run, later tokens cannot change the context's text.
+        self._windowed = self._backend is not None
         self._prefix, self._read = 0, self._num_context
         self._prefix_text, self._read_chars = self._context_text, 0
 
@@ -198,11 +196,12 @@ class IncrementalDetokenizer:
         return whole[self._num_chars:]
 
     def _advance(self, end: int, window: str, tail: str) -> None:
-        """Mark ``ids[:end]`` emitted when its text is complete (no trailing U+FFFD); the
-        window then starts at the previous read offset, unless the ids since it decode to
-        nothing (a skipped special token), whose decode would drop the next token's
+        """Mark ``ids[:end]`` emitted when its text is complete (the window's decode ends in
+        no U+FFFD, which also keeps the window on a context that ends inside a character);
+        the window then starts at the previous read offset, unless the ids since it decode
+        to nothing (a skipped special token), whose decode would drop the next token's
         leading space."""
-        if end <= self._read or tail.endswith(_REPLACEMENT):
+        if end <= self._read or window.endswith(_REPLACEMENT):
             return
         since = self._decode(self._ids[self._read:end])
         if since:
