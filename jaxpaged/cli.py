@@ -3,7 +3,8 @@
 * ``jaxpaged generate [ENGINE FLAGS] [SAMPLING FLAGS] PROMPT...`` prints completions.
 * ``jaxpaged serve [MODEL] [ENGINE FLAGS] [SERVER FLAGS]`` runs the OpenAI-compatible server
   (``server/``).
-* ``jaxpaged bench {throughput,latency,serve,soak} ...`` runs a benchmark (``benchmarks/``).
+* ``jaxpaged bench {throughput,latency,serve,soak,host-overhead} ...`` runs a benchmark
+  (``benchmarks/``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(serve)
     add_server_args(serve)
 
-    from jaxpaged.benchmarks import latency, serve as serve_bench, soak, throughput
+    from jaxpaged.benchmarks import host_overhead, latency, serve as serve_bench, soak, throughput
     bench = sub.add_parser("bench", help="benchmarks (vllm bench equivalents)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     for name, module, text in (
@@ -63,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("latency", latency, "end-to-end latency of one batch, repeated"),
             ("serve", serve_bench, "online serving benchmark against a running jaxpaged serve"),
             ("soak", soak, "soak test of the server: many clients, random disconnects, then "
-                           "leak and output checks")):
+                           "leak and output checks"),
+            ("host-overhead", host_overhead, "host time per engine step outside the device "
+                                             "call, and detokenization cost per token")):
         module.add_cli_args(kinds.add_parser(name, help=text))
     return parser
 
@@ -86,10 +89,10 @@ def _main(argv: list[str] | None) -> int:
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("jax").setLevel(logging.WARNING)   # backend probing is not news
     if args.command == "bench":
-        from jaxpaged.benchmarks import latency, serve as serve_bench, soak, throughput
+        from jaxpaged.benchmarks import host_overhead, latency, serve as serve_bench, soak, throughput
 
         module = {"throughput": throughput, "latency": latency, "serve": serve_bench,
-                  "soak": soak}
+                  "soak": soak, "host-overhead": host_overhead}
         try:
             module[args.bench_command].main(args)
         except (ValueError, FileNotFoundError, RuntimeError) as e:

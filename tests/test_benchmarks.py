@@ -1,5 +1,7 @@
-"""Small runs of `jaxpaged bench throughput | latency` and the benchmark datasets."""
+"""Small runs of `jaxpaged bench throughput | latency | host-overhead` and the benchmark
+datasets."""
 
+import dataclasses
 import json
 import os
 import re
@@ -11,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxpaged.benchmarks import latency, throughput
+from jaxpaged.benchmarks import host_overhead, latency, throughput
 from jaxpaged.benchmarks.datasets import (prefix_repetition_requests, random_requests,
                                           sharegpt_requests, w1_requests)
 from jaxpaged.cli import build_parser
+from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.tokenizer import load_tokenizer
 from tests.conftest import LLAMA2_TOKENIZER
 
@@ -46,6 +49,39 @@ def test_bench_latency_small(tmp_path):
     assert len(result["latencies"]) == 3 and result["avg_latency"] > 0
     assert set(result["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
     assert all(v > 0 for v in result["percentiles"].values())
+
+
+def test_bench_host_overhead_small(tmp_path):
+    out = tmp_path / "host.json"
+    args = build_parser().parse_args(
+        ["bench", "host-overhead", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+         "--num-requests", "8", "--output-len", "4", "--detok-lengths", "32", "8",
+         "--output-json", str(out)])
+    result = host_overhead.main(args)
+    assert json.loads(out.read_text()) == result
+    has_async = any(f.name == "async_scheduling" for f in dataclasses.fields(EngineArgs))
+    assert set(result["modes"]) == ({"sync", "async"} if has_async else {"sync"})
+    for mode in result["modes"].values():
+        # All 8 prompts (<= 64 tokens each) fit one step: a prefill step that samples every
+        # first token, then 3 decode steps of 8 sequences.
+        assert (mode["num_steps"], mode["num_decode_steps"], mode["num_tokens"]) == (4, 3, 32)
+        assert [s["num_seqs"] for s in mode["steps"]] == [8, 8, 8, 8]
+        assert [s["decode"] for s in mode["steps"]] == [False, True, True, True]
+        assert mode["num_compilations_during_run"] == 0
+        for s in mode["steps"]:
+            assert s["device_ms"] > 0 and s["host_ms"] > 0
+            assert s["device_ms"] + s["host_ms"] == pytest.approx(s["wall_ms"], abs=1e-3)
+        assert sum(s["wall_ms"] for s in mode["steps"]) <= mode["elapsed_s"] * 1e3
+        decode = mode["steps"][1:]
+        for name in ("wall", "device", "host"):
+            values = [s[f"{name}_ms"] for s in decode]
+            assert mode["decode"][f"mean_{name}_ms"] == pytest.approx(np.mean(values))
+            assert mode["decode"][f"median_{name}_ms"] == pytest.approx(np.median(values))
+    detok = result["detokenize"]
+    assert detok["vocab_size"] == 32000 and set(detok["per_token"]) == {"8", "32"}
+    assert all(0 < t["median_us"] and 0 < t["mean_us"] for t in detok["per_token"].values())
+    assert detok["ratio"] == pytest.approx(detok["per_token"]["32"]["mean_us"]
+                                           / detok["per_token"]["8"]["mean_us"])
 
 
 def test_w1_recipe():
