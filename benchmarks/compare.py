@@ -12,7 +12,7 @@ Rows (all on the same random-weight checkpoint, written once as a Hugging Face d
 Each row's ratio is jaxpaged's output tokens/s over the row's. Model FLOPs utilisation is
 reported against a float32 matmul peak measured in the same run.
 
-Usage: ``python -m benchmarks.compare --hf-python /path/to/python [--output-dir DIR]``
+Usage: ``python -m jaxpaged.benchmarks.compare --hf-python /path/to/python [--output-dir DIR]``
 (``--small`` runs a seconds-long version on the bundled model, for CI).
 """
 
@@ -30,12 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.baselines.checkpoint import write_random_checkpoint
-from benchmarks.datasets import ROOT, SampleRequest, load_w1, random_requests, w1_requests
-from benchmarks.plots import plot_throughput_by_engine, plot_throughput_vs_max_num_seqs
-from benchmarks.results import plot_next_to, write_outputs
-from benchmarks.throughput import measure, run_requests, shifted
 from jaxpaged import LLM
+from jaxpaged.benchmarks.baselines.checkpoint import write_random_checkpoint
+from jaxpaged.benchmarks.datasets import ROOT, SampleRequest, load_w1, random_requests, w1_requests
+from jaxpaged.benchmarks.plots import plot_throughput_by_engine, plot_throughput_vs_max_num_seqs
+from jaxpaged.benchmarks.results import plot_next_to, write_outputs
+from jaxpaged.benchmarks.throughput import measure, run_requests, shifted
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.tensor_parallel import request_host_devices
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 W1_PATH = os.path.join(ROOT, "configs", "workloads", "w1.json")
 DATASETS = ("random", "sharegpt", "prefix_repetition", "w1")
 

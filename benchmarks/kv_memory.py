@@ -27,11 +27,11 @@ import time
 
 import numpy as np
 
-from benchmarks.datasets import load_w1, w1_requests
 from jaxpaged import LLM, SamplingParams
+from jaxpaged.benchmarks.datasets import load_w1, w1_requests
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.realpath(__file__)), "..")
 PAGE = 16
 
 

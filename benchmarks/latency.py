@@ -13,10 +13,10 @@ import argparse
 
 import numpy as np
 
-from benchmarks.datasets import random_requests
-from benchmarks.results import PERCENTILES, write_outputs
-from benchmarks.throughput import run_requests
 from jaxpaged import LLM
+from jaxpaged.benchmarks.datasets import random_requests
+from jaxpaged.benchmarks.results import PERCENTILES, write_outputs
+from jaxpaged.benchmarks.throughput import run_requests
 from jaxpaged.engine.arg_utils import EngineArgs
 
 

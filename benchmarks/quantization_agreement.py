@@ -12,8 +12,8 @@ variant's most likely next token is the reference's (its rank is 1; the last pos
 variant's greedy token); the logprob error is the largest |variant - reference|
 log-probability of the reference's next token.
 
-Usage: ``python -m benchmarks.quantization_agreement [--model DIR] [--tokenizer DIR]`` (about
-a minute for the bundled model on 2 CPU cores).
+Usage: ``python -m jaxpaged.benchmarks.quantization_agreement [--model DIR] [--tokenizer DIR]``
+(about a minute for the bundled model on 2 CPU cores).
 """
 
 from __future__ import annotations

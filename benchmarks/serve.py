@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from benchmarks.datasets import SampleRequest, add_dataset_args, requests_from_args
-from benchmarks.plots import plot_serve_latencies
-from benchmarks.results import distribution, plot_next_to, write_outputs
+from jaxpaged.benchmarks.datasets import SampleRequest, add_dataset_args, requests_from_args
+from jaxpaged.benchmarks.plots import plot_serve_latencies
+from jaxpaged.benchmarks.results import distribution, plot_next_to, write_outputs
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL
 from jaxpaged.tokenizer import load_tokenizer
 

@@ -58,9 +58,9 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.results import distribution, write_outputs
-from benchmarks.serve import (DONE, auth_headers, http_client, run_limited, served_model,
-                              sse_payloads)
+from jaxpaged.benchmarks.results import distribution, write_outputs
+from jaxpaged.benchmarks.serve import (DONE, auth_headers, http_client, run_limited, served_model,
+                                       sse_payloads)
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.sampling_params import SamplingParams
 
@@ -748,8 +748,8 @@ def main(args: argparse.Namespace) -> dict:
     """
     from jaxpaged import LLM
     from jaxpaged.engine.arg_utils import DEFAULT_MODEL
-    from server.launcher import ServerThread
-    from server.serving import ServerConfig
+    from jaxpaged.server.launcher import ServerThread
+    from jaxpaged.server.serving import ServerConfig
 
     config = SoakConfig(num_requests=args.num_requests, concurrency=args.concurrency,
                         disconnect_fraction=args.disconnect_fraction,
@@ -786,7 +786,7 @@ def main(args: argparse.Namespace) -> dict:
 if __name__ == "__main__":
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m jaxpaged.benchmarks.soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_cli_args(parser)
     try:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from benchmarks.datasets import SampleRequest, add_dataset_args, requests_from_args
-from benchmarks.results import write_outputs
 from jaxpaged import LLM, SamplingParams
+from jaxpaged.benchmarks.datasets import SampleRequest, add_dataset_args, requests_from_args
+from jaxpaged.benchmarks.results import write_outputs
 from jaxpaged.engine.arg_utils import EngineArgs
 
 

@@ -6,6 +6,9 @@ Public API: :class:`LLM`, :class:`SamplingParams`, :class:`EngineArgs`, :class:`
 """
 
 import importlib
+from pathlib import Path
+
+from jaxpaged import _checkout
 
 __version__ = "0.1.0"
 
@@ -19,6 +22,10 @@ _EXPORTS = {
 }
 
 __all__ = [*_EXPORTS, "__version__"]
+
+# Imported from the repository root (not from an installed copy): server/ and benchmarks/ sit
+# beside this folder and are found as jaxpaged.server / jaxpaged.benchmarks (see _checkout).
+_checkout.install(Path(__file__).parent)
 
 
 def __getattr__(name: str):

@@ -3,7 +3,8 @@
 * ``jaxpaged generate [ENGINE FLAGS] [SAMPLING FLAGS] PROMPT...`` prints completions.
 * ``jaxpaged serve [MODEL] [ENGINE FLAGS] [SERVER FLAGS]`` runs the OpenAI-compatible server
   (``server/``).
-* ``jaxpaged bench {throughput,latency,serve,soak} ...`` runs a benchmark (``benchmarks/``).
+* ``jaxpaged bench {throughput,latency,serve,soak,host-overhead} ...`` runs a benchmark
+  (``benchmarks/``).
 """
 
 from __future__ import annotations
@@ -48,14 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine start-up details")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
 
-    from server.launcher import add_server_args
+    from jaxpaged.server.launcher import add_server_args
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="model directory (same as --model)")
     EngineArgs.add_cli_args(serve)
     add_server_args(serve)
 
-    from benchmarks import latency, serve as serve_bench, soak, throughput
+    from jaxpaged.benchmarks import host_overhead, latency, serve as serve_bench, soak, throughput
     bench = sub.add_parser("bench", help="benchmarks (vllm bench equivalents)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     for name, module, text in (
@@ -63,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("latency", latency, "end-to-end latency of one batch, repeated"),
             ("serve", serve_bench, "online serving benchmark against a running jaxpaged serve"),
             ("soak", soak, "soak test of the server: many clients, random disconnects, then "
-                           "leak and output checks")):
+                           "leak and output checks"),
+            ("host-overhead", host_overhead, "host time per engine step outside the device "
+                                             "call, and detokenization cost per token")):
         module.add_cli_args(kinds.add_parser(name, help=text))
     return parser
 
@@ -86,10 +89,10 @@ def _main(argv: list[str] | None) -> int:
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("jax").setLevel(logging.WARNING)   # backend probing is not news
     if args.command == "bench":
-        from benchmarks import latency, serve as serve_bench, soak, throughput
+        from jaxpaged.benchmarks import host_overhead, latency, serve as serve_bench, soak, throughput
 
         module = {"throughput": throughput, "latency": latency, "serve": serve_bench,
-                  "soak": soak}
+                  "soak": soak, "host-overhead": host_overhead}
         try:
             module[args.bench_command].main(args)
         except (ValueError, FileNotFoundError, RuntimeError) as e:
@@ -97,7 +100,7 @@ def _main(argv: list[str] | None) -> int:
             return 2
         return 0
     if args.command == "serve":
-        from server.launcher import run_server
+        from jaxpaged.server.launcher import run_server
 
         if args.model_tag is not None:
             args.model = args.model_tag

@@ -24,14 +24,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from jaxpaged.engine.async_engine import AsyncEngine
-from server.errors import APIError, bad_request, error_response, from_validation_error
-from server.openapi import openapi_document
-from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                             DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                             TokenizeResponse, VersionResponse)
-from server.serving import CLIENT_GONE, ServerConfig, engine_error, off_loop
-from server.serving_chat import OpenAIServingChat
-from server.serving_completion import OpenAIServingCompletion
+from jaxpaged.server.errors import APIError, bad_request, error_response, from_validation_error
+from jaxpaged.server.openapi import openapi_document
+from jaxpaged.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
+                                      TokenizeResponse, VersionResponse)
+from jaxpaged.server.serving import CLIENT_GONE, ServerConfig, engine_error, off_loop
+from jaxpaged.server.serving_chat import OpenAIServingChat
+from jaxpaged.server.serving_completion import OpenAIServingCompletion
 
 logger = logging.getLogger("server")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from server.protocol import ErrorInfo, ErrorResponse
+from jaxpaged.server.protocol import ErrorInfo, ErrorResponse
 
 
 class APIError(Exception):

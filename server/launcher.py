@@ -26,9 +26,9 @@ from jaxpaged.distributed.step_sync import request_job_stop
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs, cli_error_message
 from jaxpaged.engine.async_engine import AsyncEngine, run_follower
 from jaxpaged.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+from jaxpaged.server.app import build_app
+from jaxpaged.server.serving import ServerConfig
 from jaxpaged.tokenizer import load_tokenizer
-from server.app import build_app
-from server.serving import ServerConfig
 
 logger = logging.getLogger("server")
 

@@ -11,10 +11,11 @@ from pydantic.json_schema import models_json_schema
 
 from jaxpaged.sampling_params import MAX_LOGPROBS
 
-from server.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                             CompletionRequest, CompletionResponse, DetokenizeRequest,
-                             DetokenizeResponse, ErrorResponse, ModelList, TokenizeRequest,
-                             TokenizeResponse, VersionResponse)
+from jaxpaged.server.protocol import (ChatCompletionChunk, ChatCompletionRequest,
+                                      ChatCompletionResponse, CompletionRequest,
+                                      CompletionResponse, DetokenizeRequest, DetokenizeResponse,
+                                      ErrorResponse, ModelList, TokenizeRequest, TokenizeResponse,
+                                      VersionResponse)
 
 #: (method, path, summary, request schema or None, response schema or None)
 OPERATIONS = [

@@ -42,8 +42,8 @@ from jaxpaged.engine.request_stream import (EngineDeadError, EngineNotReadyError
                                             TooManyPendingRequestsError)
 from jaxpaged.outputs import Logprob, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
-from server.errors import APIError, bad_request
-from server.protocol import SamplingFields, TopLogprob, UsageInfo
+from jaxpaged.server.errors import APIError, bad_request
+from jaxpaged.server.protocol import SamplingFields, TopLogprob, UsageInfo
 
 logger = logging.getLogger("server")
 

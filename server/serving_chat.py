@@ -17,12 +17,13 @@ from starlette.responses import Response
 from jaxpaged.chat_utils import ChatTemplateError, encode_chat, render_chat
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import MAX_LOGPROBS
-from server.errors import bad_request, error_body
-from server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
-                             ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                             ChatLogprobs, ChatMessage, DeltaMessage, TokenLogprob)
-from server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, off_loop, sse,
-                            usage)
+from jaxpaged.server.errors import bad_request, error_body
+from jaxpaged.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
+                                      ChatCompletionChunk, ChatCompletionRequest,
+                                      ChatCompletionResponse, ChatLogprobs, ChatMessage,
+                                      DeltaMessage, TokenLogprob)
+from jaxpaged.server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, off_loop, sse,
+                                     usage)
 
 
 class OpenAIServingChat(OpenAIServing):

@@ -13,11 +13,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
-from server.errors import bad_request, error_body
-from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                             CompletionResponse, PromptLogprob)
-from server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, merge_streams,
-                            off_loop, sse, usage)
+from jaxpaged.server.errors import bad_request, error_body
+from jaxpaged.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                      CompletionResponse, PromptLogprob)
+from jaxpaged.server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, merge_streams,
+                                     off_loop, sse, usage)
 
 #: OpenAI's default ``max_tokens`` for legacy completions.
 DEFAULT_MAX_TOKENS = 16

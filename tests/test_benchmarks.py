@@ -1,14 +1,23 @@
-"""Small runs of `jaxpaged bench throughput | latency` and the benchmark datasets."""
+"""Small runs of `jaxpaged bench throughput | latency | host-overhead` and the benchmark
+datasets."""
 
+import dataclasses
 import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from benchmarks import latency, throughput
-from benchmarks.datasets import (prefix_repetition_requests, random_requests, sharegpt_requests,
-                                 w1_requests)
+from jaxpaged.benchmarks import host_overhead, latency, throughput
+from jaxpaged.benchmarks.datasets import (prefix_repetition_requests, random_requests,
+                                          sharegpt_requests, w1_requests)
 from jaxpaged.cli import build_parser
+from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.tokenizer import load_tokenizer
 from tests.conftest import LLAMA2_TOKENIZER
 
@@ -40,6 +49,39 @@ def test_bench_latency_small(tmp_path):
     assert len(result["latencies"]) == 3 and result["avg_latency"] > 0
     assert set(result["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
     assert all(v > 0 for v in result["percentiles"].values())
+
+
+def test_bench_host_overhead_small(tmp_path):
+    out = tmp_path / "host.json"
+    args = build_parser().parse_args(
+        ["bench", "host-overhead", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+         "--num-requests", "8", "--output-len", "4", "--detok-lengths", "32", "8",
+         "--output-json", str(out)])
+    result = host_overhead.main(args)
+    assert json.loads(out.read_text()) == result
+    has_async = any(f.name == "async_scheduling" for f in dataclasses.fields(EngineArgs))
+    assert set(result["modes"]) == ({"sync", "async"} if has_async else {"sync"})
+    for mode in result["modes"].values():
+        # All 8 prompts (<= 64 tokens each) fit one step: a prefill step that samples every
+        # first token, then 3 decode steps of 8 sequences.
+        assert (mode["num_steps"], mode["num_decode_steps"], mode["num_tokens"]) == (4, 3, 32)
+        assert [s["num_seqs"] for s in mode["steps"]] == [8, 8, 8, 8]
+        assert [s["decode"] for s in mode["steps"]] == [False, True, True, True]
+        assert mode["num_compilations_during_run"] == 0
+        for s in mode["steps"]:
+            assert s["device_ms"] > 0 and s["host_ms"] > 0
+            assert s["device_ms"] + s["host_ms"] == pytest.approx(s["wall_ms"], abs=1e-3)
+        assert sum(s["wall_ms"] for s in mode["steps"]) <= mode["elapsed_s"] * 1e3
+        decode = mode["steps"][1:]
+        for name in ("wall", "device", "host"):
+            values = [s[f"{name}_ms"] for s in decode]
+            assert mode["decode"][f"mean_{name}_ms"] == pytest.approx(np.mean(values))
+            assert mode["decode"][f"median_{name}_ms"] == pytest.approx(np.median(values))
+    detok = result["detokenize"]
+    assert detok["vocab_size"] == 32000 and set(detok["per_token"]) == {"8", "32"}
+    assert all(0 < t["median_us"] and 0 < t["mean_us"] for t in detok["per_token"].values())
+    assert detok["ratio"] == pytest.approx(detok["per_token"]["32"]["mean_us"]
+                                           / detok["per_token"]["8"]["mean_us"])
 
 
 def test_w1_recipe():
@@ -81,7 +123,7 @@ def test_sharegpt_file(tmp_path):
     (["--data-parallel-size", "2"], "jaxpaged dp=2", {"jaxpaged tp=1", "contiguous-static-8"}),
 ])
 def test_compare_small(tmp_path, flags, ours, others):
-    from benchmarks import compare
+    from jaxpaged.benchmarks import compare
 
     result = compare.main(["--small", "--output-dir", str(tmp_path), "--work-dir",
                            str(tmp_path / "work"), *flags])
@@ -93,3 +135,101 @@ def test_compare_small(tmp_path, flags, ours, others):
         assert 0 < row["mfu"] < 1
     assert result["matmul_peak_gflops"] > 0 and result["roofline_seconds"] > 0
     assert json.loads((tmp_path / "compare-small.json").read_text())["rows"][0]["backend"] == ours
+
+
+# ---- benchmarks/gpu_check.sh (a 15-minute GPU slot: <= 6 minutes, <= 8 files in $OUT) ------
+
+GPU_CHECK = Path(__file__).parent.parent / "benchmarks" / "gpu_check.sh"
+#: Seconds allowed per step for what runs outside its time box (tar of the logs, the summary).
+BOOKKEEPING_S = 3
+
+
+def _script_lines():
+    return [line.split("#", 1)[0] for line in GPU_CHECK.read_text().splitlines()]
+
+
+def test_gpu_check_static_budget_and_files():
+    subprocess.run(["bash", "-n", str(GPU_CHECK)], check=True)
+    lines = _script_lines()
+    boxes = {m[1]: int(m[2]) for line in lines if (m := re.match(r"^(T_\w+)=(\d+)\s*$", line))}
+    kill_after = int(next(m[1] for line in lines if (m := re.match(r"^KILL_AFTER=(\d+)", line))))
+    steps = [re.match(r'^run_step (\w+) "\$(T_\w+)"', line) for line in lines]
+    steps = [(m[1], m[2]) for m in steps if m]
+    # every box is used by exactly one step, in this order, and nothing else calls timeout
+    assert [box for _, box in steps] == list(boxes)
+    assert [name for name, _ in steps][:3] == ["probe", "ab", "tests"]
+    assert sum("timeout " in line for line in lines) == 1
+    assert 'timeout -k "$KILL_AFTER" "$seconds"' in GPU_CHECK.read_text()
+    total = sum(boxes.values()) + len(steps) * (kill_after + BOOKKEEPING_S)
+    assert total <= 360, (boxes, total)
+    assert boxes["T_AB"] <= 120                     # the A/B comes first, about 2 minutes
+    # the kernel benchmark's own budget ends before its box does
+    budget = re.search(r"--time-budget \$\(\(T_AB - (\d+)\)\)", GPU_CHECK.read_text())
+    assert budget and 0 < int(budget[1]) < boxes["T_AB"]
+    written = set(re.findall(r'\$OUT/([\w.-]+)', "\n".join(lines)))     # outside comments
+    assert written == {"logs.tar.gz", "summary.txt", "ab.json", "kernel_tests.xml",
+                       "throughput_pallas.json", "throughput_xla.json"}
+    assert len(written) <= 8
+
+
+STUB_PYTHON = '''#!{python}
+"""python3 for a dry run of gpu_check.sh: the probe and the summary for real, the kernel
+benchmark as a one-row smoke run, fixed pytest and throughput results."""
+import os, subprocess, sys
+args = sys.argv[1:]
+real = {python!r}
+def value(flag):
+    return args[args.index(flag) + 1]
+if args[:1] == ["-c"] or args[:2] == ["-m", "jaxpaged.benchmarks.gpu_check_summary"]:
+    os.execv(real, [real] + args)
+if args[0] == "benchmarks/kernels/paged_attention.py":
+    assert value("--kernel") == "v1"
+    os.execv(real, [real, args[0], "--smoke", "--no-xla", "--kernel", "v1", "--cases",
+                    "decode:2x64", "--output-json", value("--output-json")])
+if args[:2] == ["-m", "pytest"]:
+    with open(value("--junitxml"), "w") as f:
+        f.write('<testsuites><testsuite tests="3" failures="1" errors="0" skipped="0">'
+                '<testcase name="a"/><testcase name="b"/><testcase name="c"><failure/>'
+                '</testcase></testsuite></testsuites>')
+    sys.exit(1)
+if args[:2] == ["-m", "jaxpaged.benchmarks.throughput"]:
+    if value("--attention-backend") == "xla":
+        sys.exit(3)
+    with open(value("--output-json"), "w") as f:
+        f.write('{{"output_tokens_per_second": 500.0, "tokens_per_second": 1000.0, '
+                '"num_requests": 32, "elapsed_time": 4.0, "warmup_time": 30.0, '
+                '"num_compilations_during_run": 0}}')
+    sys.exit(0)
+sys.exit(f"unexpected python3 {{args}}")
+'''
+
+
+def test_gpu_check_dry_run_leaves_each_result_and_a_summary(tmp_path):
+    """The script end to end with a stub python3 (no GPU): the files it leaves in $OUT, the
+    logs in its tarball and the summary of a failed test step and a failed xla run."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    stub = bin_dir / "python3"
+    stub.write_text(STUB_PYTHON.format(python=sys.executable))
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OUT": str(out)}
+    run = subprocess.run(["bash", str(GPU_CHECK)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["ab.json", "kernel_tests.xml", "logs.tar.gz", "summary.txt",
+                     "throughput_pallas.json"]
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+    assert names >= {"probe.log", "ab.log", "tests.log", "tp_pallas.log", "tp_xla.log",
+                     "steps.txt"}
+    summary = (out / "summary.txt").read_text()
+    assert run.stdout.endswith(summary)
+    steps = dict(re.findall(r"^  (\w+)\s+(ok|FAILED rc=\d+|TIMED OUT)", summary, re.M))
+    assert steps == {"probe": "ok", "ab": "ok", "tests": "FAILED rc=1", "tp_pallas": "ok",
+                     "tp_xla": "FAILED rc=3"}
+    assert "probe: kernels v1" in summary
+    assert re.search(r"^decode:2x64\s+pallas-v1\s+\d+\.\d+", summary, re.M)
+    assert "kernel tests (compiled): 2 passed, 1 failed, 0 errors, 0 skipped of 3" in summary
+    assert "  pallas     500.0 output tok/s" in summary and "  xla    no result" in summary
+    assert "pallas / xla" not in summary

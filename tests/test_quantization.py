@@ -320,7 +320,7 @@ def test_other_quantized_checkpoints_are_refused_by_name(quantization_config, na
 
 
 def test_agreement_benchmark_measures_float32_as_the_published_reference(stories_llm):
-    from benchmarks.quantization_agreement import measure, published_reference
+    from jaxpaged.benchmarks.quantization_agreement import measure, published_reference
 
     reference = published_reference(STORIES)
     assert len(reference["ids"]) == 64 and reference["text"].startswith(", there was")

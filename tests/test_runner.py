@@ -64,7 +64,7 @@ def test_precompile_then_a_w1_like_run_compiles_nothing():
 @pytest.mark.slow
 def test_kv_memory_report_meets_its_targets(tmp_path):
     """Nightly: the KV memory report's non-timing figures (waste, concurrency)."""
-    from benchmarks import kv_memory
+    from jaxpaged.benchmarks import kv_memory
 
     mem = kv_memory.memory_report(str(tmp_path), budget_requests=8)
     assert mem["internal_waste_mean"] <= 0.04

@@ -1,45 +1,90 @@
 """Incremental detokenization and stop-string matching for one request.
 
-After each generated token the text is the decode of (the prompt's last few tokens + every
-generated token) minus the decode of those prompt tokens alone. Decoding with the prompt's
-tail as context keeps sentencepiece's leading-space handling right (its decoder strips a space
-only at the start of the text it is given); decoding the whole output each time, rather than a
-sliding window, keeps the text exact when byte-fallback or byte-level tokens form invalid UTF-8
-(a window can render replacement characters differently from the full decode). Trailing
-U+FFFD characters — a character whose bytes have not all arrived — are held back until it
-completes, and released as the full decode renders them when generation ends (:meth:`flush`).
-Sentencepiece byte-fallback tokens (``<0xNN>``) are decoded a run at a time and a run that is
-not valid UTF-8 turns into one U+FFFD per byte, so a trailing run of them is held back whole
-until a non-byte token closes it.
-The cost is one decode of the output per token (a few microseconds per hundred tokens with
-Rust-backed tokenizers).
+The text of a request is the decode of (the prompt's last few tokens + every generated token)
+minus the decode of those prompt tokens alone. Decoding with the prompt's tail as context
+keeps sentencepiece's leading-space handling right (its decoder strips a space only at the
+start of the text it is given). Trailing U+FFFD characters — a character whose bytes have not
+all arrived — are held back until it completes, and released as the full decode renders them
+when generation ends (:meth:`IncrementalDetokenizer.flush`). Sentencepiece byte-fallback
+tokens (``<0xNN>``) are decoded a run at a time and a run that is not valid UTF-8 turns into
+one U+FFFD per byte, so a trailing run of them is held back whole until a non-byte token
+closes it.
 
-Reference: vLLM's incremental detokenizer (``vllm/v1/engine/detokenizer.py``) for the
-context-window and hold-back rules.
+Fast tokenizers (a ``tokenizers.Tokenizer`` backend with a known decoder) decode only a short
+window per token, vLLM's prefix/read-offset algorithm (``detokenize_incrementally`` in
+``vllm/transformers_utils/detokenizer_utils.py``): the window starts at the token after the
+second-to-last point where the text was complete (no trailing U+FFFD, no open byte run), and
+the new text is the window's decode minus the decode of its already-emitted part. Its cost
+per token does not grow with the output. The window is decoded by the Rust backend directly,
+without ``transformers``' ``decode`` wrapper. Where the window's decode does not start with
+the text already emitted for it (a decoder that rewrites earlier text), that token falls back
+to decoding the whole output, which is what every token of a slow tokenizer does. The text
+is kept as a list of per-token pieces, joined when read, and stop strings are searched for in
+the last characters only, so no per-token step copies the whole text. Both paths
+give the same text as the whole-output decode; ``tokenizers``' own ``DecodeStream`` is not
+used because it emits a byte-fallback token's character before its run is closed
+(``<0x41>`` gives ``"A"``, but ``<0x41><0xE4>`` decodes as two U+FFFD).
 """
 
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, TokenizersBackend
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 #: Prompt tokens decoded before the generated ones as context (vLLM's initial offset).
 INITIAL_OFFSET = 5
 
-
+_REPLACEMENT = "\ufffd"
 _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
-_byte_token_cache: dict[int, frozenset[int]] = {}
+#: ``tokenizers`` decoders (and the pattern types in their reprs) whose output for a token
+#: depends only on its neighbours, so a window starting at a complete character decodes as
+#: the same part of the whole decode does.
+_LOCAL_DECODER_PARTS = frozenset({"Sequence", "ByteLevel", "Metaspace", "Replace",
+                                  "ByteFallback", "Fuse", "Strip", "WordPiece", "BPEDecoder",
+                                  "String", "Regex"})
+_token_sets: dict[int, tuple] = {}
+
+
+def _token_sets_of(tokenizer: PreTrainedTokenizerBase) -> tuple:
+    """(tokenizer, byte-fallback ids, special ids, their union), computed once per tokenizer
+    object (held here, so its ``id`` is not reused by another)."""
+    entry = _token_sets.get(id(tokenizer))
+    if entry is None:
+        byte_ids = frozenset(i for piece, i in tokenizer.get_vocab().items()
+                             if _BYTE_TOKEN.match(piece))
+        special = frozenset(tokenizer.all_special_ids) | frozenset(
+            i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+        entry = _token_sets[id(tokenizer)] = (tokenizer, byte_ids, special, byte_ids | special)
+    return entry
 
 
 def byte_fallback_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """Ids of the tokenizer's ``<0xNN>`` byte-fallback pieces (empty for byte-level BPE);
-    computed once per tokenizer object."""
-    key = id(tokenizer)
-    if key not in _byte_token_cache:
-        _byte_token_cache[key] = frozenset(
-            i for piece, i in tokenizer.get_vocab().items() if _BYTE_TOKEN.match(piece))
-    return _byte_token_cache[key]
+    """Ids of the tokenizer's ``<0xNN>`` byte-fallback pieces (empty for byte-level BPE)."""
+    return _token_sets_of(tokenizer)[1]
+
+
+def special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Ids that ``decode(..., skip_special_tokens=True)`` drops: the special tokens and the
+    added tokens marked special."""
+    return _token_sets_of(tokenizer)[2]
+
+
+def fast_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
+    """The ``tokenizers.Tokenizer`` whose ``decode`` gives exactly ``tokenizer.decode``'s text,
+    or None (a slow tokenizer, a subclass with its own ``_decode``, text clean-up on, or a
+    decoder not known to be local)."""
+    if (not isinstance(tokenizer, TokenizersBackend)
+            or type(tokenizer)._decode is not TokenizersBackend._decode
+            or tokenizer.clean_up_tokenization_spaces):
+        return None
+    backend = tokenizer.backend_tokenizer
+    parts = set(re.findall(r"(\w+)\(", repr(backend.decoder))) if backend.decoder else set()
+    return backend if parts <= _LOCAL_DECODER_PARTS else None
 
 
 class IncrementalDetokenizer:
@@ -60,15 +105,31 @@ class IncrementalDetokenizer:
                  include_stop_str_in_output: bool = False,
                  spaces_between_special_tokens: bool = True):
         self._tok = tokenizer
+        self._skip_special = skip_special_tokens
         self._decode_kwargs = {"skip_special_tokens": skip_special_tokens,
                                "spaces_between_special_tokens": spaces_between_special_tokens}
-        self._context = list(prompt_token_ids[-INITIAL_OFFSET:])
-        self._context_text = self._tok.decode(self._context, **self._decode_kwargs)
-        self._out: list[int] = []
-        self._byte_ids = byte_fallback_ids(tokenizer)
+        self._backend = fast_backend(tokenizer)
+        self._ids = list(prompt_token_ids[-INITIAL_OFFSET:])   # context, then generated ids
+        self._num_context = len(self._ids)
+        self._context_text = self._decode(self._ids)
+        # Tokens that leave a run of byte-fallback pieces open: byte pieces, and special
+        # tokens when they are skipped (the decode then joins the runs on either side).
+        _, byte_ids, _, both = _token_sets_of(tokenizer)
+        self._run_ids = both if skip_special_tokens and byte_ids else byte_ids
+        self._closed = self._num_context     # ids before any open run of byte tokens
         self._stop = stop
         self._include_stop = include_stop_str_in_output
-        self.text = ""
+        self._pieces: list[str] = []   # the text, joined when read (see :attr:`text`)
+        self._num_chars = 0
+        self._hold = max((len(s) for s in stop), default=1) - 1   # chars a stop may share
+        # The decode window (fast path): ids[_prefix:_read] are emitted and decode to
+        # _prefix_text; the text of ids[:_read] after the context is _read_chars long. Until
+        # the first advance the window holds the whole context, so its check is the context
+        # rule's own; once output tokens have closed the context's last character and byte
+        # run, later tokens cannot change the context's text.
+        self._windowed = self._backend is not None
+        self._prefix, self._read = 0, self._num_context
+        self._prefix_text, self._read_chars = self._context_text, 0
 
     def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
         """Append one generated id and extend :attr:`text`.
@@ -80,23 +141,29 @@ class IncrementalDetokenizer:
         Returns:
             The stop string that matched (``text`` is then cut), else None.
         """
-        self._out.append(token_id)
-        closed = len(self._out)
-        while closed and self._out[closed - 1] in self._byte_ids:
-            closed -= 1      # an open run of byte tokens may still be re-rendered
-        stable = self._decoded(closed).rstrip("\ufffd")
-        if len(stable) <= len(self.text):
+        self._ids.append(token_id)
+        if token_id not in self._run_ids:
+            self._closed = len(self._ids)    # an open run of byte tokens may be re-rendered
+        new = self._new_text(self._closed, final=False)
+        if not new:
             return None
-        start = max(len(self.text) - max((len(s) for s in self._stop), default=0) + 1, 0)
-        self.text += stable[len(self.text):]
-        return self._match_stop(start) if check_stop else None
+        before = self._last_chars(self._hold) if check_stop and self._stop else ""
+        self._append(new)
+        return self._match_stop(before + new) if check_stop and self._stop else None
 
     def flush(self) -> None:
         """At the end of generation, release text held back for an incomplete UTF-8
         character, rendered as the full decode renders it (with U+FFFD)."""
-        full = self._decoded()
-        if len(full) > len(self.text):
-            self.text += full[len(self.text):]
+        self._append(self._new_text(len(self._ids), final=True))
+
+    @property
+    def text(self) -> str:
+        """The text so far: stop strings applied, trailing partial characters held back.
+        Pieces are appended per token and joined here, so that a token costs the same
+        however long the text is."""
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     def visible_text(self, finished: bool) -> str:
         """The text to report: while generation goes on, the last ``len(longest stop) - 1``
@@ -104,26 +171,79 @@ class IncrementalDetokenizer:
         them), so reported text only ever grows; all of it once finished."""
         if finished or not self._stop:
             return self.text
-        hold = max(len(s) for s in self._stop) - 1
-        return self.text[:max(len(self.text) - hold, 0)]
+        return self.text[:max(self._num_chars - self._hold, 0)]
 
-    def _decoded(self, end: int | None = None) -> str:
-        """The text of the first ``end`` generated tokens (all by default) as it reads
-        after the prompt."""
-        out = self._out[:end]
-        full = self._tok.decode(self._context + out, **self._decode_kwargs)
+    def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self._skip_special)
+        return self._tok.decode(ids, **self._decode_kwargs)
+
+    def _new_text(self, end: int, final: bool) -> str:
+        """What :attr:`text` lacks of the text of ``ids[:end]`` after the context: with
+        trailing U+FFFD held back unless ``final``; empty when ``text`` is not shorter."""
+        base = self._read_chars
+        if self._windowed and self._num_chars >= base:
+            window = self._decode(self._ids[self._prefix:end])
+            if window.startswith(self._prefix_text):
+                tail = window[len(self._prefix_text):]
+                if not final:
+                    self._advance(end, window, tail)
+                    tail = tail.rstrip(_REPLACEMENT)
+                return tail[self._num_chars - base:]
+        whole = self._decoded(end)
+        if not final:
+            whole = whole.rstrip(_REPLACEMENT)
+        return whole[self._num_chars:]
+
+    def _advance(self, end: int, window: str, tail: str) -> None:
+        """Mark ``ids[:end]`` emitted when its text is complete (the window's decode ends in
+        no U+FFFD, which also keeps the window on a context that ends inside a character);
+        the window then starts at the previous read offset, unless the ids since it decode
+        to nothing (a skipped special token), whose decode would drop the next token's
+        leading space."""
+        if end <= self._read or window.endswith(_REPLACEMENT):
+            return
+        since = self._decode(self._ids[self._read:end])
+        if since:
+            self._prefix, self._prefix_text = self._read, since
+        else:
+            self._prefix_text = window
+        self._read, self._read_chars = end, self._read_chars + len(tail)
+
+    def _decoded(self, end: int) -> str:
+        """The text of ``ids[:end]`` as it reads after the context (the whole-output decode)."""
+        full = self._decode(self._ids[:end])
         if full.startswith(self._context_text):
             return full[len(self._context_text):]
-        return self._tok.decode(out, **self._decode_kwargs)
+        return self._decode(self._ids[self._num_context:end])
 
-    def _match_stop(self, search_from: int) -> str | None:
+    def _append(self, piece: str) -> None:
+        if piece:
+            self._pieces.append(piece)
+            self._num_chars += len(piece)
+
+    def _last_chars(self, n: int) -> str:
+        """The last ``n`` characters of the text (all of it if shorter)."""
+        out, count = [], 0
+        for piece in reversed(self._pieces):
+            if count >= n:
+                break
+            out.append(piece)
+            count += len(piece)
+        return "".join(reversed(out))[max(count - n, 0):]
+
+    def _match_stop(self, recent: str) -> str | None:
+        """Cut the text at the first stop string in ``recent`` (the text's last characters:
+        the new ones and the ``len(longest stop) - 1`` before them); the stop matched."""
         best = None
         for s in self._stop:
-            i = self.text.find(s, search_from)
+            i = recent.find(s)
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:
             return None
         i, s = best
-        self.text = self.text[: i + len(s)] if self._include_stop else self.text[:i]
+        end = self._num_chars - len(recent) + i + (len(s) if self._include_stop else 0)
+        self._pieces[:] = [self.text[:end]]
+        self._num_chars = end
         return s

@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from jaxpaged.engine.arg_utils import EngineArgs
-from server.launcher import ServerThread
-from server.serving import ServerConfig
+from jaxpaged.server.launcher import ServerThread
+from jaxpaged.server.serving import ServerConfig
 
 #: The server tests' context limit (BUGCASES B11 uses L = 128).
 MAX_MODEL_LEN = 128

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks import serve
+from jaxpaged.benchmarks import serve
 from jaxpaged.cli import build_parser
 
 

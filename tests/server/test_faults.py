@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from jaxpaged import SamplingParams
-from server.serving import ServerConfig
+from jaxpaged.server.serving import ServerConfig
 from tests.helpers.faults import EngineKilled, FailSteps
 from tests.server.conftest import (MAX_MODEL_LEN, MODEL, PLAIN_TEMPLATE, LiveServer, engine_args,
                                    sse_events, wait_engine_empty, wait_until)

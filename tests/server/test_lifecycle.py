@@ -15,8 +15,8 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from server.launcher import make_server
-from server.serving import ServerConfig
+from jaxpaged.server.launcher import make_server
+from jaxpaged.server.serving import ServerConfig
 from tests.helpers.processes import free_port, wait_for_health
 from tests.server.conftest import MAX_BODY_BYTES, MODEL, LiveServer, engine_args
 

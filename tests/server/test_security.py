@@ -17,9 +17,9 @@ from starlette.testclient import TestClient
 from jaxpaged import LLM
 from jaxpaged.cli import build_parser
 from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.server.launcher import make_server, server_config
+from jaxpaged.server.serving import ServerConfig
 from jaxpaged.tokenizer import load_tokenizer
-from server.launcher import make_server, server_config
-from server.serving import ServerConfig
 from tests.conftest import STORIES
 from tests.server.conftest import MAX_BODY_BYTES, MODEL, engine_args, wait_until
 

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from benchmarks import soak
-from benchmarks.soak import SoakConfig, near_tie, run_soak
 from jaxpaged import SamplingParams
+from jaxpaged.benchmarks import soak
+from jaxpaged.benchmarks.soak import SoakConfig, near_tie, run_soak
 from jaxpaged.cli import build_parser
-from server.serving import ServerConfig
+from jaxpaged.server.serving import ServerConfig
 from tests.server.conftest import MAX_MODEL_LEN, MODEL, PLAIN_TEMPLATE, LiveServer, engine_args
 
 #: The CI soak: the acceptance run, without the features that compile step shapes of their
