@@ -1,7 +1,12 @@
 """Pallas kernels for paged attention on NVIDIA GPUs, each beside its pure-jnp reference.
 
-- ``paged_attention``: ragged paged attention (prefill chunks + decodes in one launch, GQA,
-  sliding window, soft-cap, split-K) — ``pallas_kernels.paged_attention``.
+- v2 paged attention (the default): decodes with split-K (``pallas_kernels.paged_attention``)
+  and prefill query blocks (``pallas_kernels.prefill_attention``) in separate launches, both on
+  the prefetching KV-tile loop of ``pallas_kernels.attention_tiles``; GQA, sliding window,
+  soft-cap, fp8 pools.
+- v1 paged attention: prefill chunks and decodes in query blocks of one launch
+  (``pallas_kernels.paged_attention_v1``), kept for an A/B.
 - ``write_kv``: new K/V rows into the pool by slot mapping, in place — ``pallas_kernels.kv_write``.
 - References: ``pallas_kernels.reference``. Lowering choices: ``pallas_kernels.lowering``.
+  What the kernels compile to on Hopper, checked on CPU: ``pallas_kernels.schedule_check``.
 """

@@ -2,10 +2,12 @@
 
 The pools are passed as inputs aliased to the outputs (``input_output_aliases``), so under a
 jit that donates them the write touches only the new rows and the pool is never copied.
-One program writes ``tokens_per_program`` consecutive tokens; within a token, one store per
-KV head (Triton tiles must have power-of-two shapes, and KV head counts such as 12 are not).
-Rows are quantized for the pool's dtype on the way in (``pallas_kernels.kv_quant``: divided by
-the layer's scale and, for an fp8 pool, saturated to ±448 and rounded to e4m3).
+One program writes one token (vLLM's ``reshape_and_cache`` kernel also runs one thread
+block per token): when the KV head count is a power of two, its whole ``[KVH, D]`` K row and
+V row are each one store (Triton tiles must have power-of-two shapes); otherwise (e.g. 12
+KV heads) one store per KV head. Rows are quantized for the pool's dtype on the way in
+(``pallas_kernels.kv_quant``: divided by the layer's scale and, for an fp8 pool, saturated to
+±448 and rounded to e4m3). Padding tokens carry slots of the null page and write there.
 
 Lowering: Triton (see ``pallas_kernels/lowering.py``); interpret mode on CPU.
 """
@@ -21,33 +23,23 @@ from pallas_kernels.kv_quant import quantize_kv
 from pallas_kernels.lowering import pallas_call_options
 
 
-def _kernel(slot_ref, k_ref, v_ref, k_in_ref, v_in_ref, k_out_ref, v_out_ref, *,
-            tokens_per_program, num_tokens, k_scale, v_scale):
+def _kernel(slot_ref, k_ref, v_ref, k_in_ref, v_in_ref, k_out_ref, v_out_ref, *, k_scale,
+            v_scale):
     del k_in_ref, v_in_ref  # aliased to the outputs
-    first = pl.program_id(0) * tokens_per_program
+    t = pl.program_id(0)
     page_size, num_kv_heads = k_out_ref.shape[1], k_out_ref.shape[2]
-
-    def body(i, carry):
-        t = first + i
-
-        @pl.when(t < num_tokens)
-        def _():
-            slot = slot_ref[t]
-            page, row = slot // page_size, slot % page_size
-            for h in range(num_kv_heads):
-                k_out_ref[page, row, h, :] = quantize_kv(k_ref[t, h, :], k_scale, k_out_ref.dtype)
-                v_out_ref[page, row, h, :] = quantize_kv(v_ref[t, h, :], v_scale, v_out_ref.dtype)
-        return carry
-
-    jax.lax.fori_loop(0, tokens_per_program, body, 0)
+    slot = slot_ref[t]
+    page, row = slot // page_size, slot % page_size
+    whole_row = num_kv_heads & (num_kv_heads - 1) == 0
+    for h in [slice(None)] if whole_row else range(num_kv_heads):
+        k_out_ref[page, row, h, :] = quantize_kv(k_ref[t, h, :], k_scale, k_out_ref.dtype)
+        v_out_ref[page, row, h, :] = quantize_kv(v_ref[t, h, :], v_scale, v_out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("k_scale", "v_scale", "tokens_per_program",
-                                             "interpret"),
+@functools.partial(jax.jit, static_argnames=("k_scale", "v_scale", "interpret"),
                    donate_argnames=("k_pages", "v_pages"))
 def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array, *, k_scale: float = 1.0, v_scale: float = 1.0,
-             tokens_per_program: int = 8,
              interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Write new K/V rows into their slots (same contract as
     ``pallas_kernels.reference.write_kv_reference``).
@@ -58,19 +50,15 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
         k, v: [T, KVH, D] new rows.
         slot_mapping: [T] int32 flat slots ``page * page_size + row``.
         k_scale, v_scale: the layer's scales; rows are stored as k / k_scale, v / v_scale.
-        tokens_per_program: tokens one program writes.
         interpret: force interpret mode (default: on unless running on a GPU).
 
     Returns:
         The updated ``(k_pages, v_pages)``.
     """
-    num_tokens = k.shape[0]
     whole = pl.BlockSpec(memory_space=pl.ANY)
-    kernel = functools.partial(_kernel, tokens_per_program=tokens_per_program,
-                               num_tokens=num_tokens, k_scale=k_scale, v_scale=v_scale)
+    kernel = functools.partial(_kernel, k_scale=k_scale, v_scale=v_scale)
     return pl.pallas_call(
-        kernel, grid=(pl.cdiv(num_tokens, tokens_per_program),),
-        in_specs=[whole] * 5, out_specs=[whole, whole],
+        kernel, grid=(k.shape[0],), in_specs=[whole] * 5, out_specs=[whole, whole],
         out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
         input_output_aliases={3: 0, 4: 1}, name="kv_write",

@@ -1,29 +1,28 @@
-"""Ragged paged attention in Pallas: prefill chunks and decodes of many sequences in one launch.
+"""Paged decode attention v2 in Pallas: one query token per sequence, split-K, tiles in flight.
 
-Work decomposition. The caller groups query tokens into *query blocks* (``Bq`` consecutive
-tokens of one sequence; ``Bq = 1`` for decode-only steps). One program handles one
-(query block, KV head, split): its rows are the block's ``Bq`` tokens times the ``G`` query
-heads that share the KV head (GQA), padded to a power of two >= 16 for the tensor-core dot.
-It walks the sequence's page table page by page (``fori_loop``), loads the page's
-``[page_size, head_dim]`` K and V tiles straight from the pool, and keeps an online softmax
-in float32 (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022, algorithm 1). Only
-pages holding keys some row can see are visited: up to the block's last position (causal),
-and from the first position inside the sliding window.
+Work decomposition (Flash-Decoding, Dao et al. 2023 "Flash-Decoding for long-context
+inference"; vLLM's paged attention v2 partitions the same way). A program handles one
+(decode sequence, KV head, split): its rows are the ``G`` query heads sharing the KV head
+(GQA), padded to ``R = max(16, G)`` rows in registers for the tensor-core dot but loaded and
+stored as the ``G`` real rows. It walks its share of the sequence's 32-key tiles with the
+prefetching loop of :mod:`pallas_kernels.attention_tiles` (``num_warps`` 4, ``num_stages``
+3), so one tile's K/V copies are in flight while the previous tile is computed.
 
-Split-K (flash-decoding, Dao et al. 2023 "Flash-Decoding for long-context inference"): with
-few sequences and long contexts the page range is cut into ``num_splits`` parts run by
-separate programs; each writes a partial output with its row max and sum, and a small jnp
-epilogue merges them with log-sum-exp weights.
+Split-K. The grid has ``S`` split slots per (sequence, KV head), ``S`` fixed by the bucket
+(enough for about twice the programs that fit on the GPU when the bucket's sequences are
+all present, more than 16 at batch 1). How many slots a sequence uses is decided inside the
+kernel from the real work: the decode KV tokens summed over the step's sequences
+(``kv_tokens``, from the host) give the tiles per program that make the launch about
+:data:`TARGET_PROGRAMS` programs (:data:`NUM_SMS` x :data:`PROGRAMS_PER_SM`, the residency
+``pallas_kernels.schedule_check`` verifies), and each sequence gets ``ceil(its tiles / that)``
+splits. A batch of 33 long sequences therefore runs two splits each (no cliff between 32 and
+48 sequences), a single long sequence up to 64. Unused slots exit at once. Each split writes
+its normalised partial output and log-sum-exp for the real rows only; one small Pallas
+program per (sequence, KV head) merges them (:func:`merge_splits`).
 
-fp8 KV cache (``pallas_kernels.kv_quant``): a float8_e4m3fn page tile is converted to q's
-dtype as it is loaded (exact: every e4m3 value is a bfloat16 and a float32), so the dots run
-in the model's dtype with float32 accumulation as before. The layer's scales are folded in
-rather than multiplied into every loaded element (attention is linear in K inside the scores
-and in V): ``k_scale`` into the softmax scale (scores are ``q·k_stored * (scale * k_scale)``)
-and ``v_scale`` into the normalised output; one multiply per score or output element instead
-of one per K/V element per query block.
-
-Lowering: Triton (see ``pallas_kernels/lowering.py`` for why); interpret mode on CPU.
+fp8 pools and scales are handled as in v1 (``pallas_kernels.kv_quant``): tiles converted to
+q's dtype as loaded, ``k_scale`` folded into the softmax scale, ``v_scale`` into the output.
+Lowering: Triton (``pallas_kernels/lowering.py``); interpret mode on CPU.
 """
 
 from __future__ import annotations
@@ -33,189 +32,195 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.attention_tiles import attend_tiles, first_visible_tile, next_pow2
 from pallas_kernels.kv_quant import check_pool_dtypes
 from pallas_kernels.lowering import pallas_call_options
 
-#: Streaming multiprocessors of an H100/H200; the split heuristic aims for two programs each.
-_TARGET_PROGRAMS = 2 * 132
-#: A split covers at least this many pages.
-_MIN_PAGES_PER_SPLIT = 8
+#: Keys per KV tile of the decode loop (independent of page_size).
+DECODE_TILE = 32
+#: Streaming multiprocessors of an H100 SXM / H200.
+NUM_SMS = 132
+#: Decode programs resident per SM (checked on the compiled kernel by the schedule check).
+PROGRAMS_PER_SM = 4
+#: Programs a decode launch aims for.
+TARGET_PROGRAMS = NUM_SMS * PROGRAMS_PER_SM
+#: A split covers at least this many tiles (128 keys).
+MIN_TILES_PER_SPLIT = 4
+#: Upper bound of the split slots of a launch.
+MAX_SPLITS = 128
+DECODE_WARPS, DECODE_STAGES = 4, 3
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
+def max_splits(num_seqs: int, num_kv_heads: int, max_pages: int, page_size: int) -> int:
+    """Split slots per (sequence, KV head) for a bucket of ``num_seqs`` sequences of up to
+    ``max_pages`` pages: enough for 2 x :data:`TARGET_PROGRAMS` programs, no more than
+    the longest sequence's tiles allow at :data:`MIN_TILES_PER_SPLIT` a split."""
+    want = -(-2 * TARGET_PROGRAMS // (num_seqs * num_kv_heads))
+    tiles = -(-max_pages * page_size // DECODE_TILE)
+    return max(1, min(want, -(-tiles // MIN_TILES_PER_SPLIT), MAX_SPLITS))
 
 
-def choose_num_splits(num_blocks: int, num_kv_heads: int, max_pages: int) -> int:
-    """Split-K factor for a launch: 1 when there are enough programs to fill the GPU,
-    otherwise enough splits to reach about two programs per SM, keeping >= 8 pages a split."""
-    programs = num_blocks * num_kv_heads
-    if programs >= _TARGET_PROGRAMS:
-        return 1
-    want = _next_pow2(-(-_TARGET_PROGRAMS // programs))
-    return max(1, min(want, max_pages // _MIN_PAGES_PER_SPLIT, 16))
+def split_range(first_tile, num_tiles, kv_tokens, split, *, num_kv_heads: int,
+                num_slots: int):
+    """Tile range ``[start, end)`` of split ``split`` of a sequence (int32 scalars, jnp).
+
+    ``num_tiles`` tiles from ``first_tile``; ``kv_tokens`` is the decode KV tokens summed over
+    the launch. Tiles per split: ``max(MIN_TILES_PER_SPLIT, ceil(total tiles * KVH /
+    TARGET_PROGRAMS))``; the sequence uses ``ceil(num_tiles / that)`` of its ``num_slots``
+    slots (capped), the rest get an empty range.
+    """
+    total_tiles = (kv_tokens + DECODE_TILE - 1) // DECODE_TILE
+    per_program = jnp.maximum(MIN_TILES_PER_SPLIT,
+                              (total_tiles * num_kv_heads + TARGET_PROGRAMS - 1)
+                              // TARGET_PROGRAMS)
+    used = jnp.clip((num_tiles + per_program - 1) // per_program, 1, num_slots)
+    per_split = (num_tiles + used - 1) // used
+    start = first_tile + split * per_split
+    end = jnp.minimum(start + per_split, first_tile + num_tiles)
+    return start, jnp.maximum(end, start)
 
 
-def _scores(q, k, precision):
-    """[R, D] x [S, D] -> [R, S] float32. Heads narrower than 16 (too small for a
-    tensor-core dot) use a broadcast multiply-sum."""
-    if q.shape[-1] < 16:
-        return jnp.sum(q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :],
-                       axis=-1)
-    return jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=precision)
+def _rows(base, group, rows):
+    """Row indices ``base + min(r, group - 1)`` for r < rows, and the mask r < group."""
+    r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    return base + jnp.minimum(r, group - 1), r < group
 
 
-def _weighted_values(p, v, precision):
-    """[R, S] x [S, D] -> [R, D] float32."""
-    if v.shape[-1] < 16:
-        return jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
-    return jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=precision)
-
-
-def _kernel(q_ref, row_pos_ref, block_seq_ref, page_table_ref, k_ref, v_ref, *out_refs,
-            scale, sliding_window, soft_cap, num_splits, v_scale):
-    n, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    q = q_ref[...]                                   # [R, D]
-    row_pos = row_pos_ref[...]                       # [R] int32, -1 = padding row
-    seq = block_seq_ref[n]
-    page_size = k_ref.shape[1]
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-
-    num_pages = (jnp.max(row_pos) + page_size) // page_size      # pages up to the last key seen
-    first_page = 0
-    if sliding_window is not None:
-        lowest = jnp.min(jnp.where(row_pos >= 0, row_pos, jnp.iinfo(jnp.int32).max))
-        first_page = jnp.maximum(lowest - sliding_window + 1, 0) // page_size
-    per_split = (num_pages - first_page + num_splits - 1) // num_splits
-    start = first_page + split * per_split
-    end = jnp.maximum(jnp.minimum(start + per_split, num_pages), start)
-
-    def body(p, carry):
-        acc, m, l = carry
-        page = page_table_ref[seq, p]
-        k = k_ref[page, :, h, :].astype(q.dtype)     # [S, D] (from fp8: exact)
-        v = v_ref[page, :, h, :].astype(q.dtype)
-        s = _scores(q, k, precision) * scale         # [R, S] f32; scale includes k_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        key_pos = p * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
-        mask = key_pos <= row_pos[:, None]
-        if sliding_window is not None:
-            mask &= key_pos > row_pos[:, None] - sliding_window
-        s = jnp.where(mask, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)
-        probs = jnp.exp(s - m_safe[:, None])
-        l = alpha * l + jnp.sum(probs, axis=1)
-        acc = alpha[:, None] * acc + _weighted_values(probs, v, precision)
-        return acc, m_new, l
-
-    rows, head_dim = q.shape
-    init = (jnp.zeros((rows, head_dim), jnp.float32),
-            jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(start, end, body, init)
+def _decode_kernel(q_ref, seq_ref, pos_ref, kv_tokens_ref, page_table_ref, k_ref, v_ref,
+                   *out_refs, num_kv_heads, group, rows, page_size, scale, sliding_window,
+                   soft_cap, v_scale, num_slots):
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_rows, _ = _rows((b * num_kv_heads + h) * group, group, rows)
+    q = q_ref[q_rows, :]                                       # [R, D]; rows >= G repeat
+    pos = pos_ref[b]
+    seq = seq_ref[b]
+    first = first_visible_tile(pos, sliding_window, DECODE_TILE)
+    num_tiles = jnp.where(pos >= 0, pos // DECODE_TILE + 1 - first, 0)
+    start, end = split_range(first, num_tiles, kv_tokens_ref[0], split,
+                             num_kv_heads=num_kv_heads, num_slots=num_slots)
+    acc, m, l = attend_tiles(q, jnp.full((rows,), pos, jnp.int32), seq, h, start, end,
+                             page_table_ref, k_ref, v_ref, tile=DECODE_TILE,
+                             page_size=page_size, scale=scale,
+                             sliding_window=sliding_window, soft_cap=soft_cap)
     out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
     if v_scale != 1.0:       # split partials too: their merge is a convex combination
         out = out * v_scale
-    if num_splits == 1:
-        (o_ref,) = out_refs
-        o_ref[...] = out.astype(o_ref.dtype)
-    else:
-        o_ref, m_ref, l_ref = out_refs
-        o_ref[...] = out
-        m_ref[...] = m
-        l_ref[...] = l
+    out_row = ((b * num_kv_heads + h) * num_slots + split) * group
+    _, mask = _rows(out_row, group, rows)
+    o_ref = out_refs[0]
+    plt.store(o_ref.at[pl.ds(out_row, rows), :], out.astype(o_ref.dtype), mask=mask[:, None])
+    if num_slots > 1:
+        lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(jnp.where(l == 0.0, 1.0, l)))
+        plt.store(out_refs[1].at[pl.ds(out_row, rows)], lse, mask=mask)
 
 
-def _merge_splits(o, m, l):
-    """Merge split partials: o [..., splits, R, D] (each normalised), m and l [..., splits, R]."""
-    m_max = jnp.max(m, axis=-2, keepdims=True)
-    m_max = jnp.where(m_max == -jnp.inf, 0.0, m_max)
-    w = l * jnp.exp(m - m_max)                                    # [..., splits, R]
-    total = jnp.sum(w, axis=-2)
-    merged = jnp.sum(w[..., None] * o, axis=-3)
-    return merged / jnp.where(total == 0.0, 1.0, total)[..., None]
+def _merge_kernel(o_ref, lse_ref, out_ref, *, group, rows, num_slots):
+    n = pl.program_id(0)
+    _, mask = _rows(0, group, rows)
+
+    def body(s, carry):
+        acc, m, den = carry
+        row = (n * num_slots + s) * group
+        lse = plt.load(lse_ref.at[pl.ds(row, rows)], mask=mask, other=-jnp.inf)
+        o = plt.load(o_ref.at[pl.ds(row, rows), :], mask=mask[:, None], other=0.0)
+        m_new = jnp.maximum(m, lse)
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha, w = jnp.exp(m - m_safe), jnp.exp(lse - m_safe)
+        return alpha[:, None] * acc + w[:, None] * o, m_new, alpha * den + w
+
+    init = (jnp.zeros((rows, o_ref.shape[1]), jnp.float32),
+            jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    acc, _, den = jax.lax.fori_loop(0, num_slots, body, init)
+    out = acc / jnp.where(den == 0.0, 1.0, den)[:, None]
+    plt.store(out_ref.at[pl.ds(n * group, rows), :], out.astype(out_ref.dtype),
+              mask=mask[:, None])
+
+
+def merge_splits(o: jax.Array, lse: jax.Array, *, num_programs: int, group: int,
+                 num_slots: int, dtype, interpret: bool | None) -> jax.Array:
+    """Merge split partials with log-sum-exp weights in one Pallas launch.
+
+    Args:
+        o: [num_programs * num_slots * group + R, D] float32 normalised partial outputs;
+        lse: [same rows] float32 their log-sum-exp (-inf for an empty split); row
+            ``(n * num_slots + s) * group + g`` is program ``n``'s split ``s``, head ``g``.
+
+    Returns:
+        [num_programs * group + R, D] in ``dtype`` (the last R rows are padding).
+    """
+    rows = max(16, next_pow2(group))
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    kernel = functools.partial(_merge_kernel, group=group, rows=rows, num_slots=num_slots)
+    return pl.pallas_call(
+        kernel, grid=(num_programs,), in_specs=[whole, whole], out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct((num_programs * group + rows, o.shape[1]), dtype),
+        name="paged_decode_merge",
+        **pallas_call_options(num_warps=4, num_stages=2, interpret=interpret),
+    )(o, lse)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "k_scale",
-                                             "v_scale", "num_splits", "num_warps", "num_stages",
-                                             "interpret"))
-def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                    page_table: jax.Array, block_seq: jax.Array, block_positions: jax.Array, *,
-                    scale: float, sliding_window: int | None = None,
-                    soft_cap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                    num_splits: int | None = None,
-                    num_warps: int = 4, num_stages: int = 2,
-                    interpret: bool | None = None) -> jax.Array:
-    """Causal paged attention for query blocks (same contract as
-    ``pallas_kernels.reference.paged_attention_reference``).
+                                             "v_scale", "num_slots", "interpret"))
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           page_table: jax.Array, decode_seq: jax.Array,
+                           decode_positions: jax.Array, kv_tokens: jax.Array, *,
+                           scale: float, sliding_window: int | None = None,
+                           soft_cap: float | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0, num_slots: int | None = None,
+                           interpret: bool | None = None) -> jax.Array:
+    """Paged attention of one query token per decode sequence (v2 decode kernel).
 
     Args:
-        q: [NB, Bq, num_heads, D] float32 or bfloat16 queries; D a power of two.
-        k_pages, v_pages: [num_pages, page_size, num_kv_heads, D], q's dtype or
-            float8_e4m3fn (an fp8 KV cache); page_size a power of two (16..128 in production).
-        page_table: [B, P] int32; block_seq: [NB] int32; block_positions: [NB, Bq] int32
-            (-1 = padding row).
-        scale: score scale; sliding_window, soft_cap: optional (see the reference).
-        k_scale, v_scale: the pool holds K / k_scale and V / v_scale (1.0 for a pool in q's
-            dtype; the layer's scales for an fp8 pool).
-        num_splits: split-K factor; None picks one with :func:`choose_num_splits`.
-        num_warps, num_stages: Triton launch parameters.
+        q: [ND, num_heads, D] float32 or bfloat16, one token per decode; D a power of two.
+        k_pages, v_pages: [num_pages, page_size, KVH, D], q's dtype or float8_e4m3fn;
+            any page_size (16..128 in production).
+        page_table: [B, P] int32; decode_seq: [ND] int32 each decode's page-table row;
+        decode_positions: [ND] int32 its query position (-1 = padding; such rows are zero).
+        kv_tokens: [1] int32, the sum of ``positions + 1`` over the real decodes (sizes the
+            split-K; any value gives the same result).
+        scale, sliding_window, soft_cap, k_scale, v_scale: as in
+            ``pallas_kernels.reference.paged_attention_reference``.
+        num_slots: split slots per (sequence, KV head); None: :func:`max_splits`.
         interpret: force interpret mode (default: on unless running on a GPU).
 
     Returns:
-        [NB, Bq, num_heads, D] in q's dtype.
+        [ND, num_heads, D] in q's dtype.
 
     Raises:
         ValueError: head counts that do not divide, or pools neither in q's dtype nor fp8.
     """
-    nb, block_q, num_heads, head_dim = q.shape
+    nd, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     check_pool_dtypes(q.dtype, k_pages.dtype, v_pages.dtype)
     group = num_heads // num_kv_heads
-    rows = block_q * group
-    rows_padded = max(16, _next_pow2(rows))
-    if num_splits is None:
-        num_splits = choose_num_splits(nb, num_kv_heads, page_table.shape[1])
-
-    # [NB, Bq, KVH*G, D] -> [NB, KVH, Bq*G, D]: row r of a program is query r // G, head r % G.
-    qr = q.reshape(nb, block_q, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-    qr = qr.reshape(nb, num_kv_heads, rows, head_dim)
-    row_pos = jnp.repeat(block_positions, group, axis=1)
-    if rows_padded != rows:
-        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_padded - rows), (0, 0)))
-        row_pos = jnp.pad(row_pos, ((0, 0), (0, rows_padded - rows)), constant_values=-1)
-
+    rows = max(16, next_pow2(group))
+    if num_slots is None:
+        num_slots = max_splits(nd, num_kv_heads, page_table.shape[1], page_size)
+    flat = lambda p: p.reshape(num_pages * page_size, num_kv_heads, head_dim)
+    out_rows = nd * num_kv_heads * num_slots * group + rows
+    out_dtype = q.dtype if num_slots == 1 else jnp.float32
+    out_shape = [jax.ShapeDtypeStruct((out_rows, head_dim), out_dtype)]
+    if num_slots > 1:
+        out_shape.append(jax.ShapeDtypeStruct((out_rows,), jnp.float32))
     whole = pl.BlockSpec(memory_space=pl.ANY)
-    in_specs = [
-        pl.BlockSpec((None, None, rows_padded, head_dim), lambda n, h, s: (n, h, 0, 0)),
-        pl.BlockSpec((None, rows_padded), lambda n, h, s: (n, 0)),
-        whole, whole, whole, whole,
-    ]
-    if num_splits == 1:
-        out_shape = [jax.ShapeDtypeStruct((nb, num_kv_heads, rows_padded, head_dim), q.dtype)]
-        out_specs = [pl.BlockSpec((None, None, rows_padded, head_dim),
-                                  lambda n, h, s: (n, h, 0, 0))]
-    else:
-        split_shape = (nb, num_kv_heads, num_splits, rows_padded)
-        out_shape = [jax.ShapeDtypeStruct((*split_shape, head_dim), jnp.float32),
-                     jax.ShapeDtypeStruct(split_shape, jnp.float32),
-                     jax.ShapeDtypeStruct(split_shape, jnp.float32)]
-        out_specs = [pl.BlockSpec((None, None, None, rows_padded, head_dim),
-                                  lambda n, h, s: (n, h, s, 0, 0)),
-                     pl.BlockSpec((None, None, None, rows_padded), lambda n, h, s: (n, h, s, 0)),
-                     pl.BlockSpec((None, None, None, rows_padded), lambda n, h, s: (n, h, s, 0))]
-    kernel = functools.partial(_kernel, scale=scale * k_scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap, num_splits=num_splits, v_scale=v_scale)
+    kernel = functools.partial(
+        _decode_kernel, num_kv_heads=num_kv_heads, group=group, rows=rows, page_size=page_size, scale=scale * k_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap, v_scale=v_scale,
+        num_slots=num_slots)
     outs = pl.pallas_call(
-        kernel, grid=(nb, num_kv_heads, num_splits), in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, name="ragged_paged_attention",
-        **pallas_call_options(num_warps=num_warps, num_stages=num_stages, interpret=interpret),
-    )(qr, row_pos, block_seq, page_table, k_pages, v_pages)
-    out = outs[0] if num_splits == 1 else _merge_splits(*outs).astype(q.dtype)
-    out = out[:, :, :rows].reshape(nb, num_kv_heads, block_q, group, head_dim)
-    return out.transpose(0, 2, 1, 3, 4).reshape(nb, block_q, num_heads, head_dim)
+        kernel, grid=(nd, num_kv_heads, num_slots), in_specs=[whole] * 7,
+        out_specs=[whole] * len(out_shape), out_shape=out_shape,
+        name="paged_decode_attention",
+        **pallas_call_options(num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
+                              interpret=interpret),
+    )(q.reshape(nd * num_heads, head_dim), decode_seq, decode_positions, kv_tokens,
+      page_table, flat(k_pages), flat(v_pages))
+    out = outs[0]
+    if num_slots > 1:
+        out = merge_splits(*outs, num_programs=nd * num_kv_heads, group=group,
+                           num_slots=num_slots, dtype=q.dtype, interpret=interpret)
+    return out[:nd * num_heads].reshape(nd, num_heads, head_dim)

@@ -34,6 +34,13 @@ def test_auto_is_xla_on_cpu():
         EngineArgs(attention_backend="flash")
 
 
+def test_pallas_kernel_generation_is_checked():
+    assert PallasAttentionBackend().kernel == "v2"
+    assert PallasAttentionBackend(kernel="v1").kernel == "v1"
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        PallasAttentionBackend(kernel="v3")
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_self_check_passes_in_interpret_mode(dtype):
     err = selection.self_check(PallasAttentionBackend(interpret=True), 2, 8, 64, 16, dtype)

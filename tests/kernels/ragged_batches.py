@@ -1,4 +1,5 @@
-"""Random ragged batches for kernel tests: mixed prefill chunks and decodes over a shuffled pool."""
+"""Random ragged batches for kernel tests: mixed prefill chunks and decodes over a shuffled pool,
+and query blocks for the kernel-level tests."""
 
 from __future__ import annotations
 
@@ -56,6 +57,38 @@ def make_batch(rng: np.random.Generator, *, num_heads: int, num_kv_heads: int, h
                        arr(t, num_kv_heads, head_dim),
                        arr(num_pages, page_size, num_kv_heads, head_dim),
                        arr(num_pages, page_size, num_kv_heads, head_dim))
+
+
+def random_seqs(rng, n, page_size, max_ctx=90):
+    """A mix of decodes, first prefill chunks and mid-sequence chunks; last pages mostly
+    partial."""
+    seqs = []
+    for i in range(n):
+        kind = i % 3
+        ctx = int(rng.integers(1, max_ctx))
+        if kind == 0:
+            seqs.append((ctx, 1))                                  # decode
+        elif kind == 1:
+            seqs.append((0, int(rng.integers(1, 40))))             # first prefill chunk
+        else:
+            seqs.append((ctx, int(rng.integers(2, 30))))           # chunk starting mid-sequence
+    return seqs
+
+
+def block_inputs(rng, *, nb, block_q, group, head_dim=64, page_size=16, dtype=jnp.float32):
+    num_kv_heads = 2
+    pages = 12
+    pool = lambda: jnp.asarray(rng.normal(size=(40, page_size, num_kv_heads, head_dim)), dtype)
+    page_table = jnp.asarray(rng.permutation(np.arange(1, 40))[:3 * pages].reshape(3, pages),
+                             jnp.int32)
+    positions = np.full((nb, block_q), -1, np.int32)
+    for b in range(nb):
+        start = int(rng.integers(0, pages * page_size - block_q))
+        n = int(rng.integers(1, block_q + 1))
+        positions[b, :n] = np.arange(start, start + n)
+    q = jnp.asarray(rng.normal(size=(nb, block_q, num_kv_heads * group, head_dim)), dtype)
+    block_seq = jnp.asarray(rng.integers(0, 3, nb), jnp.int32)
+    return (q, pool(), pool(), page_table, block_seq, jnp.asarray(positions)), positions >= 0
 
 
 def device_metadata(backend, layout: BatchLayout) -> dict:

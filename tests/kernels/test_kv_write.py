@@ -9,8 +9,9 @@ from pallas_kernels.reference import write_kv_reference
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("num_tokens, num_kv_heads, tokens_per_program", [(21, 3, 8), (16, 1, 4), (5, 8, 8)])
-def test_rows_land_in_their_slots(dtype, num_tokens, num_kv_heads, tokens_per_program):
+@pytest.mark.parametrize("num_tokens, num_kv_heads", [(21, 3), (16, 1), (5, 8), (7, 12)])
+def test_rows_land_in_their_slots(dtype, num_tokens, num_kv_heads):
+    """Whole [KVH, D] rows (KVH a power of two: 1, 8) and per-head stores (3, 12)."""
     rng = np.random.default_rng(num_tokens)
     shape = (12, 16, num_kv_heads, 8)
     k_pages = jnp.asarray(rng.normal(size=shape), dtype)
@@ -19,17 +20,15 @@ def test_rows_land_in_their_slots(dtype, num_tokens, num_kv_heads, tokens_per_pr
     v = jnp.asarray(rng.normal(size=(num_tokens, num_kv_heads, 8)), jnp.float32)
     slots = jnp.asarray(rng.permutation(12 * 16)[:num_tokens], jnp.int32)
     ref_k, ref_v = (np.asarray(a, np.float32) for a in write_kv_reference(k_pages, v_pages, k, v, slots))
-    got_k, got_v = write_kv(k_pages, v_pages, k, v, slots,
-                            tokens_per_program=tokens_per_program)
+    got_k, got_v = write_kv(k_pages, v_pages, k, v, slots)
     np.testing.assert_array_equal(np.asarray(got_k, np.float32), ref_k)
     np.testing.assert_array_equal(np.asarray(got_v, np.float32), ref_v)
     assert k_pages.is_deleted() and v_pages.is_deleted()  # donated: updated in place
 
 
-@pytest.mark.parametrize("num_tokens, num_kv_heads, tokens_per_program", [(21, 3, 8), (5, 8, 8)])
+@pytest.mark.parametrize("num_tokens, num_kv_heads", [(21, 3), (5, 8)])
 @pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.05, 0.004)])
-def test_fp8_rows_land_quantized_in_their_slots(num_tokens, num_kv_heads, tokens_per_program,
-                                                k_scale, v_scale):
+def test_fp8_rows_land_quantized_in_their_slots(num_tokens, num_kv_heads, k_scale, v_scale):
     """The kernel stores exactly what the reference stores: k / k_scale in e4m3."""
     rng = np.random.default_rng(num_tokens + 100)
     shape = (12, 16, num_kv_heads, 8)
@@ -39,7 +38,7 @@ def test_fp8_rows_land_quantized_in_their_slots(num_tokens, num_kv_heads, tokens
     slots = jnp.asarray(rng.permutation(12 * 16)[:num_tokens], jnp.int32)
     scales = dict(k_scale=k_scale, v_scale=v_scale)
     ref_k, ref_v = write_kv_reference(*pools, k, v, slots, **scales)
-    got_k, got_v = write_kv(*pools, k, v, slots, tokens_per_program=tokens_per_program, **scales)
+    got_k, got_v = write_kv(*pools, k, v, slots, **scales)
     assert got_k.dtype == got_v.dtype == jnp.float8_e4m3fn
     np.testing.assert_array_equal(np.asarray(got_k, np.float32), np.asarray(ref_k, np.float32))
     np.testing.assert_array_equal(np.asarray(got_v, np.float32), np.asarray(ref_v, np.float32))

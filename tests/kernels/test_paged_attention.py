@@ -8,40 +8,26 @@ import pytest
 from jaxpaged.layers.attention.pallas import PallasAttentionBackend
 from jaxpaged.layers.attention.xla import XlaAttentionBackend, paged_attention_chunked
 from pallas_kernels.kv_quant import FP8_DTYPE, quantize_kv
-from pallas_kernels.paged_attention import choose_num_splits, paged_attention
+from pallas_kernels.paged_attention_v1 import choose_num_splits, paged_attention
 from pallas_kernels.reference import paged_attention_reference, write_kv_reference
-from tests.kernels.ragged_batches import device_metadata, make_batch
+from tests.kernels.ragged_batches import block_inputs, device_metadata, make_batch, random_seqs
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
-
-def random_seqs(rng, n, page_size, max_ctx=90):
-    """A mix of decodes, first prefill chunks and mid-sequence chunks; last pages mostly
-    partial."""
-    seqs = []
-    for i in range(n):
-        kind = i % 3
-        ctx = int(rng.integers(1, max_ctx))
-        if kind == 0:
-            seqs.append((ctx, 1))                                  # decode
-        elif kind == 1:
-            seqs.append((0, int(rng.integers(1, 40))))             # first prefill chunk
-        else:
-            seqs.append((ctx, int(rng.integers(2, 30))))           # chunk starting mid-sequence
-    return seqs
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("head_dim, page_size", [(8, 16), (64, 16), (128, 32)])
-def test_ragged_batch_matches_reference(dtype, group, head_dim, page_size):
+def test_ragged_batch_matches_reference(dtype, group, head_dim, page_size, kernel="v2"):
+    """The v2 kernels (decode and prefill launches) through the backend's forward: output
+    against the xla backend, pool bit for bit."""
     rng = np.random.default_rng(group * 1000 + head_dim + page_size)
     num_kv_heads = 2
     batch = make_batch(rng, num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
                        head_dim=head_dim, page_size=page_size, dtype=dtype,
                        seqs=random_seqs(rng, 5, page_size))
     results = []
-    for backend in (XlaAttentionBackend(), PallasAttentionBackend()):
+    for backend in (XlaAttentionBackend(), PallasAttentionBackend(kernel=kernel)):
         meta = device_metadata(backend, batch.layout)
         out, (kp, vp) = jax.jit(backend.forward, static_argnames="scale")(
             batch.q, batch.k, batch.v, (batch.k_pages, batch.v_pages), meta,
@@ -55,35 +41,27 @@ def test_ragged_batch_matches_reference(dtype, group, head_dim, page_size):
     np.testing.assert_array_equal(v[1:], ref_v[1:])
 
 
-def test_decode_only_batch():
+@pytest.mark.parametrize("dtype, group, head_dim, page_size", [
+    (jnp.float32, 1, 8, 16), (jnp.bfloat16, 8, 64, 16), (jnp.float32, 4, 128, 32)])
+def test_ragged_batch_matches_reference_v1(dtype, group, head_dim, page_size):
+    """The v1 kernel (one query-block launch) kept for the A/B."""
+    test_ragged_batch_matches_reference(dtype, group, head_dim, page_size, kernel="v1")
+
+
+@pytest.mark.parametrize("kernel", ["v1", "v2"])
+def test_decode_only_batch(kernel):
     rng = np.random.default_rng(7)
     batch = make_batch(rng, num_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
                        dtype=jnp.float32, seqs=[(int(c), 1) for c in rng.integers(1, 200, 6)],
                        pad_tokens=2, pad_seqs=2)
     assert batch.layout.is_decode_only
     outs = []
-    for backend in (XlaAttentionBackend(), PallasAttentionBackend()):
+    for backend in (XlaAttentionBackend(), PallasAttentionBackend(kernel=kernel)):
         meta = device_metadata(backend, batch.layout)
         out, _ = backend.forward(batch.q, batch.k, batch.v, (batch.k_pages, batch.v_pages),
                                  meta, scale=0.125)
         outs.append(np.asarray(out)[:6])
     assert np.abs(outs[0] - outs[1]).max() <= 1e-5
-
-
-def block_inputs(rng, *, nb, block_q, group, head_dim=64, page_size=16, dtype=jnp.float32):
-    num_kv_heads = 2
-    pages = 12
-    pool = lambda: jnp.asarray(rng.normal(size=(40, page_size, num_kv_heads, head_dim)), dtype)
-    page_table = jnp.asarray(rng.permutation(np.arange(1, 40))[:3 * pages].reshape(3, pages),
-                             jnp.int32)
-    positions = np.full((nb, block_q), -1, np.int32)
-    for b in range(nb):
-        start = int(rng.integers(0, pages * page_size - block_q))
-        n = int(rng.integers(1, block_q + 1))
-        positions[b, :n] = np.arange(start, start + n)
-    q = jnp.asarray(rng.normal(size=(nb, block_q, num_kv_heads * group, head_dim)), dtype)
-    block_seq = jnp.asarray(rng.integers(0, 3, nb), jnp.int32)
-    return (q, pool(), pool(), page_table, block_seq, jnp.asarray(positions)), positions >= 0
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -208,8 +186,13 @@ def test_fp8_pool_matches_reference(kernel, block_q, dtype, sliding_window):
     assert 1e-3 < error.max() <= FP8_TOL          # quantized for real, and not worse than fp8
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("backend", [XlaAttentionBackend, PallasAttentionBackend])
+FP8_BACKENDS = {"xla": XlaAttentionBackend, "pallas": PallasAttentionBackend,
+                "pallas-v1": lambda **kw: PallasAttentionBackend(kernel="v1", **kw)}
+
+
+@pytest.mark.parametrize("dtype, backend", [
+    (jnp.float32, "xla"), (jnp.float32, "pallas"), (jnp.float32, "pallas-v1"),
+    (jnp.bfloat16, "xla"), (jnp.bfloat16, "pallas")])
 def test_backend_forward_on_fp8_pool(backend, dtype):
     """A ragged batch through ``forward`` (write, then attend) on an fp8 pool: the pool equals
     the reference write bit for bit, the output the reference attention over that pool."""
@@ -220,7 +203,7 @@ def test_backend_forward_on_fp8_pool(backend, dtype):
                        seqs=random_seqs(rng, 5, page_size))
     pool = tuple(quantize_kv(p, s, FP8_DTYPE) for p, s in
                  ((batch.k_pages, FP8_SCALES["k_scale"]), (batch.v_pages, FP8_SCALES["v_scale"])))
-    impl = backend(**FP8_SCALES)
+    impl = FP8_BACKENDS[backend](**FP8_SCALES)
     meta = device_metadata(impl, batch.layout)
     scale = head_dim ** -0.5
     out, (kp, vp) = jax.jit(impl.forward, static_argnames="scale")(
@@ -229,6 +212,7 @@ def test_backend_forward_on_fp8_pool(backend, dtype):
     assert kp.dtype == vp.dtype == FP8_DTYPE
     np.testing.assert_array_equal(np.asarray(kp, np.float32)[1:], np.asarray(ref_k, np.float32)[1:])
     np.testing.assert_array_equal(np.asarray(vp, np.float32)[1:], np.asarray(ref_v, np.float32)[1:])
+    meta = device_metadata(XlaAttentionBackend(), batch.layout)      # query blocks for the oracle
     q_blocks = jnp.concatenate([batch.q, jnp.zeros_like(batch.q[:1])])[meta["block_tokens"]]
     ref = paged_attention_reference(q_blocks, ref_k, ref_v, meta["page_table"], meta["block_seq"],
                                     meta["block_positions"], scale=scale, **FP8_SCALES)

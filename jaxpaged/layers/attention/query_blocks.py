@@ -1,4 +1,7 @@
-"""Query blocks: the work unit shared by the ``xla`` and ``pallas`` backends.
+"""Query blocks: the work unit of the ``xla`` backend and of the v1 Pallas kernel.
+
+(The v2 Pallas kernels take decodes and prefill blocks apart instead:
+:mod:`jaxpaged.layers.attention.decode_prefill`.)
 
 Query tokens are grouped into blocks of ``block_q`` consecutive tokens of one sequence
 (``block_q = 1`` for decode-only steps, so each block is one sequence's single token;

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.engine.arg_utils import ATTENTION_BACKENDS
-from jaxpaged.layers.attention.base import AttentionBackend
+from jaxpaged.layers.attention.base import AttentionBackend, BatchLayout
 from jaxpaged.layers.attention.pallas import PallasAttentionBackend
 from jaxpaged.layers.attention.xla import XlaAttentionBackend
 from pallas_kernels.kv_quant import quantize_kv
@@ -60,26 +60,34 @@ def get_attention_backend(name: str, *, num_kv_heads: int = 8, num_heads: int = 
 
 def self_check(backend: AttentionBackend, num_kv_heads: int, num_heads: int, head_dim: int,
                page_size: int, dtype, kv_cache_dtype=None) -> float:
-    """Max abs difference between ``backend`` and the xla reference on one random batch of
-    two sequences: a 20-token prefill chunk starting at position 5 and one decode at 37,
-    over a pool of ``kv_cache_dtype`` (default ``dtype``) that both read alike."""
+    """Max abs difference between ``backend`` and the xla backend over one step through
+    ``build_metadata`` and ``forward`` (KV write, then attention): a 20-token prefill chunk
+    starting at position 5 and one decode at position 37 (capped by the 4-page table), plus
+    padding, over a random pool of ``kv_cache_dtype`` (default ``dtype``)."""
     rng = np.random.default_rng(0)
     num_pages = 8
     kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
-    pool = lambda: quantize_kv(
-        jnp.asarray(rng.normal(size=(num_pages, page_size, num_kv_heads, head_dim)), dtype),
-        1.0, kv_cache_dtype)
-    kv_pages = (pool(), pool())
-    page_table = jnp.asarray([[3, 1, 6, 2], [5, 7, 4, 0]], jnp.int32)
-    q_blocks = jnp.asarray(rng.normal(size=(3, 16, num_heads, head_dim)), dtype)
-    positions = np.full((3, 16), -1, np.int32)
-    positions[0] = np.arange(5, 21)
-    positions[1, :4] = np.arange(21, 25)
-    positions[2, 0] = min(37, 4 * page_size - 1)
-    args = (q_blocks, kv_pages, page_table, jnp.asarray([0, 0, 1], jnp.int32),
-            jnp.asarray(positions))
-    scale = head_dim ** -0.5
-    got = np.asarray(backend.attend(*args, scale=scale), np.float32)
-    want = np.asarray(XlaAttentionBackend().attend(*args, scale=scale), np.float32)
-    valid = positions >= 0
-    return float(np.abs(got - want)[valid].max())
+    pool = rng.normal(size=(2, num_pages, page_size, num_kv_heads, head_dim))
+    page_table = np.asarray([[3, 1, 6, 2], [5, 7, 4, 0]], np.int32)
+    decode_pos = min(37, 4 * page_size - 1)
+    positions = np.concatenate([np.arange(5, 25), [decode_pos], np.zeros(3)]).astype(np.int32)
+    rows = np.concatenate([np.zeros(20, np.int64), [1]])
+    slots = page_table[rows, positions[:21] // page_size] * page_size + positions[:21] % page_size
+    layout = BatchLayout(query_start_loc=np.asarray([0, 20, 21], np.int32),
+                         seq_lens=np.asarray([25, decode_pos + 1], np.int32),
+                         positions=positions,
+                         slot_mapping=np.concatenate([slots, np.zeros(3)]).astype(np.int32),
+                         page_table=page_table, num_seqs=2, num_tokens=21)
+    q, k, v = (jnp.asarray(rng.normal(size=(24, h, head_dim)), dtype)
+               for h in (num_heads, num_kv_heads, num_kv_heads))
+    outs = []
+    for impl in (backend, XlaAttentionBackend()):
+        metadata = impl.build_metadata(layout)
+        metadata.update(slot_mapping=layout.slot_mapping, page_table=page_table,
+                        seq_lens=layout.seq_lens, query_start_loc=layout.query_start_loc,
+                        positions=positions)
+        kv_pages = tuple(quantize_kv(jnp.asarray(p, dtype), 1.0, kv_cache_dtype) for p in pool)
+        out, _ = impl.forward(q, k, v, kv_pages, {n: jnp.asarray(a) for n, a in metadata.items()},
+                              scale=head_dim ** -0.5)
+        outs.append(np.asarray(out, np.float32)[:21])
+    return float(np.abs(outs[0] - outs[1]).max())

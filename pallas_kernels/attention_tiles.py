@@ -1,0 +1,114 @@
+"""The KV-tile loop shared by the v2 paged-attention kernels (decode and prefill).
+
+One program owns ``R`` query rows of one KV head (GQA: the ``G`` query heads that share it,
+for one decode token or a block of prefill tokens) and walks a range of KV *tiles*: ``tile``
+consecutive key positions of its sequence, a size chosen for the hardware and independent of
+``page_size``. A tile's K and V rows are gathered from the flat ``[num_pages * page_size,
+KVH, D]`` view of the pool by a *slot vector* (``page_table[seq, key // page_size] *
+page_size + key % page_size`` per key), so a tile may span several pages (page 16, tile 32)
+or part of one (page 128, tile 32).
+
+Software pipelining. The slot vector of tile ``i + 1`` is computed in iteration ``i`` and
+passed through the ``fori_loop`` carry, so the addresses of the next K/V loads are known
+before the current tile's dots. Triton's loop pipeliner can then issue tile ``i + 1``'s copies
+into a second shared-memory buffer while tile ``i`` is computed (``num_stages`` buffers, an
+``async_wait`` that leaves loads in flight). With the page id loaded inside the iteration
+that uses it (v1), every iteration waits for its own page-table load and then for its own
+K/V loads. ``pallas_kernels.schedule_check`` verifies the difference on the Triton IR.
+
+Softmax: online, in float32 (Milakov & Gimelshein 2018; FlashAttention-2, Dao 2023,
+algorithm 1), the page table as in PagedAttention (Kwon et al., SOSP 2023, section 4.1).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1)."""
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def scores(q, k, precision):
+    """[R, D] x [S, D] -> [R, S] float32. Heads narrower than 16 (too small for a
+    tensor-core dot, the test sizes) use a broadcast multiply-sum."""
+    if q.shape[-1] < 16:
+        return jnp.sum(q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :],
+                       axis=-1)
+    return jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=precision)
+
+
+def weighted_values(p, v, precision):
+    """[R, S] float32 x [S, D] -> [R, D] float32 (broadcast multiply-sum for D < 16)."""
+    if v.shape[-1] < 16:
+        return jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
+    return jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=precision)
+
+
+def tile_slots(page_table_ref, seq, tile_index, *, tile: int, page_size: int):
+    """[tile] int32 flat pool slots of tile ``tile_index`` of sequence ``seq``.
+
+    Page-table columns past the table's end are clamped to its last column: such keys lie
+    beyond the sequence and are masked, so any valid page serves.
+    """
+    keys = tile_index * tile + jax.lax.broadcasted_iota(jnp.int32, (tile,), 0)
+    column = jnp.minimum(keys // page_size, page_table_ref.shape[1] - 1)
+    return page_table_ref[seq, column] * page_size + keys % page_size
+
+
+def first_visible_tile(lowest_pos, sliding_window, tile: int):
+    """First tile holding a key that the query at ``lowest_pos`` can see (0 without a
+    window)."""
+    if sliding_window is None:
+        return jnp.int32(0)
+    return jnp.maximum(lowest_pos - sliding_window + 1, 0) // tile
+
+
+def attend_tiles(q, row_pos, seq, head, start, end, page_table_ref, k_ref, v_ref, *,
+                 tile: int, page_size: int, scale: float, sliding_window: int | None,
+                 soft_cap: float | None):
+    """Online-softmax attention of ``q`` over tiles ``[start, end)`` of ``seq``.
+
+    Args:
+        q: [R, D] query rows (q's dtype); row_pos: [R] int32 their positions (-1 = padding).
+        seq, head: the page-table row and the KV head; start, end: int32 tile range.
+        page_table_ref: [B, P] int32; k_ref, v_ref: [num_pages * page_size, KVH, D] pools
+            (q's dtype or fp8, converted to q's dtype as loaded: exact from e4m3).
+        scale: score scale (``k_scale`` folded in); sliding_window, soft_cap as in
+            ``pallas_kernels.reference.paged_attention_reference``.
+
+    Returns:
+        (acc [R, D] f32 unnormalised, m [R] f32 row max (-inf: nothing seen), l [R] f32 sum).
+    """
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    slots_of = lambda i: tile_slots(page_table_ref, seq, i, tile=tile, page_size=page_size)
+
+    def body(i, carry):
+        acc, m, l, slots = carry
+        next_slots = slots_of(i + 1)                  # tile i+1's addresses, one tile ahead
+        k = k_ref[slots, head, :].astype(q.dtype)     # [tile, D]
+        v = v_ref[slots, head, :].astype(q.dtype)
+        s = scores(q, k, precision) * scale           # [R, tile] f32
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        key_pos = i * tile + jax.lax.broadcasted_iota(jnp.int32, (1, tile), 1)
+        mask = key_pos <= row_pos[:, None]
+        if sliding_window is not None:
+            mask &= key_pos > row_pos[:, None] - sliding_window
+        s = jnp.where(mask, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        probs = jnp.exp(s - m_safe[:, None])
+        l = alpha * l + jnp.sum(probs, axis=1)
+        acc = alpha[:, None] * acc + weighted_values(probs, v, precision)
+        return acc, m_new, l, next_slots
+
+    rows, head_dim = q.shape
+    init = (jnp.zeros((rows, head_dim), jnp.float32),
+            jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            slots_of(start))
+    acc, m, l, _ = jax.lax.fori_loop(start, end, body, init)
+    return acc, m, l

@@ -1,0 +1,122 @@
+"""Paged prefill attention v2 in Pallas: query blocks of prefill chunks, launched apart from
+the decodes.
+
+A program handles one (query block, KV head): ``Bq`` consecutive prefill tokens of one
+sequence (32 in the engine) times the ``G`` query heads sharing the KV head, so
+``32 x G`` rows (128 for Llama-3-8B's G = 4) against each KV tile: a matrix-matrix dot that
+keeps the tensor cores busy (FlashAttention-2, Dao 2023, algorithm 1 and section 3.2: one
+program per query block, K/V tiles streamed through shared memory). The tiles are 64 keys
+for up to 128 rows and 32 keys above that (register budget), walked with the prefetching loop
+of :mod:`pallas_kernels.attention_tiles`; ``num_warps`` 4 up to 64 rows, 8 at 128, 16 above
+(:func:`prefill_launch`), and ``num_stages`` 3. Only tiles holding keys some row can see are visited (up to the block's
+last position; from the first inside the sliding window). No split-K: a prefill step has
+enough query blocks to fill the GPU.
+
+Because decodes run in their own launch (:mod:`pallas_kernels.paged_attention`), a mixed
+step costs about a decode-only step plus this launch; decodes do not pay a prefill block's
+rows and registers. fp8 pools and scales as in the decode kernel.
+Lowering: Triton (``pallas_kernels/lowering.py``); interpret mode on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.attention_tiles import attend_tiles, first_visible_tile, next_pow2
+from pallas_kernels.kv_quant import check_pool_dtypes
+from pallas_kernels.lowering import pallas_call_options
+
+PREFILL_STAGES = 3
+
+
+def prefill_launch(rows: int) -> tuple[int, int]:
+    """(KV tile keys, num_warps) for a program of ``rows`` query rows: 64 keys and 4 warps up
+    to 64 rows, 8 warps at 128 rows; 32 keys and 16 warps above (256 rows at G = 8 take 255
+    registers and spill with 8 warps, 128 with 16 on sm_90: ``schedule_check``)."""
+    if rows <= 128:
+        return 64, (8 if rows == 128 else 4)
+    return 32, 16
+
+
+def _prefill_kernel(q_ref, row_pos_ref, block_seq_ref, page_table_ref, k_ref, v_ref, o_ref, *,
+                    tile, page_size, scale, sliding_window, soft_cap, v_scale):
+    n, h = pl.program_id(0), pl.program_id(1)
+    row_pos = row_pos_ref[...]                                   # [R], -1 = padding row
+    last = jnp.max(row_pos)
+    lowest = jnp.min(jnp.where(row_pos >= 0, row_pos, jnp.iinfo(jnp.int32).max))
+    start = jnp.where(last >= 0, first_visible_tile(lowest, sliding_window, tile), 0)
+    end = jnp.maximum((last + tile) // tile, start)              # no tile for padding blocks
+    acc, _, l = attend_tiles(q_ref[...], row_pos, block_seq_ref[n], h, start, end,
+                             page_table_ref, k_ref, v_ref, tile=tile, page_size=page_size,
+                             scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
+    if v_scale != 1.0:
+        out = out * v_scale
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "k_scale",
+                                             "v_scale", "interpret"))
+def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                            page_table: jax.Array, block_seq: jax.Array,
+                            block_positions: jax.Array, *, scale: float,
+                            sliding_window: int | None = None, soft_cap: float | None = None,
+                            k_scale: float = 1.0, v_scale: float = 1.0,
+                            interpret: bool | None = None) -> jax.Array:
+    """Causal paged attention for prefill query blocks (v2 prefill kernel; same contract as
+    ``pallas_kernels.reference.paged_attention_reference``).
+
+    Args:
+        q: [NB, Bq, num_heads, D] float32 or bfloat16; D a power of two.
+        k_pages, v_pages: [num_pages, page_size, KVH, D], q's dtype or float8_e4m3fn.
+        page_table: [B, P] int32; block_seq: [NB] int32; block_positions: [NB, Bq] int32
+            (-1 = padding row).
+        scale, sliding_window, soft_cap, k_scale, v_scale: as in the reference.
+        interpret: force interpret mode (default: on unless running on a GPU).
+
+    Returns:
+        [NB, Bq, num_heads, D] in q's dtype (padding rows zero).
+
+    Raises:
+        ValueError: head counts that do not divide, or pools neither in q's dtype nor fp8.
+    """
+    nb, block_q, num_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    check_pool_dtypes(q.dtype, k_pages.dtype, v_pages.dtype)
+    group = num_heads // num_kv_heads
+    rows = block_q * group
+    rows_padded = max(16, next_pow2(rows))
+    tile, num_warps = prefill_launch(rows_padded)
+
+    # [NB, Bq, KVH*G, D] -> [NB, KVH, Bq*G, D]: row r of a program is query r // G, head r % G.
+    qr = q.reshape(nb, block_q, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    qr = qr.reshape(nb, num_kv_heads, rows, head_dim)
+    row_pos = jnp.repeat(block_positions, group, axis=1)
+    if rows_padded != rows:
+        qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_padded - rows), (0, 0)))
+        row_pos = jnp.pad(row_pos, ((0, 0), (0, rows_padded - rows)), constant_values=-1)
+
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    block = pl.BlockSpec((None, None, rows_padded, head_dim), lambda n, h: (n, h, 0, 0))
+    kernel = functools.partial(_prefill_kernel, tile=tile, page_size=page_size,
+                               scale=scale * k_scale, sliding_window=sliding_window,
+                               soft_cap=soft_cap, v_scale=v_scale)
+    flat = lambda p: p.reshape(num_pages * page_size, num_kv_heads, head_dim)
+    out = pl.pallas_call(
+        kernel, grid=(nb, num_kv_heads),
+        in_specs=[block, pl.BlockSpec((None, rows_padded), lambda n, h: (n, 0)),
+                  whole, whole, whole, whole],
+        out_specs=block,
+        out_shape=jax.ShapeDtypeStruct((nb, num_kv_heads, rows_padded, head_dim), q.dtype),
+        name="paged_prefill_attention",
+        **pallas_call_options(num_warps=num_warps, num_stages=PREFILL_STAGES,
+                              interpret=interpret),
+    )(qr, row_pos, block_seq, page_table, flat(k_pages), flat(v_pages))
+    out = out[:, :, :rows].reshape(nb, num_kv_heads, block_q, group, head_dim)
+    return out.transpose(0, 2, 1, 3, 4).reshape(nb, block_q, num_heads, head_dim)
