@@ -57,12 +57,12 @@ print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())
 print('kernels', ' '.join(available_kernels()))"
 KERNELS="$(sed -n 's/^kernels //p' "$LOGS/probe.log")"
 
-run_step ab "$T_AB" python3 benchmarks/kernels/paged_attention.py --kernel ${KERNELS:-v1} \
+run_step ab "$T_AB" python3 benchmarks/kernels/paged_attention.py --kernel ${KERNELS:-v1 v2} \
     --cases decode:64x4096 decode:64x4096:fp8 decode:33x4096 decode:33x4096:fp8 \
     decode:1x8192 decode:1x8192:fp8 prefill:1x4096 mixed:64x4096 \
     --row-time-limit 2 --trials 5 --time-budget $((T_AB - 25)) --output-json "$OUT/ab.json"
 
-# 30 tests: GQA 1-8 and head_dim 8/64/128 over random ragged batches (bf16), decode-only,
+# 35 tests: GQA 1-8 and head_dim 8/64/128 over random ragged batches (bf16), decode-only,
 # split-K, the fp8 pool through the kernel and through forward (both backends), the KV write
 SUBSET="(ragged_batch_matches_reference and bfloat16) or decode_only_batch or split_k_matches"
 SUBSET+=" or (fp8_pool_matches_reference and pallas-auto-splits and bfloat16)"

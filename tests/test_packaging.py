@@ -13,6 +13,7 @@ import subprocess
 import sys
 import sysconfig
 import tomllib
+import zipfile
 from importlib.metadata import distribution, packages_distributions
 from pathlib import Path
 
@@ -22,6 +23,8 @@ REPO = Path(__file__).resolve().parent.parent
 #: Repository folder -> the package name it installs as (pyproject.toml package-dir).
 INSTALLED_AS = {"jaxpaged": "jaxpaged", "server": "jaxpaged.server",
                 "benchmarks": "jaxpaged.benchmarks", "pallas_kernels": "pallas_kernels"}
+#: Folders of data only (no __init__.py), installed as package data under these names.
+DATA_PACKAGES = {"jaxpaged.configs": "configs"}
 
 
 def _pyproject_setuptools() -> dict:
@@ -42,9 +45,9 @@ def test_package_list_is_every_package_folder_under_its_installed_name():
             parts = init.parent.relative_to(REPO / folder).parts
             found.add(".".join((name, *parts)))
     config = _pyproject_setuptools()
-    assert sorted(config["packages"]) == sorted(found)
+    assert sorted(config["packages"]) == sorted(found | set(DATA_PACKAGES))
     assert config["package-dir"] == {"jaxpaged.server": "server",
-                                     "jaxpaged.benchmarks": "benchmarks"}
+                                     "jaxpaged.benchmarks": "benchmarks", **DATA_PACKAGES}
 
 
 def test_mapped_subpackages_import_from_their_repository_folders():
@@ -119,3 +122,19 @@ def test_editable_install_imports_beside_a_clone_named_jaxpaged(tmp_path):
                    check=True, capture_output=True, timeout=600)
     found = _probe(python, clone.parent, clone)
     assert Path(found["package"]).resolve() == clone / "jaxpaged" / "__init__.py"
+
+
+@pytest.mark.slow
+def test_wheel_holds_the_mapped_packages_and_the_configs(tmp_path):
+    # A non-editable install finds configs/ (model shapes, the W1 workload) beside its
+    # benchmarks as the checkout does: the wheel must carry it as jaxpaged/configs.
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path),
+                    str(REPO)], check=True, capture_output=True, timeout=600)
+    (wheel,) = tmp_path.glob("jaxpaged-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+    for rel in ("configs/workloads/w1.json", "configs/models/stories110m-shape/config.json",
+                "configs/tokenizers/llama2/tokenizer.json", "server/app.py",
+                "benchmarks/datasets.py"):
+        assert f"jaxpaged/{rel}" in names, rel
+    assert not any(n.startswith(("server/", "benchmarks/", "configs/")) for n in names)
