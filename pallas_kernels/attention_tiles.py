@@ -25,6 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_quant import check_pool_dtypes
+
 
 def next_pow2(x: int) -> int:
     """The smallest power of two >= x (1 for x <= 1)."""
@@ -45,6 +47,51 @@ def weighted_values(p, v, precision):
     if v.shape[-1] < 16:
         return jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
     return jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=precision)
+
+
+def group_size(q_heads: int, k_pages, v_pages, q_dtype) -> int:
+    """GQA group size ``num_heads // num_kv_heads`` of a launch, after checking the pools.
+
+    Raises:
+        ValueError: head counts that do not divide, or pools neither in q's dtype nor fp8.
+    """
+    num_kv_heads = k_pages.shape[2]
+    if q_heads % num_kv_heads:
+        raise ValueError(f"num_heads={q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    check_pool_dtypes(q_dtype, k_pages.dtype, v_pages.dtype)
+    return q_heads // num_kv_heads
+
+
+def online_softmax_step(q, k, v, row_pos, first_key, acc, m, l, *, scale: float,
+                        sliding_window: int | None, soft_cap: float | None, precision):
+    """Fold one KV tile into the running softmax of ``q`` (FlashAttention-2, Dao 2023,
+    algorithm 1, lines 8-10).
+
+    Args:
+        q: [R, D]; k, v: [S, D] the tile's keys and values in q's dtype; row_pos: [R] int32
+            query positions (-1 = padding); first_key: int32 position of the tile's first key.
+        acc: [R, D] f32 unnormalised output; m: [R] f32 row max; l: [R] f32 row sum.
+        scale, sliding_window, soft_cap: as in ``pallas_kernels.reference``.
+
+    Returns:
+        The updated ``(acc, m, l)``; keys after a row's position (causal) or outside its
+        window contribute nothing.
+    """
+    s = scores(q, k, precision) * scale               # [R, S] f32
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    key_pos = first_key + jax.lax.broadcasted_iota(jnp.int32, (1, k.shape[0]), 1)
+    mask = key_pos <= row_pos[:, None]
+    if sliding_window is not None:
+        mask &= key_pos > row_pos[:, None] - sliding_window
+    s = jnp.where(mask, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)
+    probs = jnp.exp(s - m_safe[:, None])
+    l = alpha * l + jnp.sum(probs, axis=1)
+    acc = alpha[:, None] * acc + weighted_values(probs, v, precision)
+    return acc, m_new, l
 
 
 def tile_slots(page_table_ref, seq, tile_index, *, tile: int, page_size: int):
@@ -90,21 +137,10 @@ def attend_tiles(q, row_pos, seq, head, start, end, page_table_ref, k_ref, v_ref
         next_slots = slots_of(i + 1)                  # tile i+1's addresses, one tile ahead
         k = k_ref[slots, head, :].astype(q.dtype)     # [tile, D]
         v = v_ref[slots, head, :].astype(q.dtype)
-        s = scores(q, k, precision) * scale           # [R, tile] f32
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        key_pos = i * tile + jax.lax.broadcasted_iota(jnp.int32, (1, tile), 1)
-        mask = key_pos <= row_pos[:, None]
-        if sliding_window is not None:
-            mask &= key_pos > row_pos[:, None] - sliding_window
-        s = jnp.where(mask, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)
-        probs = jnp.exp(s - m_safe[:, None])
-        l = alpha * l + jnp.sum(probs, axis=1)
-        acc = alpha[:, None] * acc + weighted_values(probs, v, precision)
-        return acc, m_new, l, next_slots
+        acc, m, l = online_softmax_step(q, k, v, row_pos, i * tile, acc, m, l, scale=scale,
+                                        sliding_window=sliding_window, soft_cap=soft_cap,
+                                        precision=precision)
+        return acc, m, l, next_slots
 
     rows, head_dim = q.shape
     init = (jnp.zeros((rows, head_dim), jnp.float32),

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.attention_tiles import attend_tiles, first_visible_tile, next_pow2
-from pallas_kernels.kv_quant import check_pool_dtypes
+from pallas_kernels.attention_tiles import (attend_tiles, first_visible_tile, group_size,
+                                             next_pow2)
 from pallas_kernels.lowering import pallas_call_options
 
 #: Keys per KV tile of the decode loop (independent of page_size).
@@ -193,10 +193,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """
     nd, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    check_pool_dtypes(q.dtype, k_pages.dtype, v_pages.dtype)
-    group = num_heads // num_kv_heads
+    group = group_size(num_heads, k_pages, v_pages, q.dtype)
     rows = max(16, next_pow2(group))
     if num_slots is None:
         num_slots = max_splits(nd, num_kv_heads, page_table.shape[1], page_size)

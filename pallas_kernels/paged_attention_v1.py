@@ -39,8 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.attention_tiles import next_pow2, scores, weighted_values
-from pallas_kernels.kv_quant import check_pool_dtypes
+from pallas_kernels.attention_tiles import group_size, next_pow2, online_softmax_step
 from pallas_kernels.lowering import pallas_call_options
 
 #: Streaming multiprocessors of an H100/H200; the split heuristic aims for two programs each.
@@ -82,21 +81,9 @@ def _kernel(q_ref, row_pos_ref, block_seq_ref, page_table_ref, k_ref, v_ref, *ou
         page = page_table_ref[seq, p]
         k = k_ref[page, :, h, :].astype(q.dtype)     # [S, D] (from fp8: exact)
         v = v_ref[page, :, h, :].astype(q.dtype)
-        s = scores(q, k, precision) * scale         # [R, S] f32; scale includes k_scale
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        key_pos = p * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
-        mask = key_pos <= row_pos[:, None]
-        if sliding_window is not None:
-            mask &= key_pos > row_pos[:, None] - sliding_window
-        s = jnp.where(mask, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)
-        probs = jnp.exp(s - m_safe[:, None])
-        l = alpha * l + jnp.sum(probs, axis=1)
-        acc = alpha[:, None] * acc + weighted_values(probs, v, precision)
-        return acc, m_new, l
+        return online_softmax_step(q, k, v, row_pos, p * page_size, acc, m, l, scale=scale,
+                                   sliding_window=sliding_window, soft_cap=soft_cap,
+                                   precision=precision)      # scale includes k_scale
 
     rows, head_dim = q.shape
     init = (jnp.zeros((rows, head_dim), jnp.float32),
@@ -159,10 +146,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """
     nb, block_q, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    check_pool_dtypes(q.dtype, k_pages.dtype, v_pages.dtype)
-    group = num_heads // num_kv_heads
+    group = group_size(num_heads, k_pages, v_pages, q.dtype)
     rows = block_q * group
     rows_padded = max(16, next_pow2(rows))
     if num_splits is None:

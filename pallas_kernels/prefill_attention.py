@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.attention_tiles import attend_tiles, first_visible_tile, next_pow2
-from pallas_kernels.kv_quant import check_pool_dtypes
+from pallas_kernels.attention_tiles import (attend_tiles, first_visible_tile, group_size,
+                                             next_pow2)
 from pallas_kernels.lowering import pallas_call_options
 
 PREFILL_STAGES = 3
@@ -86,10 +86,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     """
     nb, block_q, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    check_pool_dtypes(q.dtype, k_pages.dtype, v_pages.dtype)
-    group = num_heads // num_kv_heads
+    group = group_size(num_heads, k_pages, v_pages, q.dtype)
     rows = block_q * group
     rows_padded = max(16, next_pow2(rows))
     tile, num_warps = prefill_launch(rows_padded)
