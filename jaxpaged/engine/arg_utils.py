@@ -14,19 +14,12 @@ import re
 from dataclasses import dataclass
 
 from jaxpaged.config import QUANTIZATION_METHODS
+from jaxpaged.constants import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES,  # noqa: F401
+                                SCHEDULING_POLICIES)
 
 #: The model shipped inside the package (stories260K, MIT licence); the default ``--model``.
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "model_files",
                              "stories260K")
-
-DTYPES = ("auto", "float32", "bfloat16")
-#: ``--attention-backend`` choices (see ``jaxpaged.layers.attention.selection``).
-ATTENTION_BACKENDS = ("auto", "xla", "pallas")
-#: ``--kv-cache-dtype`` choices: ``auto`` (the model's dtype) or float8_e4m3fn under either of
-#: vLLM's names (``jaxpaged.layers.attention.base`` defines the pool).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-#: ``--scheduling-policy`` choices.
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass

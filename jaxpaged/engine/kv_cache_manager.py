@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxpaged.layers.attention.base import NULL_PAGE
+from jaxpaged.constants import NULL_PAGE
 
 
 def hash_page(parent_hash: bytes | None, token_ids: tuple[int, ...], extra_keys: tuple) -> bytes:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from jaxpaged.engine.arg_utils import SCHEDULING_POLICIES
+from jaxpaged.constants import SCHEDULING_POLICIES
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
 from jaxpaged.engine.request import Request, RequestStatus
 
