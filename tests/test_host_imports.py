@@ -7,7 +7,8 @@ import textwrap
 #: The host modules that must load without JAX (DESIGN.md: host bookkeeping is plain Python).
 HOST_MODULES = ["jaxpaged.engine.scheduler", "jaxpaged.engine.kv_cache_manager",
                 "jaxpaged.engine.request", "jaxpaged.engine.output_processor",
-                "jaxpaged.engine.detokenizer", "jaxpaged.constants"]
+                "jaxpaged.engine.detokenizer", "jaxpaged.engine.scheduler_output",
+                "jaxpaged.runner.output", "jaxpaged.constants"]
 
 
 def _loaded_after_import(modules: list[str]) -> set[str]:

@@ -1,9 +1,12 @@
 """Turns sampled tokens into request state and `RequestOutput`s.
 
-For every sampled token of a sequence: append it, apply vLLM's stop rules in vLLM's order
-(EOS unless ``ignore_eos``, ``stop_token_ids``, stop strings found by the incremental
-detokenizer, then length: ``max_tokens`` or ``max_model_len``), record its logprobs, and
-report the request's sequences together (a request with ``n > 1`` has several).
+It keeps every unfinished request's output state (:attr:`OutputProcessor.groups`). For every
+sampled token of a sequence (handed over by ``Scheduler.update_from_output``): append it,
+record its logprobs, and apply vLLM's stop rules in vLLM's order (EOS unless ``ignore_eos``,
+``stop_token_ids``, stop strings found by the incremental detokenizer, then length:
+``max_tokens`` or ``max_model_len``), returning the reason for the scheduler to finish the
+sequence with; and report the request's sequences together (a request with ``n > 1`` has
+several). Pure Python, no JAX.
 """
 
 from __future__ import annotations
@@ -13,7 +16,11 @@ from dataclasses import dataclass, field
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.engine.request import Request
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxpaged.runner.output import TokenLogprob
 from jaxpaged.sampling_params import RequestOutputKind
+
+#: Why a sequence stops: (``finish_reason``, ``stop_reason``), vLLM's meanings.
+Stop = tuple[str, int | str | None]
 
 
 @dataclass
@@ -58,6 +65,10 @@ class OutputProcessor:
         tokenizer: the model's tokenizer.
         eos_token_ids: every EOS id of the model, its generation config and its tokenizer.
         max_model_len: the engine's length limit.
+
+    Attributes:
+        groups: every unfinished request's :class:`RequestGroup`, by request id.
+        seqs: every unfinished sequence's :class:`SequenceState`, by sequence id.
     """
 
     def __init__(self, tokenizer, eos_token_ids: frozenset[int], max_model_len: int):
@@ -68,6 +79,8 @@ class OutputProcessor:
         self._anchor = anchor[-1:] if anchor else []
         self._anchor_text = tokenizer.decode(self._anchor)
         self._token_texts: dict[int, str] = {}
+        self.groups: dict[str, RequestGroup] = {}
+        self.seqs: dict[str, SequenceState] = {}
 
     def token_text(self, token: int) -> str:
         """A token's text as it reads inside a text (``" there"`` for SentencePiece's
@@ -81,8 +94,17 @@ class OutputProcessor:
             self._token_texts[token] = text
         return text
 
-    def new_sequence(self, req: Request) -> SequenceState:
-        """Output state for a sequence starting at its current tokens."""
+    def add_request(self, req: Request, arrival_time: float) -> RequestGroup:
+        """Start the output state of a new request (its first sequence); ``arrival_time`` in
+        ``time.monotonic()`` seconds."""
+        group = RequestGroup(req.group_id, arrival_time=arrival_time)
+        self.groups[req.group_id] = group
+        self.add_sequence(req)
+        return group
+
+    def add_sequence(self, req: Request) -> SequenceState:
+        """Output state for a sequence of a known request, starting at its current tokens
+        (the first one, or a parallel-sampling fork)."""
         p = req.params
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
                                        p.stop_strings, p.include_stop_str_in_output,
@@ -90,45 +112,64 @@ class OutputProcessor:
         state = SequenceState(req, detok)
         if p.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
+        self.groups[req.group_id].seqs.append(state)
+        self.seqs[req.request_id] = state
         return state
 
-    def append_token(self, state: SequenceState, token: int, logprob: float | None = None,
-                     rank: int | None = None, top_ids: list[int] | None = None,
-                     top_logprobs: list[float] | None = None) -> None:
-        """Record one sampled token and set ``finish_reason`` if a stop rule fires."""
-        req = state.request
+    def remove_request(self, request_id: str) -> RequestGroup | None:
+        """Forget a request's output state (finished or aborted); None if unknown."""
+        group = self.groups.pop(request_id, None)
+        if group is not None:
+            for seq in group.seqs:
+                self.seqs.pop(seq.request.request_id, None)
+        return group
+
+    def append_token(self, req: Request, token: int,
+                     logprob: TokenLogprob | None = None) -> Stop | None:
+        """Record one sampled token of sequence ``req`` (and its logprob entry, when the
+        sequence asked for logprobs).
+
+        Returns:
+            The stop rule that fired, as (``finish_reason``, ``stop_reason``), or None. The
+            caller (``Scheduler.update_from_output``) finishes the sequence with it.
+        """
+        state = self.seqs[req.request_id]
         req.all_token_ids.append(token)
-        if state.logprobs is not None:
-            k = req.params.logprobs
-            entry = {t: Logprob(lp, r + 1, self.token_text(t))
-                     for r, (t, lp) in enumerate(zip(top_ids[:k], top_logprobs[:k]))}
-            entry.setdefault(token, Logprob(logprob, rank, self.token_text(token)))
-            state.logprobs.append(entry)
-            state.cumulative_logprob += logprob
         p = req.params
-        may_stop = req.num_output_tokens >= p.min_tokens
-        if not may_stop:
+        if state.logprobs is not None:
+            lp, rank, top_ids, top_logprobs = logprob
+            k = p.logprobs
+            entry = {t: Logprob(v, r + 1, self.token_text(t))
+                     for r, (t, v) in enumerate(zip(top_ids[:k], top_logprobs[:k]))}
+            entry.setdefault(token, Logprob(lp, rank, self.token_text(token)))
+            state.logprobs.append(entry)
+            state.cumulative_logprob += lp
+        stop = None
+        if req.num_output_tokens < p.min_tokens:
             state.detokenizer.add_token(token, check_stop=False)
         elif not p.ignore_eos and token in self.eos_token_ids:
-            req.finish_reason = "stop"
+            stop = ("stop", None)
         elif token in p.stop_token_id_set:
-            req.finish_reason, req.stop_reason = "stop", token
+            stop = ("stop", token)
             if p.include_stop_str_in_output:
                 state.detokenizer.add_token(token, check_stop=False)
         else:
-            stop = state.detokenizer.add_token(token)
-            if stop is not None:
-                req.finish_reason, req.stop_reason = "stop", stop
-        if req.finish_reason is None and (req.num_output_tokens >= req.max_tokens
-                                          or req.num_tokens >= self.max_model_len):
-            req.finish_reason = "length"
-        if req.finish_reason is not None and not isinstance(req.stop_reason, str):
+            matched = state.detokenizer.add_token(token)
+            if matched is not None:
+                stop = ("stop", matched)
+        if stop is None and (req.num_output_tokens >= req.max_tokens
+                             or req.num_tokens >= self.max_model_len):
+            stop = ("length", None)
+        if stop is not None and not isinstance(stop[1], str):
             state.detokenizer.flush()   # a stop string cut the text: nothing to release
+        return stop
 
-    def add_prompt_logprobs(self, group: RequestGroup, start: int, entries) -> None:
+    def add_prompt_logprobs(self, request_id: str, start: int,
+                            entries: list[TokenLogprob]) -> None:
         """Record the prompt logprobs a chunk starting at position ``start`` computed (entry
         j predicts prompt token ``start + j + 1``); a recomputation after preemption adds
         nothing new."""
+        group = self.groups[request_id]
         req = group.seqs[0].request
         if group.prompt_logprobs is None:
             group.prompt_logprobs = [None]
