@@ -22,7 +22,7 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "model_
                              "stories260K")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineArgs:
     """Engine configuration (vLLM's names).
 
