@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,37 +33,14 @@ from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup
 from jaxpaged.engine.request import Request
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.scheduler_output import SchedulerOutput
-from jaxpaged.metrics.stats import (FinishedRequestStats, IterationStats, SchedulerStats,
-                                    StatLogger)
+from jaxpaged.metrics.stats import (EngineStats, IterationStats, SchedulerStats, StatLogger,
+                                    finished_request_stats)
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.runner.worker import build_worker
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineStats:
-    """Counters since start-up (vLLM's metric names where they exist).
-
-    Attributes:
-        num_preemptions: sequences preempted (``vllm:num_preemptions``).
-        num_compilations: model-step shapes compiled (a rise while serving = a recompile).
-        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up / found in the prefix
-            cache (``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``).
-        num_running, num_waiting: sequences now running / waiting.
-        num_free_pages, num_pages: free and total KV pages (null page excluded).
-    """
-
-    num_preemptions: int
-    num_compilations: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_running: int
-    num_waiting: int
-    num_free_pages: int
-    num_pages: int
 
 
 class Engine:
@@ -138,18 +114,13 @@ class Engine:
         self.kv_scales = worker.kv_scales
         self.kv_bytes_per_page = worker.kv_bytes_per_page
         num_pages, page_size = worker.num_pages, args.block_size
-        pages_per_seq = -(-self.max_model_len // page_size)
         self.kv_cache_manager = KVCacheManager(num_pages, page_size, args.enable_prefix_caching)
-        if self.kv_cache_manager.num_usable_pages < pages_per_seq:
-            raise ValueError(
-                f"the KV pool ({self.kv_cache_manager.num_usable_pages} usable pages of "
-                f"{page_size} tokens) cannot hold one request of max_model_len="
-                f"{self.max_model_len} tokens; give more KV memory or lower max_model_len")
         logger.info("KV cache: %d pages of %d tokens in %s, %d bytes per page (%.1f MiB in "
                     "all); maximum concurrency for %d-token requests: %.2fx", num_pages,
                     page_size, self.kv_cache_dtype.name, self.kv_bytes_per_page,
                     num_pages * self.kv_bytes_per_page / 2**20, self.max_model_len,
-                    (num_pages - 1) / pages_per_seq)
+                    (num_pages - 1) / -(-self.max_model_len // page_size))
+        self.output_processor.defer_detokenization = args.async_scheduling
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len,
@@ -165,6 +136,10 @@ class Engine:
         self._reported = (0, 0, 0)   # prefix-cache queries, hits, preemptions already reported
         self._arrivals = 0
         self._num_steps = 0
+        #: Async scheduling: requests whose last step's output is not made yet, and outputs
+        #: made early (an abort) for the next step to return.
+        self._unreported: dict[str, None] = {}
+        self._early_outputs: list[RequestOutput] = []
         self.fault_injector: Callable[[int, list[str]], None] | None = None
         self._seed_rng = seed_rng or np.random.default_rng(args.seed)
         logger.info("model %s (%s, %d layers), dtype %s, quantization %s (weights %.1f MiB), "
@@ -220,18 +195,22 @@ class Engine:
             group = self.output_processor.remove_request(rid)
             if group is None:
                 continue
+            if rid in self._unreported:     # async scheduling: its last step's output first
+                out = self.output_processor.make_output(group, self._unreported.pop(rid))
+                if out is not None:
+                    self._early_outputs.append(out)
             for seq in group.seqs:
                 if not seq.request.is_finished:
                     self.scheduler.finish_request(seq.request, "abort")
             self._iteration.finished_requests.append(
-                _finished_stats(group, time.monotonic(), "abort"))
+                finished_request_stats(group, time.monotonic(), "abort"))
             aborted = True
         if aborted:
             self.record_stats()
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
-        return bool(self.output_processor.groups)
+        return bool(self.output_processor.groups or self._early_outputs)
 
     def get_num_waiting_seqs(self) -> int:
         """Sequences waiting to be scheduled (a request not yet forked counts its ``n``)."""
@@ -256,34 +235,66 @@ class Engine:
 
         Returns:
             An output for every request that produced a token this step (cumulative text and
-            ids; ``finished`` set on the last one), and the failed requests' final outputs.
+            ids; ``finished`` set on the last one), and the failed requests' final outputs;
+            with ``async_scheduling``, the previous step's outputs (made while the device ran
+            this one) and this step's failures.
         """
         scheduler_output = self.scheduler.schedule()
+        outputs, self._early_outputs = self._early_outputs, []
         if not scheduler_output.scheduled:
-            if self.scheduler.waiting and not self.scheduler.running:
+            if self.scheduler.waiting and not self.scheduler.running and not self._unreported:
                 # Unreachable while add_request's checks hold; never spin silently.
                 raise RuntimeError(f"no waiting request can be scheduled "
                                    f"({len(self.scheduler.waiting)} waiting, {self.stats()})")
-            return []
+            return outputs + self._report_unreported(scheduler_output)
         scheduled_at = time.monotonic()
         try:
-            runner_output = self._execute(scheduler_output)
+            pending = self._dispatch(scheduler_output)
         except Exception as e:
             if self.args.num_processes > 1:
                 raise
-            return self._fail_step(scheduler_output, e)
+            return outputs + self._report_unreported(scheduler_output) + self._fail_step(
+                scheduler_output, e)
+        # With async scheduling the previous step's outputs are made while the device runs.
+        outputs += self._report_unreported(scheduler_output)
+        try:
+            runner_output = pending()
+        except Exception as e:
+            if self.args.num_processes > 1:
+                raise
+            return outputs + self._fail_step(scheduler_output, e)
         self._note_scheduled(scheduler_output, scheduled_at)
         groups = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._iteration.num_generation_tokens += runner_output.num_sampled_tokens
-        return self._outputs(groups)
+        if not self.args.async_scheduling:
+            return outputs + self._outputs(groups)
+        self._unreported = {g.request_id: None for g in groups}
+        return outputs
 
-    def _execute(self, scheduler_output: SchedulerOutput):
-        """The device step, after the test hook :attr:`fault_injector`."""
+    def _report_unreported(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
+        """Async scheduling: the outputs of the requests the previous step gave tokens to, as
+        they stood after that step (``scheduler_output``, scheduled since, may have preempted
+        some: not counted yet)."""
+        if not self._unreported:
+            return []
+        unreported, self._unreported = self._unreported, {}
+        preempted: dict[str, int] = {}
+        for req in scheduler_output.preempted:
+            preempted[req.group_id] = preempted.get(req.group_id, 0) + 1
+        groups = self.output_processor.groups
+        return self._outputs([groups[rid] for rid in unreported if rid in groups], preempted)
+
+    def _dispatch(self, scheduler_output: SchedulerOutput):
+        """Start the device step (synchronous: run it), after the test hook
+        :attr:`fault_injector`; calling the return value gives its output."""
         step_index, self._num_steps = self._num_steps, self._num_steps + 1
         if self.fault_injector is not None:
             self.fault_injector(step_index, list(dict.fromkeys(
                 s.request.group_id for s in scheduler_output.scheduled)))
-        return self.runner.execute(scheduler_output)
+        if self.args.async_scheduling:
+            return self.runner.dispatch(scheduler_output).result
+        runner_output = self.runner.execute(scheduler_output)
+        return lambda: runner_output
 
     def _note_scheduled(self, scheduler_output: SchedulerOutput, now: float) -> None:
         """Queue time: when each request first left the waiting queue (in a step that ran)."""
@@ -293,15 +304,19 @@ class Engine:
             if group.first_scheduled_time is None:
                 group.first_scheduled_time = now
 
-    def _outputs(self, groups: list[RequestGroup]) -> list[RequestOutput]:
-        """The outputs of the requests that got tokens; finished ones are retired."""
+    def _outputs(self, groups: list[RequestGroup],
+                 preempted: dict[str, int] | None = None) -> list[RequestOutput]:
+        """The outputs of the requests that got tokens; finished ones are retired.
+        ``preempted``: preemptions since, by request id, left out of the counts reported."""
         outputs, now = [], time.monotonic()
         for group in groups:
             self._note_tokens(group, now)
-            out = self.output_processor.make_output(group)
+            since = preempted.get(group.request_id) if preempted else None
+            out = self.output_processor.make_output(group, None if since is None else sum(
+                seq.request.num_preemptions for seq in group.seqs) - since)
             if out is not None:
                 outputs.append(out)
-            if group.finished:
+            if out.finished if out is not None else group.finished:
                 self._retire(group, now, group.seqs[0].request.finish_reason)
         self.record_stats()
         return outputs
@@ -330,7 +345,7 @@ class Engine:
     def _retire(self, group: RequestGroup, now: float, reason: str) -> None:
         """Forget a finished request and record its statistics."""
         self.output_processor.remove_request(group.request_id)
-        self._iteration.finished_requests.append(_finished_stats(group, now, reason))
+        self._iteration.finished_requests.append(finished_request_stats(group, now, reason))
 
     def _note_tokens(self, group: RequestGroup, now: float) -> None:
         """Time-to-first-token or inter-token latency of a request that got tokens now."""
@@ -377,12 +392,3 @@ class Engine:
     def num_preemptions(self) -> int:
         """Preemptions since start-up."""
         return self.scheduler.num_preemptions
-
-
-def _finished_stats(group: RequestGroup, now: float, reason: str) -> FinishedRequestStats:
-    scheduled = group.first_scheduled_time
-    return FinishedRequestStats(
-        finish_reason=reason, e2e_latency=now - group.arrival_time,
-        queue_time=None if scheduled is None else scheduled - group.arrival_time,
-        num_prompt_tokens=group.seqs[0].request.num_prompt_tokens,
-        num_generation_tokens=sum(s.request.num_output_tokens for s in group.seqs))

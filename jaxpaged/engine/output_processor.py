@@ -26,10 +26,17 @@ Stop = tuple[str, int | str | None]
 @dataclass
 class SequenceState:
     """Output-side state of one sequence: its text, logprobs, and how much of them earlier
-    delta outputs carried."""
+    delta outputs carried.
+
+    Attributes:
+        pending: detokenizer work queued until the next output (token ids to add, None for a
+            flush), or None when the sequence detokenizes at once (see
+            :attr:`OutputProcessor.defer_detokenization`).
+    """
 
     request: Request
     detokenizer: IncrementalDetokenizer
+    pending: list[int | None] | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     sent_chars: int = 0
@@ -54,8 +61,14 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return self.error is not None or (len(self.seqs) == self.seqs[0].request.params.n and all(
-            s.request.is_finished for s in self.seqs))
+        """True once it failed, or all ``n`` sequences exist and have finished."""
+        if self.error is not None:
+            return True
+        seqs = self.seqs
+        if len(seqs) == 1:    # the common case, without a generator
+            return seqs[0].request.is_finished and seqs[0].request.params.n == 1
+        return len(seqs) == seqs[0].request.params.n and all(
+            s.request.is_finished for s in seqs)
 
 
 class OutputProcessor:
@@ -69,6 +82,9 @@ class OutputProcessor:
     Attributes:
         groups: every unfinished request's :class:`RequestGroup`, by request id.
         seqs: every unfinished sequence's :class:`SequenceState`, by sequence id.
+        defer_detokenization: queue the detokenizer's work of sequences without stop strings
+            (whose text cannot change a stop decision) until their next output, so it can run
+            while the device computes (``--async-scheduling``); the text is the same.
     """
 
     def __init__(self, tokenizer, eos_token_ids: frozenset[int], max_model_len: int):
@@ -81,6 +97,7 @@ class OutputProcessor:
         self._token_texts: dict[int, str] = {}
         self.groups: dict[str, RequestGroup] = {}
         self.seqs: dict[str, SequenceState] = {}
+        self.defer_detokenization = False
 
     def token_text(self, token: int) -> str:
         """A token's text as it reads inside a text (``" there"`` for SentencePiece's
@@ -109,7 +126,8 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
                                        p.stop_strings, p.include_stop_str_in_output,
                                        p.spaces_between_special_tokens)
-        state = SequenceState(req, detok)
+        state = SequenceState(req, detok,
+                              [] if self.defer_detokenization and not p.stop_strings else None)
         if p.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self.groups[req.group_id].seqs.append(state)
@@ -146,22 +164,26 @@ class OutputProcessor:
             state.cumulative_logprob += lp
         stop = None
         if req.num_output_tokens < p.min_tokens:
-            state.detokenizer.add_token(token, check_stop=False)
+            _add_text(state, token, check_stop=False)
         elif not p.ignore_eos and token in self.eos_token_ids:
             stop = ("stop", None)
         elif token in p.stop_token_id_set:
             stop = ("stop", token)
             if p.include_stop_str_in_output:
-                state.detokenizer.add_token(token, check_stop=False)
+                _add_text(state, token, check_stop=False)
         else:
-            matched = state.detokenizer.add_token(token)
+            matched = _add_text(state, token)
             if matched is not None:
                 stop = ("stop", matched)
         if stop is None and (req.num_output_tokens >= req.max_tokens
                              or req.num_tokens >= self.max_model_len):
             stop = ("length", None)
         if stop is not None and not isinstance(stop[1], str):
-            state.detokenizer.flush()   # a stop string cut the text: nothing to release
+            # a stop string cut the text: nothing to release
+            if state.pending is None:
+                state.detokenizer.flush()
+            else:
+                state.pending.append(None)
         return stop
 
     def add_prompt_logprobs(self, request_id: str, start: int,
@@ -185,30 +207,42 @@ class OutputProcessor:
             group.prompt_logprobs.append(entry)
 
     @staticmethod
-    def make_output(group: RequestGroup) -> RequestOutput | None:
+    def make_output(group: RequestGroup,
+                    num_preemptions: int | None = None) -> RequestOutput | None:
         """The request's output now, shaped by its ``output_kind``: cumulative text, ids and
         logprobs; or only what is new since the previous output (delta; sequences with
         nothing new are left out); or nothing until it finishes (final only, then cumulative).
+        ``num_preemptions``: the count to report (default: the sequences' count now).
         """
-        first = group.seqs[0].request
+        seqs = group.seqs
+        first = seqs[0].request
         kind = first.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not group.finished:
+        finished = group.finished
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        if len(seqs) > 1:
+            seqs = sorted(seqs, key=lambda s: s.request.index)
+        delta = kind is RequestOutputKind.DELTA
         outs = []
-        for s in sorted(group.seqs, key=lambda s: s.request.index):
+        for s in seqs:
+            if s.pending:
+                _drain(s)
             req = s.request
             done = req.finish_reason is not None
-            text, ids = s.detokenizer.visible_text(done), req.output_token_ids
-            logprobs = list(s.logprobs) if s.logprobs is not None else None
-            if kind is RequestOutputKind.DELTA:
-                if s.sent_final or (len(text) == s.sent_chars and len(ids) == s.sent_tokens
-                                    and not done):
+            text = s.detokenizer.visible_text(done)
+            if delta:   # only what is new; no copy of what was sent before
+                if s.sent_final or (len(text) == s.sent_chars and not done
+                                    and req.num_output_tokens == s.sent_tokens):
                     continue
-                text, ids = text[s.sent_chars:], ids[s.sent_tokens:]
-                logprobs = logprobs[s.sent_tokens:] if logprobs is not None else None
+                text = text[s.sent_chars:]
+                ids = req.all_token_ids[req.num_prompt_tokens + s.sent_tokens:]
+                logprobs = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
                 s.sent_chars += len(text)
                 s.sent_tokens += len(ids)
                 s.sent_final = done
+            else:
+                ids = req.output_token_ids
+                logprobs = list(s.logprobs) if s.logprobs is not None else None
             outs.append(CompletionOutput(req.index, text, ids, s.cumulative_logprob, logprobs,
                                          req.finish_reason, req.stop_reason))
         if not outs:
@@ -216,8 +250,28 @@ class OutputProcessor:
         return RequestOutput(
             request_id=group.request_id, prompt=first.prompt,
             prompt_token_ids=first.prompt_token_ids, prompt_logprobs=group.prompt_logprobs,
-            outputs=outs, finished=group.finished,
+            outputs=outs, finished=finished,
             num_cached_tokens=first.num_cached_tokens or 0,
-            num_preemptions=sum(s.request.num_preemptions for s in group.seqs),
+            num_preemptions=(sum(s.request.num_preemptions for s in seqs)
+                             if num_preemptions is None else num_preemptions),
             error=group.error)
 
+
+def _add_text(state: SequenceState, token: int, check_stop: bool = True) -> str | None:
+    """Detokenize ``token`` now, or queue it (a sequence without stop strings, whose add
+    can match nothing)."""
+    if state.pending is None:
+        return state.detokenizer.add_token(token, check_stop)
+    state.pending.append(token)
+    return None
+
+
+def _drain(state: SequenceState) -> None:
+    """Run a sequence's queued detokenizer work, in order."""
+    detok = state.detokenizer
+    for token in state.pending:
+        if token is None:
+            detok.flush()
+        else:
+            detok.add_token(token, check_stop=False)
+    state.pending.clear()

@@ -30,6 +30,15 @@ from jaxpaged.sampling.sampler import SamplingMetadata
 _SEED_MASK = 0xFFFFFFFFFFFFFFFF
 
 
+def _seed_bits(seeds: list[int]) -> np.ndarray:
+    """Python int seeds modulo 2**64 as uint64 (two's complement of an int64 is that residue;
+    seeds outside int64 take the slow path)."""
+    try:
+        return np.array(seeds, np.int64).view(np.uint64)
+    except OverflowError:
+        return np.array([s & _SEED_MASK for s in seeds], object).astype(np.uint64)
+
+
 @dataclass(frozen=True)
 class StepInputs:
     """Everything the jitted step takes besides the parameters and the KV pool (a pytree;
@@ -109,32 +118,23 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
     """
     seqs = sched.scheduled
     b = len(seqs)
-    starts, counts, rows, page_lens = [], [], [], []
-    temperature, top_k, top_p, min_p, greedy, seeds, num_tokens_of = [], [], [], [], [], [], []
-    with_logprobs = with_prompt = False
-    adjusted = []
-    for i, s in enumerate(seqs):
-        req = s.request
-        p = req.params
-        starts.append(s.start)
-        counts.append(s.num_new_tokens)
-        rows.append(s.num_samples or 1)
-        page_lens.append(len(s.page_ids))
-        temperature.append(p.temperature)
-        top_k.append(p.top_k)
-        top_p.append(p.top_p)
-        min_p.append(p.min_p)
-        greedy.append(p.is_greedy)
-        seeds.append(req.seed & _SEED_MASK)
-        num_tokens_of.append(req.num_tokens)
-        with_logprobs |= p.logprobs is not None
-        if p.prompt_logprobs is not None and s.start < req.num_prompt_tokens - 1:
-            with_prompt = True
-        if s.samples and needs_adjustment(p):
-            adjusted.append(i)
-    starts_a = np.asarray(starts, np.int64)
-    counts_a = np.asarray(counts, np.int64)
-    rows_a = np.asarray(rows, np.int64)
+    reqs = [s.request for s in seqs]
+    starts_a = np.array([s.start for s in seqs], np.int64)
+    counts_a = np.array([s.num_new_tokens for s in seqs], np.int64)
+    rows = [s.num_samples or 1 for s in seqs]
+    rows_a = np.array(rows, np.int64)
+    page_lens = [len(s.page_ids) for s in seqs]
+    # Sampling parameters per distinct SamplingParams object (a batch often shares a few).
+    index: dict[int, int] = {}
+    param_of = np.array([index.setdefault(id(r.params), len(index)) for r in reqs], np.int64)
+    distinct = list({id(r.params): r.params for r in reqs}.values())
+    with_logprobs = any(p.logprobs is not None for p in distinct)
+    with_prompt = any(p.prompt_logprobs is not None for p in distinct) and any(
+        r.params.prompt_logprobs is not None and s.start < r.num_prompt_tokens - 1
+        for s, r in zip(seqs, reqs))
+    needs = [needs_adjustment(p) for p in distinct]
+    adjusted = [i for i, s in enumerate(seqs) if s.samples and needs[param_of[i]]] \
+        if any(needs) else []
     num_tokens, num_rows = int(counts_a.sum()), int(rows_a.sum())
     t_pad, b_pad, p_pad = pad_sizes(num_tokens, b, num_rows, max(page_lens), num_tokens == b)
 
@@ -150,9 +150,12 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
         chain.from_iterable(s.page_ids for s in seqs), np.int32, int(cu_pages[-1]))
 
     input_ids = np.zeros(t_pad, np.int32)
-    input_ids[:num_tokens] = np.fromiter(
-        chain.from_iterable(s.request.all_token_ids[s.start:s.end] for s in seqs), np.int32,
-        num_tokens)
+    if num_tokens == b:     # decode-only: one token each
+        input_ids[:b] = [r.all_token_ids[s.start] for s, r in zip(seqs, reqs)]
+    else:
+        input_ids[:num_tokens] = np.fromiter(
+            chain.from_iterable(s.request.all_token_ids[s.start:s.end] for s in seqs),
+            np.int32, num_tokens)
     positions = np.zeros(t_pad, np.int32)
     positions[:num_tokens] = token_pos
     slot_mapping = np.full(t_pad, NULL_PAGE * page_size, np.int32)
@@ -172,11 +175,14 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
     np.cumsum(rows_a, out=cu_rows[1:])
     logits_indices = np.zeros(b_pad, np.int32)
     logits_indices[:num_rows] = cu_tokens[1:][owners] - 1
-    row_seeds = (np.asarray(seeds, np.uint64)[owners]
+    row_seeds = (_seed_bits([r.seed for r in reqs])[owners]
                  + (np.arange(num_rows) - cu_rows[owners]).astype(np.uint64))
+    row_params = param_of[owners]
     sampling = SamplingMetadata.from_columns(
-        *(np.asarray(c)[owners] for c in (temperature, top_k, top_p, min_p, greedy)),
-        row_seeds, np.asarray(num_tokens_of, np.int64)[owners], padded=b_pad)
+        *(np.array([getattr(p, name) for p in distinct])[row_params]
+          for name in ("temperature", "top_k", "top_p", "min_p", "is_greedy")),
+        row_seeds, np.array([len(r.all_token_ids) for r in reqs], np.int64)[owners],
+        padded=b_pad)
     adjust = None
     if adjusted:
         per_row = [None] * num_rows

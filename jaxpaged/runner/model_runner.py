@@ -215,13 +215,18 @@ class ModelRunner:
             ValueError: a step beyond the largest bucket; whatever compiling or running it
                 raises.
         """
+        return self.dispatch(scheduler_output).result()
+
+    def dispatch(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Start the step of :meth:`execute` on the device and return at once (JAX
+        dispatches asynchronously); :meth:`PendingStep.result` waits for it."""
         self.copy_pages(scheduler_output.page_copies)
         prepared = prepare_step(scheduler_output, page_size=self._page_size,
                                 backend=self._backend, eos_token_ids=self._eos_token_ids,
                                 pad_sizes=self._pad_sizes)
         fn = self._executable(prepared.layout, prepared.inputs)
         out, self._kv_caches = fn(self._state, self._kv_caches, prepared.inputs)
-        return _runner_output(scheduler_output, prepared, jax.tree.map(to_host, out))
+        return PendingStep(scheduler_output, prepared, out)
 
     def _executable(self, layout: BatchLayout, inputs: StepInputs):
         adjust = inputs.adjust
@@ -329,6 +334,20 @@ class ModelRunner:
             layout = self._dummy_layout(*shape)
             self._executable(layout, self._dummy_inputs(layout))
         return time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A dispatched step whose device outputs may not be ready yet."""
+
+    scheduler_output: SchedulerOutput
+    prepared: PreparedStep
+    out: SamplerOutput
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the device and read the step's results back to the host."""
+        return _runner_output(self.scheduler_output, self.prepared,
+                              jax.tree.map(to_host, self.out))
 
 
 def _runner_output(sched: SchedulerOutput, prepared: PreparedStep,

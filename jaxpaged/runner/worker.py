@@ -86,7 +86,7 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
     Raises:
         TensorParallelError / MissingWeightsError / UnsupportedModelError: as
             :class:`jaxpaged.engine.engine.Engine` documents; ValueError: a pool that does
-            not fit the devices.
+            not fit the devices or cannot hold one ``max_model_len`` request.
     """
     if args.compilation_cache_dir:
         enable_compilation_cache(args.compilation_cache_dir)
@@ -136,6 +136,11 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
         profile_peak_bytes=runner.profile_peak_bytes, num_devices=num_devices,
         device=tp.mesh.devices.flat[0])
     check_pool_fits(num_pages, bytes_per_page, num_devices)
+    if num_pages - 1 < pages_per_seq:     # page 0 is the null page
+        raise ValueError(
+            f"the KV pool ({num_pages - 1} usable pages of {page_size} tokens) cannot hold one "
+            f"request of max_model_len={max_model_len} tokens; give more KV memory or lower "
+            "max_model_len")
     runner.set_kv_pool(pool(num_pages))
     return Worker(runner=runner, dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_scales=scales,
                   num_pages=num_pages, kv_bytes_per_page=bytes_per_page,
