@@ -544,7 +544,7 @@ def near_tie(llm, prompt: list[int], params: SamplingParams, index: int, common:
     meta = SamplingMetadata.from_host([(params.temperature, params.top_k, params.top_p,
                                         params.min_p, params.is_greedy, (params.seed or 0)
                                         + index, len(prompt) + len(common))] * trials, trials)
-    tokens = sample(jnp.asarray(row + noise, jnp.float32), meta, adjust=adjust)["token_ids"]
+    tokens = sample(jnp.asarray(row + noise, jnp.float32), meta, adjust=adjust).token_ids
     return bool(np.any(np.asarray(tokens) == token))
 
 

@@ -117,7 +117,7 @@ def test_fault_injector_sees_step_index_and_parallel_sampling_request_once(engin
 
 
 def test_cli_generate_reports_a_failed_prompt(monkeypatch, capsys):
-    def broken(self, sched, kv):
+    def broken(self, scheduler_output):
         raise InjectedFault("injected fault")
 
     monkeypatch.setattr(ModelRunner, "execute", broken)

@@ -13,7 +13,7 @@ sample_jit = jax.jit(sample)
 
 def run(logits, rows):
     meta = SamplingMetadata.from_host(rows, len(rows))
-    return np.asarray(sample_jit(jnp.asarray(logits, jnp.float32), meta)["token_ids"])
+    return np.asarray(sample_jit(jnp.asarray(logits, jnp.float32), meta).token_ids)
 
 
 def row(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, pos=0):

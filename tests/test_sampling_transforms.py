@@ -63,7 +63,7 @@ def test_processed_distribution_matches_numpy(case):
 def test_sampling_frequencies_follow_the_distribution(case):
     n = 4000
     tokens = np.asarray(jax.jit(sample)(jnp.asarray(np.tile(LOGITS, (n, 1))),
-                                        meta(n, **case))["token_ids"])
+                                        meta(n, **case)).token_ids)
     expected = np_reference(LOGITS, **case) * n
     observed = np.bincount(tokens, minlength=V)
     support = expected > 0

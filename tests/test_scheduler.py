@@ -1,21 +1,39 @@
-"""The scheduler's decisions, checked token by token without a model."""
+"""The scheduler's decisions and ``update_from_output``, checked token by token without a
+model: each step's ``ModelRunnerOutput`` is written by the test."""
 
+from jaxpaged.engine.arg_utils import DEFAULT_MODEL
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
+from jaxpaged.engine.output_processor import OutputProcessor
 from jaxpaged.engine.request import Request, RequestStatus
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.runner.output import ModelRunnerOutput
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.tokenizer import load_tokenizer
+
+TOKENIZER = load_tokenizer(DEFAULT_MODEL)
+EOS = 2
 
 
-def make(rid, n_prompt):
-    return Request(rid, None, list(range(1, n_prompt + 1)), SamplingParams(), seed=0, max_tokens=100)
+def scheduler(config: SchedulerConfig, kv: KVCacheManager) -> Scheduler:
+    return Scheduler(config, kv, OutputProcessor(TOKENIZER, frozenset({EOS}), config.max_model_len))
+
+
+def add(s: Scheduler, *reqs: Request) -> None:
+    """Queue requests as ``Engine.add_request`` does (output state first)."""
+    for req in reqs:
+        s.output_processor.add_request(req, 0.0)
+        s.add_request(req)
+
+
+def make(rid, n_prompt, **params):
+    return Request(rid, None, list(range(1, n_prompt + 1)), SamplingParams(**params), seed=0,
+                   max_tokens=params.get("max_tokens") or 100, n_samples=params.get("n", 1))
 
 
 def run_step(sched, out, token=7):
-    """What the engine does after the model step: advance and append sampled tokens."""
-    for s in out.scheduled:
-        s.request.num_computed_tokens += s.num_new_tokens
-        if s.samples:
-            s.request.all_token_ids.append(token)
+    """Apply the model step's result: ``token`` for every sequence that samples."""
+    return sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=[
+        [token] * s.num_samples for s in out.scheduled]))
 
 
 def plan(out):
@@ -24,9 +42,9 @@ def plan(out):
 
 def test_token_budget_chunks_prefill_and_decodes_go_first():
     kv = KVCacheManager(num_pages=64, page_size=4, enable_prefix_caching=False)
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, max_model_len=64), kv)
+    s = scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, max_model_len=64), kv)
     a, b = make("a", 6), make("b", 12)
-    s.add_request(a), s.add_request(b)
+    add(s, a, b)
     out = s.schedule()
     assert plan(out) == [("a", 0, 6), ("b", 0, 4)]
     assert [x.samples for x in out.scheduled] == [True, False]
@@ -37,28 +55,28 @@ def test_token_budget_chunks_prefill_and_decodes_go_first():
     out = s.schedule()
     assert plan(out) == [("a", 7, 1), ("b", 12, 1)]
     c = make("c", 3)
-    s.add_request(c)                                 # joins at the next step
+    add(s, c)                                 # joins at the next step
     run_step(s, out)
     out = s.schedule()
     assert plan(out) == [("a", 8, 1), ("b", 13, 1), ("c", 0, 3)]
-    s.finish_request(a)
+    s.finish_request(a, "abort")
     assert a.status is RequestStatus.FINISHED and kv.page_table("a") == []
 
 
 def test_max_num_seqs_limits_running():
     kv = KVCacheManager(num_pages=64, page_size=4, enable_prefix_caching=False)
-    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_model_len=64), kv)
+    s = scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_model_len=64), kv)
     for i in range(3):
-        s.add_request(make(f"r{i}", 2))
+        add(s, make(f"r{i}", 2))
     assert plan(s.schedule()) == [("r0", 0, 2), ("r1", 0, 2)]
     assert [r.request_id for r in s.waiting] == ["r2"]
 
 
 def test_preempts_newest_and_requeues_at_front():
     kv = KVCacheManager(num_pages=5, page_size=2, enable_prefix_caching=False)      # 4 usable pages = 8 tokens
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=8), kv)
+    s = scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=8), kv)
     a, b = make("a", 4), make("b", 4)
-    s.add_request(a), s.add_request(b)
+    add(s, a, b)
     out = s.schedule()
     assert plan(out) == [("a", 0, 4), ("b", 0, 4)] and kv.num_free_pages == 0
     run_step(s, out)
@@ -68,18 +86,18 @@ def test_preempts_newest_and_requeues_at_front():
     assert b.status is RequestStatus.WAITING and b.num_computed_tokens == 0
     assert b.output_token_ids == [7] and list(s.waiting) == [b]
     run_step(s, out)
-    s.finish_request(a)
+    s.finish_request(a, "abort")
     out = s.schedule()            # b resumes by recomputing prompt + its generated token
     assert plan(out) == [("b", 0, 5)] and out.scheduled[0].samples
 
 
 def test_preempt_all_requeues_every_running_sequence_in_order():
     kv = KVCacheManager(num_pages=64, page_size=4, enable_prefix_caching=False)
-    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_model_len=64), kv)
+    s = scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_model_len=64), kv)
     a, b, c = make("a", 5), make("b", 6), make("c", 3)
     for arrival, r in enumerate((a, b, c)):
         r.arrival = arrival
-        s.add_request(r)
+        add(s, r)
     run_step(s, s.schedule())             # a and b run, c waits
     assert s.num_waiting_seqs == 1
     s.preempt_all()
@@ -91,18 +109,18 @@ def test_preempt_all_requeues_every_running_sequence_in_order():
 
 def test_num_waiting_seqs_counts_parallel_sampling_sequences():
     kv = KVCacheManager(num_pages=64, page_size=4, enable_prefix_caching=False)
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64), kv)
-    s.add_request(make("a", 3))
-    s.add_request(Request("n", None, [1, 2], SamplingParams(n=3), seed=0, max_tokens=5,
+    s = scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64), kv)
+    add(s, make("a", 3))
+    add(s, Request("n", None, [1, 2], SamplingParams(n=3), seed=0, max_tokens=5,
                           n_samples=3))
     assert s.num_waiting_seqs == 4
 
 
 def test_request_preempting_itself_when_alone():
     kv = KVCacheManager(num_pages=3, page_size=2, enable_prefix_caching=False)      # 2 usable pages
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=4), kv)
+    s = scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=8), kv)
     a = make("a", 4)
-    s.add_request(a)
+    add(s, a)
     run_step(s, s.schedule())
     out = s.schedule()            # needs a 3rd page; the only victim is itself
     assert out.scheduled == [] and out.preempted == [a]
@@ -110,20 +128,20 @@ def test_request_preempting_itself_when_alone():
 
 def test_priority_policy_orders_waiting_and_preempts_lowest_priority():
     kv = KVCacheManager(num_pages=7, page_size=2, enable_prefix_caching=False)  # 6 usable pages
-    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_model_len=8,
+    s = scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_model_len=8,
                                   policy="priority"), kv)
     reqs = {}
     for i, prio in enumerate([5, 0, 3]):
         r = make(f"p{prio}", 4)
         r.priority, r.arrival = prio, i
         reqs[prio] = r
-        s.add_request(r)
+        add(s, r)
     out = s.schedule()                       # two seats: priorities 0 and 3 run first
     assert plan(out) == [("p0", 0, 4), ("p3", 0, 4)]
     run_step(s, out)
     late = make("p1", 2)
     late.priority, late.arrival = 1, 3
-    s.add_request(late)
+    add(s, late)
     assert [r.request_id for r in s.waiting] == ["p1", "p5"]
     for _ in range(2):                       # decode until the pool runs out
         run_step(s, s.schedule())
@@ -134,16 +152,94 @@ def test_priority_policy_orders_waiting_and_preempts_lowest_priority():
 
 def test_partial_prefill_limits():
     kv = KVCacheManager(num_pages=64, page_size=4, enable_prefix_caching=False)
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=20, max_model_len=64,
+    s = scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=20, max_model_len=64,
                                   max_num_partial_prefills=1, long_prefill_token_threshold=6), kv)
     for rid, n in [("a", 30), ("b", 30), ("c", 3)]:
-        s.add_request(make(rid, n))
+        add(s, make(rid, n))
     out = s.schedule()
     # a is capped at 6 tokens; b may not start a second partial prefill, so the queue waits.
     assert plan(out) == [("a", 0, 6)]
-    s2 = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=20, max_model_len=64,
+    s2 = scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=20, max_model_len=64,
                                    max_num_partial_prefills=2, long_prefill_token_threshold=6),
                    KVCacheManager(num_pages=64, page_size=4, enable_prefix_caching=False))
     for rid, n in [("a", 30), ("b", 30), ("c", 3)]:
-        s2.add_request(make(rid, n))
+        add(s2, make(rid, n))
     assert plan(s2.schedule()) == [("a", 0, 6), ("b", 0, 6), ("c", 0, 3)]
+
+
+# ---- update_from_output: the one place a step's result is applied -----------------------------
+
+
+def test_update_from_output_advances_appends_and_applies_stop_rules():
+    kv = KVCacheManager(num_pages=64, page_size=4, enable_prefix_caching=False)
+    s = scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64), kv)
+    a, b = make("a", 3), make("b", 3, min_tokens=3)
+    c, d = make("c", 5, max_tokens=2), make("d", 2, stop_token_ids=[9])
+    add(s, a, b, c, d)
+    out = s.schedule()
+    assert plan(out) == [("a", 0, 3), ("b", 0, 3), ("c", 0, 5), ("d", 0, 2)]
+    assert [x.page_ids for x in out.scheduled] == [kv.page_table(r) for r in "abcd"]
+    assert out.scheduled_new_reqs == [a, b, c, d] and out.page_copies == []
+    groups = s.update_from_output(out, ModelRunnerOutput(sampled_token_ids=[[7], [7], [7], [9]]))
+    assert [g.request_id for g in groups] == ["a", "b", "c", "d"]
+    assert [r.num_computed_tokens for r in (a, b, c)] == [3, 3, 5]
+    assert (d.finish_reason, d.stop_reason, d.status) == ("stop", 9, RequestStatus.FINISHED)
+    assert kv.page_table("d") == [] and d not in s.running
+    out = s.schedule()
+    assert plan(out) == [("a", 3, 1), ("b", 3, 1), ("c", 5, 1)] and out.scheduled_new_reqs == []
+    s.update_from_output(out, ModelRunnerOutput(sampled_token_ids=[[EOS], [EOS], [7]]))
+    assert (a.finish_reason, a.stop_reason, a.output_token_ids) == ("stop", None, [7, EOS])
+    assert b.finish_reason is None and b.output_token_ids == [7, EOS]   # min_tokens=3 holds EOS
+    assert c.finish_reason == "length" and s.running == [b]
+    assert kv.num_free_pages == kv.num_usable_pages - len(kv.page_table("b"))
+
+
+def test_update_from_output_forks_parallel_sampling_and_copies_shared_page():
+    kv = KVCacheManager(num_pages=64, page_size=4, enable_prefix_caching=False)
+    s = scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64), kv)
+    n = make("n", 3, n=3, seed=0)
+    add(s, n)
+    out = s.schedule()
+    assert plan(out) == [("n", 0, 3)] and out.scheduled[0].num_samples == 3
+    s.update_from_output(out, ModelRunnerOutput(sampled_token_ids=[[5, 6, 8]]))
+    ids = ["n", "n\x1f1", "n\x1f2"]
+    assert [r.request_id for r in s.running] == ids
+    assert [r.output_token_ids for r in s.running] == [[5], [6], [8]]
+    assert [(r.index, r.seed, r.n_samples) for r in s.running] == [(0, 0, 1), (1, 1, 1), (2, 2, 1)]
+    shared = list(kv.page_table("n"))
+    assert [kv.page_table(i) for i in ids] == [shared] * 3 and len(shared) == 1
+    assert [seq.request.request_id for seq in s.output_processor.groups["n"].seqs] == ids
+    out = s.schedule()                # position 3 of the shared page: the first two copy it
+    assert plan(out) == [(i, 3, 1) for i in ids]
+    tables = [x.page_ids for x in out.scheduled]
+    assert out.page_copies == [(shared[0], tables[0][0]), (shared[0], tables[1][0])]
+    assert tables[2] == shared and len({t[0] for t in tables}) == 3
+
+
+def test_prefix_cache_counters_come_from_the_manager():
+    kv = KVCacheManager(num_pages=64, page_size=2, enable_prefix_caching=True)
+    s = scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64), kv)
+    x = make("x", 5)
+    add(s, x)
+    run_step(s, s.schedule())
+    s.finish_request(x, "abort")
+    y = make("y", 5)
+    add(s, y)
+    out = s.schedule()
+    assert plan(out) == [("y", 4, 1)] and y.num_cached_tokens == 4
+    assert (kv.stats.queries, kv.stats.hits) == (5 + 5, 0 + 4)
+
+
+def test_fail_step_finishes_every_sequence_of_the_step_with_error():
+    kv = KVCacheManager(num_pages=64, page_size=2, enable_prefix_caching=True)
+    s = scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100, max_model_len=64), kv)
+    a, b = make("a", 4), make("b", 4)
+    add(s, a, b)
+    out = s.schedule()
+    groups = s.fail_step(out)
+    assert [g.request_id for g in groups] == ["a", "b"]
+    assert [(r.finish_reason, r.status) for r in (a, b)] == [("error", RequestStatus.FINISHED)] * 2
+    assert kv.num_free_pages == kv.num_usable_pages and s.running == []
+    c = make("c", 4)
+    add(s, c)
+    assert plan(s.schedule()) == [("c", 0, 4)]      # the failed step's pages left the cache

@@ -103,8 +103,8 @@ def sync_step(commands: list | None = None) -> list:
     """Exchange stop requests, and process 0's ``commands``, before a step.
 
     Args:
-        commands: process 0's picklable command tuples (None or empty: nothing to send);
-            ignored on the other processes.
+        commands: process 0's commands (``jaxpaged.engine.commands``: picklable dataclasses;
+            None or empty: nothing to send); ignored on the other processes.
 
     Returns:
         Process 0's commands, on every process.

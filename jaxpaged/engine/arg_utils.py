@@ -14,22 +14,15 @@ import re
 from dataclasses import dataclass
 
 from jaxpaged.config import QUANTIZATION_METHODS
+from jaxpaged.constants import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES,  # noqa: F401
+                                SCHEDULING_POLICIES)
 
 #: The model shipped inside the package (stories260K, MIT licence); the default ``--model``.
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "model_files",
                              "stories260K")
 
-DTYPES = ("auto", "float32", "bfloat16")
-#: ``--attention-backend`` choices (see ``jaxpaged.layers.attention.selection``).
-ATTENTION_BACKENDS = ("auto", "xla", "pallas")
-#: ``--kv-cache-dtype`` choices: ``auto`` (the model's dtype) or float8_e4m3fn under either of
-#: vLLM's names (``jaxpaged.layers.attention.base`` defines the pool).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-#: ``--scheduling-policy`` choices.
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
-
-@dataclass
+@dataclass(kw_only=True)
 class EngineArgs:
     """Engine configuration (vLLM's names).
 
@@ -68,6 +61,9 @@ class EngineArgs:
             takes the lowest-priority, newest request).
         gpu_memory_utilization: fraction of GPU memory for weights, activations and KV pool.
         enforce_eager: skip the start-up precompile of every step shape (compile lazily).
+        async_scheduling: overlap each step's output processing (detokenization, output
+            assembly) with the next device step (``Engine.step``); outputs are identical,
+            each returned one step later.
         compilation_cache_dir: directory of JAX's persistent compilation cache (off if None).
         tensor_parallel_size: devices the model's heads and MLP columns are split over
             (``jaxpaged.distributed.tensor_parallel``).
@@ -100,6 +96,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     gpu_memory_utilization: float = 0.92
     enforce_eager: bool = False
+    async_scheduling: bool = False
     compilation_cache_dir: str | None = None
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -198,6 +195,9 @@ class EngineArgs:
                        help="auto: pallas on a GPU after a self-check, else xla")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d.enable_prefix_caching, help="automatic prefix caching")
+        g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                       default=d.async_scheduling,
+                       help="process a step's outputs while the device runs the next step")
         g.add_argument("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills)
         g.add_argument("--long-prefill-token-threshold", type=int,
                        default=d.long_prefill_token_threshold)

@@ -39,6 +39,7 @@ from jaxpaged.distributed.step_sync import JobStopped, sync_step
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.data_parallel import DataParallelEngine, make_engine
 from jaxpaged.engine.engine import Engine
+from jaxpaged.engine.commands import AbortRequest, AddRequest, EngineCommand, StopEngine
 from jaxpaged.engine.input_processor import Prompt
 from jaxpaged.engine.request_stream import (EngineDeadError, EngineNotReadyError,
                                             EngineStoppedError, RequestFailedError,
@@ -142,7 +143,7 @@ class AsyncEngine:
         streams, self._streams = self._streams, {}
         for rid, stream in streams.items():
             stream.put(EngineStoppedError("the server is shutting down"))
-            self._commands.put(("abort", rid))
+            self._commands.put(AbortRequest(rid))
 
     @property
     def is_loading(self) -> bool:
@@ -159,7 +160,7 @@ class AsyncEngine:
         """Stop the engine thread after its current step (without waiting for a load or
         compilation still in progress: the process exits around it)."""
         self._stopping = True
-        self._commands.put(("stop",))
+        self._commands.put(StopEngine())
         if self._thread is not None and self._ready.is_set():
             self._thread.join(timeout)
 
@@ -192,7 +193,8 @@ class AsyncEngine:
         stream = RequestStream(request_id, aggregate, deadline)
         self._streams[request_id] = stream
         accepted = self._loop.create_future()
-        self._commands.put(("add", request_id, prompt, params, priority, accepted))
+        self._commands.put(AddRequest(request_id=request_id, prompt=prompt, params=params,
+                                      priority=priority, accepted=accepted))
         if self.error is not None:   # died after check_ready and after it drained the queue
             _settle(accepted, self._dead_error())
         try:
@@ -202,12 +204,12 @@ class AsyncEngine:
                 await asyncio.wait_for(accepted, deadline - time.monotonic())
         except TimeoutError:
             self._streams.pop(request_id, None)
-            self._commands.put(("abort", request_id))
+            self._commands.put(AbortRequest(request_id))
             raise RequestTimeoutError("the request did not finish before its deadline") from None
         except BaseException:
             self._streams.pop(request_id, None)
             if not accepted.done() or accepted.cancelled():   # cancelled while queued
-                self._commands.put(("abort", request_id))
+                self._commands.put(AbortRequest(request_id))
             raise
         return stream
 
@@ -217,7 +219,7 @@ class AsyncEngine:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.put(None)
-            self._commands.put(("abort", request_id))
+            self._commands.put(AbortRequest(request_id))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -273,24 +275,25 @@ class AsyncEngine:
                 commands = self._admit(commands)
             if self._multihost:
                 try:
-                    sync_step([cmd[:5] if cmd[0] == "add" else cmd for cmd in commands])
+                    sync_step([cmd.for_followers() if isinstance(cmd, AddRequest) else cmd
+                               for cmd in commands])
                 except BaseException:
                     for cmd in commands:       # put back, to be refused with the others
                         self._commands.put(cmd)
                     raise
             for cmd in commands:
-                if cmd[0] == "stop":
+                if isinstance(cmd, StopEngine):
                     return
-                if cmd[0] == "add":
-                    self._handle_add(*cmd[1:])
+                if isinstance(cmd, AddRequest):
+                    self._handle_add(cmd)
                 else:
-                    engine.abort_request(cmd[1])
+                    engine.abort_request(cmd.request_id)
             if engine.has_unfinished_requests():
                 outputs = engine.step()
                 if outputs:
                     self._call_soon(self._deliver, outputs)
 
-    def _take_commands(self, block: bool) -> list[tuple]:
+    def _take_commands(self, block: bool) -> list[EngineCommand]:
         """Every queued command; when ``block``, wait for one first (a multi-host leader
         waits at most :data:`HEARTBEAT_S` and may return none)."""
         commands = []
@@ -306,34 +309,33 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _admit(self, commands: list[tuple]) -> list[tuple]:
+    def _admit(self, commands: list[EngineCommand]) -> list[EngineCommand]:
         """``commands`` less the adds that would take the waiting sequences past
         ``max_pending_requests`` (refused with :class:`TooManyPendingRequestsError`; they
         never reach the engine, nor the other processes of a multi-host job). Counted before
         the batch is applied: an abort in the same batch makes room from the next one."""
-        if not any(cmd[0] == "add" for cmd in commands):
+        if not any(isinstance(cmd, AddRequest) for cmd in commands):
             return commands
         waiting = self.engine.get_num_waiting_seqs()
         admitted = []
         for cmd in commands:
-            if cmd[0] == "add":
-                params = cmd[3]
-                n = params.n if isinstance(params, SamplingParams) else 1
+            if isinstance(cmd, AddRequest):
+                n = cmd.params.n if isinstance(cmd.params, SamplingParams) else 1
                 if waiting + n > self.max_pending_requests:
-                    self._call_soon(_settle, cmd[-1], TooManyPendingRequestsError(
+                    self._call_soon(_settle, cmd.accepted, TooManyPendingRequestsError(
                         waiting, n, self.max_pending_requests))
                     continue
                 waiting += n
             admitted.append(cmd)
         return admitted
 
-    def _handle_add(self, request_id, prompt, params, priority, accepted) -> None:
+    def _handle_add(self, cmd: AddRequest) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params, priority)
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority)
             error = None
         except Exception as e:   # noqa: BLE001 - a refused request is that request's error
             error = e
-        self._call_soon(_settle, accepted, error)
+        self._call_soon(_settle, cmd.accepted, error)
 
     def _reject_queued(self, error: BaseException) -> None:
         while True:
@@ -341,8 +343,8 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
-                self._call_soon(_settle, cmd[-1], error)
+            if isinstance(cmd, AddRequest):
+                self._call_soon(_settle, cmd.accepted, error)
 
     def _call_soon(self, fn, *args) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -376,16 +378,16 @@ def run_follower(args: EngineArgs) -> int:
         warm_up(engine)
         while True:
             for cmd in sync_step():
-                if cmd[0] == "stop":
+                if isinstance(cmd, StopEngine):
                     logger.info("process 0 stopped the job")
                     return 0
-                if cmd[0] == "add":
+                if isinstance(cmd, AddRequest):
                     try:
-                        engine.add_request(*cmd[1:])
+                        engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority)
                     except Exception:   # noqa: BLE001 - process 0 answered the client already
                         pass
                 else:
-                    engine.abort_request(cmd[1])
+                    engine.abort_request(cmd.request_id)
             if engine.has_unfinished_requests():
                 engine.step()
     except JobStopped as e:

@@ -25,7 +25,8 @@ import numpy as np
 
 from jaxpaged.distributed.tensor_parallel import TensorParallelError, request_host_devices
 from jaxpaged.engine.arg_utils import EngineArgs
-from jaxpaged.engine.engine import Engine, EngineStats
+from jaxpaged.engine.engine import Engine
+from jaxpaged.metrics.stats import EngineStats
 from jaxpaged.engine.input_processor import Prompt
 from jaxpaged.metrics.stats import IterationStats, SchedulerStats, StatLogger
 from jaxpaged.outputs import RequestOutput

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxpaged.layers.attention.base import NULL_PAGE
+from jaxpaged.constants import NULL_PAGE
 
 
 def hash_page(parent_hash: bytes | None, token_ids: tuple[int, ...], extra_keys: tuple) -> bytes:
@@ -51,8 +51,8 @@ class _Page:
 @dataclass
 class PrefixCacheStats:
     """Prefix-cache counters since start-up: tokens of admitted requests looked up and found
-    (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, counted by the scheduler), and
-    evictions of cached pages."""
+    (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``; see
+    :meth:`KVCacheManager.record_prefix_lookup`), and evictions of cached pages."""
 
     queries: int = 0
     hits: int = 0
@@ -169,6 +169,13 @@ class KVCacheManager:
         table.num_cached_pages = len(table.pages)
         return len(table.pages) * s
 
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup in :attr:`stats`: ``num_tokens`` tokens
+        queried, ``num_hit_tokens`` of them served from the cache (the scheduler calls it once
+        per admission, so a request that waits and retries is counted once)."""
+        self.stats.queries += num_tokens
+        self.stats.hits += num_hit_tokens
+
     def _register_full_pages(self, table: _Table, token_ids: list[int], num_tokens: int,
                              extra_keys: tuple) -> None:
         """Put the request's pages that ``num_tokens`` fill into the cache."""
@@ -215,7 +222,9 @@ class KVCacheManager:
         Returns:
             False, changing nothing, if there are not enough free pages.
         """
-        table = self._tables.setdefault(request_id, _Table())
+        table = self._tables.get(request_id)
+        if table is None:
+            table = self._tables[request_id] = _Table()
         grow = self.pages_needed(num_tokens) - len(table.pages)
         first_write = num_computed_tokens // self.page_size
         shared = [i for i in range(first_write, len(table.pages))

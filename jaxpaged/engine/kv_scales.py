@@ -34,13 +34,17 @@ from __future__ import annotations
 
 import math
 
+from typing import TYPE_CHECKING
+
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxpaged.distributed.multihost import to_host
 from jaxpaged.layers.attention import AttentionBackend
-from jaxpaged.runner.model_runner import ModelRunner
 from pallas_kernels.kv_quant import is_fp8
+
+if TYPE_CHECKING:   # the runner imports this module (set_kv_scales)
+    from jaxpaged.runner.model_runner import ModelRunner
 
 #: vLLM's ``K_SCALE_CONSTANT``: a calibrated key scale maps the largest |K| seen to this value.
 K_SCALE_CONSTANT = 200.0

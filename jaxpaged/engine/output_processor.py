@@ -1,9 +1,12 @@
 """Turns sampled tokens into request state and `RequestOutput`s.
 
-For every sampled token of a sequence: append it, apply vLLM's stop rules in vLLM's order
-(EOS unless ``ignore_eos``, ``stop_token_ids``, stop strings found by the incremental
-detokenizer, then length: ``max_tokens`` or ``max_model_len``), record its logprobs, and
-report the request's sequences together (a request with ``n > 1`` has several).
+It keeps every unfinished request's output state (:attr:`OutputProcessor.groups`). For every
+sampled token of a sequence (handed over by ``Scheduler.update_from_output``): append it,
+record its logprobs, and apply vLLM's stop rules in vLLM's order (EOS unless ``ignore_eos``,
+``stop_token_ids``, stop strings found by the incremental detokenizer, then length:
+``max_tokens`` or ``max_model_len``), returning the reason for the scheduler to finish the
+sequence with; and report the request's sequences together (a request with ``n > 1`` has
+several). Pure Python, no JAX.
 """
 
 from __future__ import annotations
@@ -13,16 +16,27 @@ from dataclasses import dataclass, field
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.engine.request import Request
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxpaged.runner.output import TokenLogprob
 from jaxpaged.sampling_params import RequestOutputKind
+
+#: Why a sequence stops: (``finish_reason``, ``stop_reason``), vLLM's meanings.
+Stop = tuple[str, int | str | None]
 
 
 @dataclass
 class SequenceState:
     """Output-side state of one sequence: its text, logprobs, and how much of them earlier
-    delta outputs carried."""
+    delta outputs carried.
+
+    Attributes:
+        pending: detokenizer work queued until the next output (token ids to add, None for a
+            flush), or None when the sequence detokenizes at once (see
+            :attr:`OutputProcessor.defer_detokenization`).
+    """
 
     request: Request
     detokenizer: IncrementalDetokenizer
+    pending: list[int | None] | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     sent_chars: int = 0
@@ -47,8 +61,14 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return self.error is not None or (len(self.seqs) == self.seqs[0].request.params.n and all(
-            s.request.is_finished for s in self.seqs))
+        """True once it failed, or all ``n`` sequences exist and have finished."""
+        if self.error is not None:
+            return True
+        seqs = self.seqs
+        if len(seqs) == 1:    # the common case, without a generator
+            return seqs[0].request.is_finished and seqs[0].request.params.n == 1
+        return len(seqs) == seqs[0].request.params.n and all(
+            s.request.is_finished for s in seqs)
 
 
 class OutputProcessor:
@@ -58,6 +78,13 @@ class OutputProcessor:
         tokenizer: the model's tokenizer.
         eos_token_ids: every EOS id of the model, its generation config and its tokenizer.
         max_model_len: the engine's length limit.
+
+    Attributes:
+        groups: every unfinished request's :class:`RequestGroup`, by request id.
+        seqs: every unfinished sequence's :class:`SequenceState`, by sequence id.
+        defer_detokenization: queue the detokenizer's work of sequences without stop strings
+            (whose text cannot change a stop decision) until their next output, so it can run
+            while the device computes (``--async-scheduling``); the text is the same.
     """
 
     def __init__(self, tokenizer, eos_token_ids: frozenset[int], max_model_len: int):
@@ -68,6 +95,9 @@ class OutputProcessor:
         self._anchor = anchor[-1:] if anchor else []
         self._anchor_text = tokenizer.decode(self._anchor)
         self._token_texts: dict[int, str] = {}
+        self.groups: dict[str, RequestGroup] = {}
+        self.seqs: dict[str, SequenceState] = {}
+        self.defer_detokenization = False
 
     def token_text(self, token: int) -> str:
         """A token's text as it reads inside a text (``" there"`` for SentencePiece's
@@ -81,54 +111,87 @@ class OutputProcessor:
             self._token_texts[token] = text
         return text
 
-    def new_sequence(self, req: Request) -> SequenceState:
-        """Output state for a sequence starting at its current tokens."""
+    def add_request(self, req: Request, arrival_time: float) -> RequestGroup:
+        """Start the output state of a new request (its first sequence); ``arrival_time`` in
+        ``time.monotonic()`` seconds."""
+        group = RequestGroup(req.group_id, arrival_time=arrival_time)
+        self.groups[req.group_id] = group
+        self.add_sequence(req)
+        return group
+
+    def add_sequence(self, req: Request) -> SequenceState:
+        """Output state for a sequence of a known request, starting at its current tokens
+        (the first one, or a parallel-sampling fork)."""
         p = req.params
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
                                        p.stop_strings, p.include_stop_str_in_output,
                                        p.spaces_between_special_tokens)
-        state = SequenceState(req, detok)
+        state = SequenceState(req, detok,
+                              [] if self.defer_detokenization and not p.stop_strings else None)
         if p.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
+        self.groups[req.group_id].seqs.append(state)
+        self.seqs[req.request_id] = state
         return state
 
-    def append_token(self, state: SequenceState, token: int, logprob: float | None = None,
-                     rank: int | None = None, top_ids: list[int] | None = None,
-                     top_logprobs: list[float] | None = None) -> None:
-        """Record one sampled token and set ``finish_reason`` if a stop rule fires."""
-        req = state.request
-        req.all_token_ids.append(token)
-        if state.logprobs is not None:
-            k = req.params.logprobs
-            entry = {t: Logprob(lp, r + 1, self.token_text(t))
-                     for r, (t, lp) in enumerate(zip(top_ids[:k], top_logprobs[:k]))}
-            entry.setdefault(token, Logprob(logprob, rank, self.token_text(token)))
-            state.logprobs.append(entry)
-            state.cumulative_logprob += logprob
-        p = req.params
-        may_stop = req.num_output_tokens >= p.min_tokens
-        if not may_stop:
-            state.detokenizer.add_token(token, check_stop=False)
-        elif not p.ignore_eos and token in self.eos_token_ids:
-            req.finish_reason = "stop"
-        elif token in p.stop_token_id_set:
-            req.finish_reason, req.stop_reason = "stop", token
-            if p.include_stop_str_in_output:
-                state.detokenizer.add_token(token, check_stop=False)
-        else:
-            stop = state.detokenizer.add_token(token)
-            if stop is not None:
-                req.finish_reason, req.stop_reason = "stop", stop
-        if req.finish_reason is None and (req.num_output_tokens >= req.max_tokens
-                                          or req.num_tokens >= self.max_model_len):
-            req.finish_reason = "length"
-        if req.finish_reason is not None and not isinstance(req.stop_reason, str):
-            state.detokenizer.flush()   # a stop string cut the text: nothing to release
+    def remove_request(self, request_id: str) -> RequestGroup | None:
+        """Forget a request's output state (finished or aborted); None if unknown."""
+        group = self.groups.pop(request_id, None)
+        if group is not None:
+            for seq in group.seqs:
+                self.seqs.pop(seq.request.request_id, None)
+        return group
 
-    def add_prompt_logprobs(self, group: RequestGroup, start: int, entries) -> None:
+    def append_token(self, req: Request, token: int,
+                     logprob: TokenLogprob | None = None) -> Stop | None:
+        """Record one sampled token of sequence ``req`` (and its logprob entry, when the
+        sequence asked for logprobs).
+
+        Returns:
+            The stop rule that fired, as (``finish_reason``, ``stop_reason``), or None. The
+            caller (``Scheduler.update_from_output``) finishes the sequence with it.
+        """
+        state = self.seqs[req.request_id]
+        req.all_token_ids.append(token)
+        p = req.params
+        if state.logprobs is not None:
+            lp, rank, top_ids, top_logprobs = logprob
+            k = p.logprobs
+            entry = {t: Logprob(v, r + 1, self.token_text(t))
+                     for r, (t, v) in enumerate(zip(top_ids[:k], top_logprobs[:k]))}
+            entry.setdefault(token, Logprob(lp, rank, self.token_text(token)))
+            state.logprobs.append(entry)
+            state.cumulative_logprob += lp
+        stop = None
+        if req.num_output_tokens < p.min_tokens:
+            _add_text(state, token, check_stop=False)
+        elif not p.ignore_eos and token in self.eos_token_ids:
+            stop = ("stop", None)
+        elif token in p.stop_token_id_set:
+            stop = ("stop", token)
+            if p.include_stop_str_in_output:
+                _add_text(state, token, check_stop=False)
+        else:
+            matched = _add_text(state, token)
+            if matched is not None:
+                stop = ("stop", matched)
+        if stop is None and (req.num_output_tokens >= req.max_tokens
+                             or req.num_tokens >= self.max_model_len):
+            stop = ("length", None)
+        if stop is not None and not isinstance(stop[1], str):
+            # a stop string cut the text: nothing to release
+            if state.pending is None:
+                state.detokenizer.flush()
+            else:
+                state.pending.append(None)
+        return stop
+
+    def add_prompt_logprobs(self, request_id: str, start: int,
+                            entries: list[TokenLogprob]) -> None:
         """Record the prompt logprobs a chunk starting at position ``start`` computed (entry
         j predicts prompt token ``start + j + 1``); a recomputation after preemption adds
         nothing new."""
+        group = self.groups[request_id]
         req = group.seqs[0].request
         if group.prompt_logprobs is None:
             group.prompt_logprobs = [None]
@@ -144,30 +207,42 @@ class OutputProcessor:
             group.prompt_logprobs.append(entry)
 
     @staticmethod
-    def make_output(group: RequestGroup) -> RequestOutput | None:
+    def make_output(group: RequestGroup,
+                    num_preemptions: int | None = None) -> RequestOutput | None:
         """The request's output now, shaped by its ``output_kind``: cumulative text, ids and
         logprobs; or only what is new since the previous output (delta; sequences with
         nothing new are left out); or nothing until it finishes (final only, then cumulative).
+        ``num_preemptions``: the count to report (default: the sequences' count now).
         """
-        first = group.seqs[0].request
+        seqs = group.seqs
+        first = seqs[0].request
         kind = first.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not group.finished:
+        finished = group.finished
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        if len(seqs) > 1:
+            seqs = sorted(seqs, key=lambda s: s.request.index)
+        delta = kind is RequestOutputKind.DELTA
         outs = []
-        for s in sorted(group.seqs, key=lambda s: s.request.index):
+        for s in seqs:
+            if s.pending:
+                _drain(s)
             req = s.request
             done = req.finish_reason is not None
-            text, ids = s.detokenizer.visible_text(done), req.output_token_ids
-            logprobs = list(s.logprobs) if s.logprobs is not None else None
-            if kind is RequestOutputKind.DELTA:
-                if s.sent_final or (len(text) == s.sent_chars and len(ids) == s.sent_tokens
-                                    and not done):
+            text = s.detokenizer.visible_text(done)
+            if delta:   # only what is new; no copy of what was sent before
+                if s.sent_final or (len(text) == s.sent_chars and not done
+                                    and req.num_output_tokens == s.sent_tokens):
                     continue
-                text, ids = text[s.sent_chars:], ids[s.sent_tokens:]
-                logprobs = logprobs[s.sent_tokens:] if logprobs is not None else None
+                text = text[s.sent_chars:]
+                ids = req.all_token_ids[req.num_prompt_tokens + s.sent_tokens:]
+                logprobs = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
                 s.sent_chars += len(text)
                 s.sent_tokens += len(ids)
                 s.sent_final = done
+            else:
+                ids = req.output_token_ids
+                logprobs = list(s.logprobs) if s.logprobs is not None else None
             outs.append(CompletionOutput(req.index, text, ids, s.cumulative_logprob, logprobs,
                                          req.finish_reason, req.stop_reason))
         if not outs:
@@ -175,8 +250,28 @@ class OutputProcessor:
         return RequestOutput(
             request_id=group.request_id, prompt=first.prompt,
             prompt_token_ids=first.prompt_token_ids, prompt_logprobs=group.prompt_logprobs,
-            outputs=outs, finished=group.finished,
+            outputs=outs, finished=finished,
             num_cached_tokens=first.num_cached_tokens or 0,
-            num_preemptions=sum(s.request.num_preemptions for s in group.seqs),
+            num_preemptions=(sum(s.request.num_preemptions for s in seqs)
+                             if num_preemptions is None else num_preemptions),
             error=group.error)
 
+
+def _add_text(state: SequenceState, token: int, check_stop: bool = True) -> str | None:
+    """Detokenize ``token`` now, or queue it (a sequence without stop strings, whose add
+    can match nothing)."""
+    if state.pending is None:
+        return state.detokenizer.add_token(token, check_stop)
+    state.pending.append(token)
+    return None
+
+
+def _drain(state: SequenceState) -> None:
+    """Run a sequence's queued detokenizer work, in order."""
+    detok = state.detokenizer
+    for token in state.pending:
+        if token is None:
+            detok.flush()
+        else:
+            detok.add_token(token, check_stop=False)
+    state.pending.clear()

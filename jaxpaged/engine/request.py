@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from jaxpaged.sampling_params import SamplingParams
 
+#: Separates a request id from a parallel-sampling sequence index in internal sequence ids.
+SEQ_SEP = "\x1f"
+
 
 class RequestStatus(enum.Enum):
     """Lifecycle: WAITING -> RUNNING (-> WAITING again if preempted) -> FINISHED."""
@@ -96,3 +99,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def fork(self, index: int) -> Request:
+        """Sequence ``index`` of this parallel-sampling request, forked after the prompt: the
+        same tokens and progress, its own id and seed (``seed + index``, as vLLM seeds
+        ``n > 1``)."""
+        return Request(f"{self.group_id}{SEQ_SEP}{index}", self.prompt, self.prompt_token_ids,
+                       self.params, seed=self.seed + index, max_tokens=self.max_tokens,
+                       arrival=self.arrival, group_id=self.group_id, index=index,
+                       priority=self.priority, cache_salt=self.cache_salt,
+                       all_token_ids=list(self.all_token_ids),
+                       num_computed_tokens=self.num_computed_tokens,
+                       num_cached_tokens=self.num_cached_tokens)

@@ -25,12 +25,15 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from jaxpaged.engine.arg_utils import SCHEDULING_POLICIES
+from jaxpaged.constants import SCHEDULING_POLICIES
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
+from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup
 from jaxpaged.engine.request import Request, RequestStatus
+from jaxpaged.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxpaged.runner.output import ModelRunnerOutput
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """Limits and policy of one step.
 
@@ -51,42 +54,28 @@ class SchedulerConfig:
     policy: str = "fcfs"
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
-    """One sequence's share of a step: tokens ``[start, start + num_new_tokens)``."""
-
-    request: Request
-    start: int
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the sequence's tokens, so its last
-        position's logits give the next token."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """What one step runs, in batch order, and who was preempted to make room."""
-
-    scheduled: list[ScheduledRequest]
-    preempted: list[Request]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-
 class Scheduler:
-    """Continuous-batching scheduler over a :class:`KVCacheManager`."""
+    """Continuous-batching scheduler over a :class:`KVCacheManager`: decides each step
+    (:meth:`schedule`) and applies its result (:meth:`update_from_output`).
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    Args:
+        config: the step's limits and policy.
+        kv_cache_manager: the page pool it allocates from (only the scheduler calls it).
+        output_processor: stop rules, detokenization and the requests' output state; the
+            scheduler hands it every sampled token.
+
+    Raises:
+        ValueError: an unknown policy.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 output_processor: OutputProcessor):
         if config.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling policy {config.policy!r}; "
                              f"choose from {list(SCHEDULING_POLICIES)}")
         self.config = config
         self.kv = kv_cache_manager
+        self.output_processor = output_processor
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -97,18 +86,12 @@ class Scheduler:
     def _enqueue(self, req: Request) -> None:
         """Insert into the waiting queue in policy order (arrival order for fcfs, so a
         preempted request goes back in front of everything that arrived after it)."""
-        keys = [self._queue_key(r) for r in self.waiting]
-        self.waiting.insert(bisect.bisect(keys, self._queue_key(req)), req)
+        self.waiting.insert(bisect.bisect(self.waiting, self._queue_key(req),
+                                          key=self._queue_key), req)
 
     def add_request(self, request: Request) -> None:
         """Queue a new request; it can run from the next step."""
         self._enqueue(request)
-
-    def add_running(self, request: Request, after: Request) -> None:
-        """Put an already-computed sequence (a parallel-sampling fork) into the running list
-        right after ``after``."""
-        request.status = RequestStatus.RUNNING
-        self.running.insert(self.running.index(after) + 1, request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -130,8 +113,17 @@ class Scheduler:
         return self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new,
                                       req.all_token_ids, req.num_computed_tokens, req.extra_keys)
 
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        samples = start + num_new == req.num_tokens
+        return ScheduledRequest(req, start, num_new, list(self.kv.page_table(req.request_id)),
+                                samples, req.n_samples if samples else 0)
+
+    # ---- deciding a step -------------------------------------------------------------------
+
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's sequences and token counts, allocating their pages."""
+        """Pick this step's sequences and token counts, allocating their pages; the result
+        holds everything the device step needs."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
@@ -152,14 +144,21 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue   # req itself was preempted; running[i] is now the next one
-            scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
+            scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
             i += 1
+        admitted = [] if preempted else self._admit_waiting(scheduled, budget)
+        return SchedulerOutput(scheduled, preempted, admitted, self.kv.take_pending_copies())
+
+    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> list[Request]:
+        """Move waiting requests into the step while the budget, the seats and the pages
+        allow (appending to ``scheduled``); returns them."""
         partial = sum(1 for r in self.running if r.num_computed_tokens < r.num_prompt_tokens)
-        while not preempted and self.waiting and budget > 0:
+        # A parallel-sampling request not yet forked holds a seat for each sequence.
+        seats = sum(r.n_samples for r in self.running)
+        admitted = []
+        while self.waiting and budget > 0:
             req = self.waiting[0]
-            # A parallel-sampling request not yet forked holds a seat for each sequence.
-            seats = sum(r.n_samples for r in self.running)
             if seats + req.n_samples > self.config.max_num_seqs:
                 break
             if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
@@ -175,25 +174,28 @@ class Scheduler:
             partial += not completes_prompt
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = req.num_computed_tokens
-            self.kv.stats.queries += req.num_tokens
-            self.kv.stats.hits += req.num_computed_tokens
+            self.kv.record_prefix_lookup(req.num_tokens, req.num_computed_tokens)
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
+            seats += req.n_samples
+            admitted.append(req)
+            scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
-        return SchedulerOutput(scheduled, preempted)
+        return admitted
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival))
         return self.running[-1]
 
-    def preempt_all(self) -> None:
+    def preempt_all(self) -> int:
         """Preempt every running sequence (the device lost their K/V): they recompute from
-        the waiting queue."""
-        for req in list(self.running):
+        the waiting queue. Returns how many were preempted."""
+        running = list(self.running)
+        for req in running:
             self._preempt(req)
+        return len(running)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -204,11 +206,84 @@ class Scheduler:
         self._enqueue(req)
         self.num_preemptions += 1
 
-    def finish_request(self, req: Request) -> None:
-        """Remove a finished or aborted sequence and free its pages at once."""
+    # ---- applying a step's result ----------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[RequestGroup]:
+        """Apply a finished step: advance every scheduled sequence's ``num_computed_tokens``,
+        fork parallel-sampling requests after their prompt, hand each sampled token to the
+        output processor (append, detokenize, stop rules) and finish (free) the sequences it
+        stops. The one place that moves a request forward after a step.
+
+        Returns:
+            The requests that got tokens (or prompt logprobs) this step, in batch order.
+        """
+        op = self.output_processor
+        touched: dict[str, None] = {}
+        logprobs, prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
+        for i, (s, tokens) in enumerate(zip(scheduler_output.scheduled,
+                                            runner_output.sampled_token_ids)):
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            if prompt_logprobs is not None and prompt_logprobs[i] is not None:
+                op.add_prompt_logprobs(req.group_id, s.start, prompt_logprobs[i])
+            if not tokens:
+                continue
+            seqs = [req] if len(tokens) == 1 else [req] + self._fork(req, len(tokens) - 1)
+            for j, seq in enumerate(seqs):
+                stop = op.append_token(seq, tokens[j],
+                                       None if logprobs is None else logprobs[i][j])
+                if stop is not None:
+                    self.finish_request(seq, *stop)
+            touched[req.group_id] = None
+        return [op.groups[g] for g in touched]
+
+    def _fork(self, leader: Request, count: int) -> list[Request]:
+        """Split a parallel-sampling request after its prompt into ``count`` more sequences
+        that share the leader's pages (copy-on-write for the partly filled last page), each
+        running right after the previous one."""
+        children, after = [], leader
+        for j in range(1, count + 1):
+            child = leader.fork(j)
+            self.kv.fork(leader.request_id, child.request_id)
+            child.status = RequestStatus.RUNNING
+            self.running.insert(self.running.index(after) + 1, child)
+            self.output_processor.add_sequence(child)
+            children.append(child)
+            after = child
+        leader.n_samples = 1
+        return children
+
+    def finish_request(self, req: Request, finish_reason: str,
+                       stop_reason: int | str | None = None) -> None:
+        """Finish a sequence (a stop rule, ``"abort"``, ``"error"``): the one place that sets
+        ``finish_reason``; removes it from its queue and frees its pages at once."""
+        req.finish_reason, req.stop_reason = finish_reason, stop_reason
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         self.kv.free(req.request_id)
+
+    def fail_step(self, scheduler_output: SchedulerOutput) -> list[RequestGroup]:
+        """Finish with ``"error"`` every request that a failed step ran (all its sequences),
+        after dropping from the prefix cache the pages the step was to fill; returns them."""
+        op = self.output_processor
+        groups = {s.request.group_id: op.groups[s.request.group_id]
+                  for s in scheduler_output.scheduled}
+        for s in scheduler_output.scheduled:    # the step did not (fully) write these pages
+            self.kv.uncache_from(s.request.request_id, s.start)
+        for group in groups.values():
+            for seq in group.seqs:
+                if not seq.request.is_finished:
+                    self.finish_request(seq.request, "error")
+        return list(groups.values())
+
+    def reset_kv_cache(self) -> int:
+        """The device lost the pool's contents: preempt every running sequence (they
+        recompute from the waiting queue) and empty the prefix cache; returns how many were
+        preempted."""
+        preempted = self.preempt_all()
+        self.kv.reset_prefix_cache()
+        return preempted

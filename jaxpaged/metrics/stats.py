@@ -79,3 +79,37 @@ class StatLogger(Protocol):
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         ...
+
+
+@dataclass
+class EngineStats:
+    """Counters since start-up (vLLM's metric names where they exist).
+
+    Attributes:
+        num_preemptions: sequences preempted (``vllm:num_preemptions``).
+        num_compilations: model-step shapes compiled (a rise while serving = a recompile).
+        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up / found in the prefix
+            cache (``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``).
+        num_running, num_waiting: sequences now running / waiting.
+        num_free_pages, num_pages: free and total KV pages (null page excluded).
+    """
+
+    num_preemptions: int
+    num_compilations: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_running: int
+    num_waiting: int
+    num_free_pages: int
+    num_pages: int
+
+
+def finished_request_stats(group, now: float, reason: str) -> FinishedRequestStats:
+    """The statistics of a request (an ``engine.output_processor.RequestGroup``) that
+    ended at ``now`` with ``reason``."""
+    scheduled = group.first_scheduled_time
+    return FinishedRequestStats(
+        finish_reason=reason, e2e_latency=now - group.arrival_time,
+        queue_time=None if scheduled is None else scheduled - group.arrival_time,
+        num_prompt_tokens=group.seqs[0].request.num_prompt_tokens,
+        num_generation_tokens=sum(s.request.num_output_tokens for s in group.seqs))

@@ -1,8 +1,11 @@
-"""`ModelRunner`: one scheduled step -> padded device arrays -> one compiled forward + sample.
+"""`ModelRunner`: a `SchedulerOutput` -> padded device arrays -> one compiled forward + sample
+-> a `ModelRunnerOutput` (vLLM V1's ``execute_model`` contract; the runner never calls the KV
+cache manager: the page ids and page copies arrive in the ``SchedulerOutput``).
 
-The step takes the model's parameters, the donated KV pool and the batch, and returns the
-sampled tokens (with their log-probabilities when asked) plus the updated pool. Arrays are
-padded to buckets so the step compiles a bounded number of times:
+The jitted step takes the model's parameters, the donated KV pool and one ``StepInputs``
+pytree (``jaxpaged.runner.input_batch``), and returns a ``SamplerOutput`` (the sampled tokens,
+with their log-probabilities when asked) plus the updated pool. Arrays are padded to buckets
+so the step compiles a bounded number of times:
 
 - decode-only steps: T = B = a sequence bucket (8, 16, ... up to ``max_num_seqs``);
 - steps with prefill chunks: T = a token bucket (16, 32, ... up to ``max_num_batched_tokens``)
@@ -16,6 +19,7 @@ Each (T, B, P, decode-only, logprobs) shape is compiled ahead of time once and k
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -25,13 +29,14 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxpaged.constants import NULL_PAGE
 from jaxpaged.distributed.multihost import to_host
-from jaxpaged.engine.kv_cache_manager import KVCacheManager
-from jaxpaged.engine.scheduler import SchedulerOutput
-from jaxpaged.layers.attention import (NULL_PAGE, AttentionBackend, BatchLayout, KVPages,
-                                       allocate_kv_pool)
-from jaxpaged.sampling.logits_adjust import needs_adjustment, pack, row_adjustment
-from jaxpaged.sampling.sampler import SamplingMetadata, sample, token_logprobs
+from jaxpaged.engine.kv_scales import KVScales, set_kv_scales
+from jaxpaged.engine.scheduler_output import SchedulerOutput
+from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, allocate_kv_pool
+from jaxpaged.runner.input_batch import PreparedStep, StepInputs, attention_metadata, prepare_step
+from jaxpaged.runner.output import ModelRunnerOutput, TokenLogprob
+from jaxpaged.sampling.sampler import SamplerOutput, SamplingMetadata, sample, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +63,7 @@ def pick_bucket(sizes: list[int], n: int) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunnerLimits:
     """Largest shapes the runner pads to.
 
@@ -71,30 +76,6 @@ class RunnerLimits:
     max_num_tokens: int
     max_num_seqs: int
     max_pages_per_seq: int
-
-
-@dataclass(frozen=True)
-class SampleResult:
-    """What one scheduled sequence got from a step (empty ``token_ids`` for a prefill chunk
-    that does not reach the end of its tokens).
-
-    Attributes:
-        token_ids: one token per sample (``n_samples`` of them for a parallel-sampling prefill).
-        logprobs: per token, the sampled token's log-probability (raw model distribution);
-            None unless some request in the step asked for logprobs.
-        ranks: per token, its rank in the distribution (1 = most likely).
-        top_ids, top_logprobs: per token, the ``MAX_LOGPROBS`` most likely ids and their
-            log-probabilities, best first.
-        prompt_logprobs: for each prompt position this chunk computed that predicts a prompt
-            token: (that token's logprob, its rank, top ids, top logprobs).
-    """
-
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-    ranks: list[int] | None = None
-    top_ids: list[list[int]] | None = None
-    top_logprobs: list[list[float]] | None = None
-    prompt_logprobs: list[tuple[float, int, list[int], list[float]]] | None = None
 
 
 class ModelRunner:
@@ -112,38 +93,45 @@ class ModelRunner:
     """
 
     def __init__(self, model: nnx.Module, kv_caches: list[KVPages], backend: AttentionBackend,
-                 page_size: int, limits: RunnerLimits, eos_token_ids: frozenset[int],
+                 *, page_size: int, limits: RunnerLimits, eos_token_ids: frozenset[int],
                  replicated: jax.sharding.Sharding):
-        graphdef, self._state = nnx.split(model)
         self._kv_caches = kv_caches
         self._backend = backend
         self._page_size = page_size
         self._limits = limits
+        self._replicated = replicated
         self._token_buckets = bucket_sizes(16, max(16, limits.max_num_tokens))
         self._seq_buckets = bucket_sizes(8, max(8, limits.max_num_seqs))
         self._page_buckets = bucket_sizes(4, max(4, limits.max_pages_per_seq))
         self._executables: dict[tuple, object] = {}
         self._eos_token_ids = eos_token_ids
+        self._load(model)
 
-        def step(state, kv_caches, input_ids, prompt_targets, positions, logits_indices,
-                 attn_metadata, sampling, adjust, with_logprobs, with_prompt_logprobs):
+    def _load(self, model: nnx.Module) -> None:
+        """Split ``model`` into graph and state and build the jitted functions over them."""
+        graphdef, self._state = nnx.split(model)
+        self._graphdef = graphdef
+        self._executables.clear()
+
+        def step(state, kv_caches, inputs: StepInputs) -> tuple[SamplerOutput, list[KVPages]]:
             model = nnx.merge(graphdef, state)
-            hidden, kv_caches = model(input_ids, positions, kv_caches, attn_metadata)
-            logits = model.compute_logits(hidden[logits_indices])
-            out = sample(logits, sampling, with_logprobs, adjust)
-            if with_prompt_logprobs:
+            hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches,
+                                      inputs.attn_metadata)
+            logits = model.compute_logits(hidden[inputs.logits_indices])
+            out = sample(logits, inputs.sampling, inputs.with_logprobs, inputs.adjust)
+            if inputs.with_prompt_logprobs:
                 # Every token's distribution over the next prompt token (a chunk's last
                 # token predicts the first token of the request's next chunk, which is not
                 # among this step's inputs: the host passes every row's target).
-                out["prompt"] = token_logprobs(model.compute_logits(hidden), prompt_targets)
+                out = dataclasses.replace(out, prompt_logprobs=token_logprobs(
+                    model.compute_logits(hidden), inputs.prompt_targets))
             return out, kv_caches
 
         state_sharding = jax.tree.map(lambda a: a.sharding, self._state)
-        kv_sharding = jax.tree.map(lambda a: a.sharding, kv_caches)
-        rep = replicated
-        self._step = jax.jit(step, donate_argnums=(1,), static_argnums=(9, 10),
-                             in_shardings=(state_sharding, kv_sharding, rep, rep, rep, rep, rep,
-                                           rep, rep),
+        kv_sharding = jax.tree.map(lambda a: a.sharding, self._kv_caches)
+        rep = self._replicated
+        self._step = jax.jit(step, donate_argnums=(1,),
+                             in_shardings=(state_sharding, kv_sharding, rep),
                              out_shardings=(rep, kv_sharding))
 
         def copy_pages(kv_caches, src, dst):
@@ -160,6 +148,19 @@ class ModelRunner:
         # A scratch pool of any page count has the serving pool's per-array shardings.
         self._prefill = jax.jit(prefill, in_shardings=(state_sharding, kv_sharding, rep, rep, rep),
                                 out_shardings=(rep, kv_sharding))
+
+    def set_kv_scales(self, scales: KVScales) -> None:
+        """Give layer i's attention ``scales[i]`` (after a calibration,
+        ``jaxpaged.engine.kv_scales``); compiled steps are dropped."""
+        model = nnx.merge(self._graphdef, self._state)
+        set_kv_scales(model, scales)
+        self._load(model)
+
+    def set_kv_pool(self, kv_caches: list[KVPages]) -> None:
+        """Serve from ``kv_caches`` (same layout and shardings, any page count); compiled
+        steps, which are specialized to the pool's shape, are dropped."""
+        self._kv_caches = kv_caches
+        self._executables.clear()
 
     @property
     def backend(self) -> AttentionBackend:
@@ -200,93 +201,45 @@ class ModelRunner:
         src[:len(copies)], dst[:len(copies)] = zip(*copies)
         self._kv_caches = self._copy_pages(self._kv_caches, src, dst)
 
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> list[SampleResult]:
-        """Run one step: pending page copies, then the forward pass and sampling.
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: the step's page copies, then the forward pass and sampling.
 
         Args:
-            sched: the scheduled sequences, in batch order.
-            kv: their page tables (and pending copy-on-write copies).
+            scheduler_output: the step (at least one sequence); its page tables and copies
+                are all the runner needs from the KV cache manager's decisions.
 
         Returns:
-            One :class:`SampleResult` per scheduled sequence.
+            Per scheduled sequence, in batch order, its sampled tokens (and logprobs).
+
+        Raises:
+            ValueError: a step beyond the largest bucket; whatever compiling or running it
+                raises.
         """
-        self.copy_pages(kv.take_pending_copies())
-        rows, owners, adjustments = [], [], []
-        for i, s in enumerate(sched.scheduled):
-            req, p = s.request, s.request.params
-            n = req.n_samples if s.samples else 1
-            adjustment = row_adjustment(p, req.prompt_token_ids, req.output_token_ids,
-                                        self._eos_token_ids, req.bad_words_ids) \
-                if s.samples and needs_adjustment(p) else None
-            for j in range(n):
-                rows.append((p.temperature, p.top_k, p.top_p, p.min_p, p.is_greedy,
-                             req.seed + j, req.num_tokens))
-                owners.append(i)
-                adjustments.append(adjustment)
-        with_logprobs = any(s.request.params.logprobs is not None for s in sched.scheduled)
-        with_prompt = any(s.request.params.prompt_logprobs is not None
-                          and s.start < s.request.num_prompt_tokens - 1 for s in sched.scheduled)
-        layout, input_ids, prompt_targets, logits_indices = self._layout(sched, kv, owners,
-                                                                         with_prompt)
-        metadata = self._metadata(layout)
-        sampling = SamplingMetadata.from_host(rows, layout.seq_lens.shape[0])
-        adjust = (pack(adjustments, layout.seq_lens.shape[0])
-                  if any(a is not None for a in adjustments) else None)
-        fn = self._executable(layout, (with_logprobs, with_prompt), input_ids, prompt_targets,
-                              logits_indices, metadata, sampling, adjust)
-        out, self._kv_caches = fn(self._state, self._kv_caches, input_ids, prompt_targets,
-                                  layout.positions, logits_indices, metadata, sampling, adjust)
-        out = jax.tree.map(to_host, out)
-        results: list[list[int]] = [[] for _ in sched.scheduled]
-        for r, i in enumerate(owners):
-            results[i].append(r)
-        starts = layout.query_start_loc
-        return [self._result(out, rs, s, int(starts[i]))
-                for i, (rs, s) in enumerate(zip(results, sched.scheduled))]
+        return self.dispatch(scheduler_output).result()
 
-    @staticmethod
-    def _result(out, rows: list[int], s, first_token: int) -> SampleResult:
-        prompt = None
-        if s.request.params.prompt_logprobs is not None:
-            # Positions p of this chunk that predict a prompt token (p + 1 < prompt length);
-            # none for a one-token prompt, whose prompt logprobs are then just [None].
-            end = min(s.start + s.num_new_tokens, s.request.num_prompt_tokens - 1)
-            idx = [first_token + p - s.start for p in range(s.start, end)]
-            p_out = out.get("prompt")
-            prompt = [(float(p_out["logprobs"][t]), int(p_out["ranks"][t]),
-                       p_out["top_ids"][t].tolist(), p_out["top_logprobs"][t].tolist())
-                      for t in idx]
-        if not s.samples:
-            return SampleResult([], prompt_logprobs=prompt)
-        tokens = [int(out["token_ids"][r]) for r in rows]
-        if "logprobs" not in out:
-            return SampleResult(tokens, prompt_logprobs=prompt)
-        return SampleResult(tokens, [float(out["logprobs"][r]) for r in rows],
-                            [int(out["ranks"][r]) for r in rows],
-                            [out["top_ids"][r].tolist() for r in rows],
-                            [out["top_logprobs"][r].tolist() for r in rows], prompt)
+    def dispatch(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Start the step of :meth:`execute` on the device and return at once (JAX
+        dispatches asynchronously); :meth:`PendingStep.result` waits for it."""
+        self.copy_pages(scheduler_output.page_copies)
+        prepared = prepare_step(scheduler_output, page_size=self._page_size,
+                                backend=self._backend, eos_token_ids=self._eos_token_ids,
+                                pad_sizes=self._pad_sizes)
+        fn = self._executable(prepared.layout, prepared.inputs)
+        out, self._kv_caches = fn(self._state, self._kv_caches, prepared.inputs)
+        return PendingStep(scheduler_output, prepared, out)
 
-    def _executable(self, layout: BatchLayout, logprob_flags: tuple[bool, bool], input_ids,
-                    prompt_targets, logits_indices, metadata, sampling, adjust):
+    def _executable(self, layout: BatchLayout, inputs: StepInputs):
+        adjust = inputs.adjust
         key = (layout.positions.shape[0], layout.seq_lens.shape[0], layout.page_table.shape[1],
-               layout.is_decode_only, logprob_flags,
+               layout.is_decode_only, (inputs.with_logprobs, inputs.with_prompt_logprobs),
                None if adjust is None else (adjust.ids.shape[1], adjust.allowed_ids.shape[1]))
         fn = self._executables.get(key)
         if fn is None:
             t0 = time.perf_counter()
-            fn = self._step.lower(self._state, self._kv_caches, input_ids, prompt_targets,
-                                  layout.positions, logits_indices, metadata, sampling, adjust,
-                                  *logprob_flags).compile()
+            fn = self._step.lower(self._state, self._kv_caches, inputs).compile()
             self._executables[key] = fn
             logger.debug("compiled step %s in %.2fs", key, time.perf_counter() - t0)
         return fn
-
-    def _metadata(self, layout: BatchLayout) -> dict[str, np.ndarray]:
-        metadata = self._backend.build_metadata(layout)
-        metadata.update(slot_mapping=layout.slot_mapping, page_table=layout.page_table,
-                        seq_lens=layout.seq_lens, query_start_loc=layout.query_start_loc,
-                        positions=layout.positions)
-        return metadata
 
     def run_prefill(self, token_ids: list[int]) -> tuple[np.ndarray, list[KVPages]]:
         """One whole-prompt prefill on a scratch pool, outside the serving path.
@@ -324,7 +277,7 @@ class ModelRunner:
             positions=positions, slot_mapping=pages[positions // page_size] * page_size
             + positions % page_size, page_table=pages[None], num_seqs=1, num_tokens=t)
         logits, pool = self._prefill(self._state, pool, np.asarray(token_ids, np.int32),
-                                     positions, self._metadata(layout))
+                                     positions, attention_metadata(self._backend, layout))
         return to_host(logits), pool
 
     # ---- shapes ------------------------------------------------------------------------------
@@ -339,44 +292,6 @@ class ModelRunner:
                                 max(num_rows, min(t_pad, self._limits.max_num_seqs)))
         return t_pad, b_pad, pick_bucket(self._page_buckets, max_pages)
 
-    def _layout(self, sched: SchedulerOutput, kv: KVCacheManager, owners: list[int],
-                with_prompt_targets: bool):
-        num_seqs, num_tokens = len(sched.scheduled), sched.num_tokens
-        max_pages = max(len(kv.page_table(s.request.request_id)) for s in sched.scheduled)
-        t_pad, b_pad, p_pad = self._pad_sizes(num_tokens, num_seqs, len(owners), max_pages,
-                                              num_tokens == num_seqs)
-        input_ids = np.zeros(t_pad, np.int32)
-        # each row's next prompt token, only for a step that scores prompts (None otherwise:
-        # no host work or transfer)
-        prompt_targets = np.zeros(t_pad, np.int32) if with_prompt_targets else None
-        positions = np.zeros(t_pad, np.int32)
-        slot_mapping = np.full(t_pad, NULL_PAGE * self._page_size, np.int32)
-        page_table = np.full((b_pad, p_pad), NULL_PAGE, np.int32)
-        seq_lens = np.zeros(b_pad, np.int32)
-        query_start_loc = np.full(b_pad + 1, num_tokens, np.int32)
-        last_token = np.zeros(num_seqs, np.int32)
-        t = 0
-        for i, s in enumerate(sched.scheduled):
-            rid, start, n = s.request.request_id, s.start, s.num_new_tokens
-            query_start_loc[i] = t
-            input_ids[t:t + n] = s.request.all_token_ids[start:start + n]
-            if prompt_targets is not None:
-                following = s.request.all_token_ids[start + 1:start + n + 1]
-                prompt_targets[t:t + len(following)] = following
-            positions[t:t + n] = np.arange(start, start + n)
-            slot_mapping[t:t + n] = kv.slots(rid, start, start + n)
-            table = kv.page_table(rid)
-            page_table[i, :len(table)] = table
-            seq_lens[i] = start + n
-            last_token[i] = t + n - 1
-            t += n
-        logits_indices = np.zeros(b_pad, np.int32)
-        logits_indices[:len(owners)] = last_token[owners]
-        layout = BatchLayout(query_start_loc=query_start_loc, seq_lens=seq_lens,
-                             positions=positions, slot_mapping=slot_mapping,
-                             page_table=page_table, num_seqs=num_seqs, num_tokens=num_tokens)
-        return layout, input_ids, prompt_targets, logits_indices
-
     def _dummy_layout(self, t_pad: int, b_pad: int, p_pad: int, decode_only: bool):
         """A layout of the given padded shape whose tokens all write to the null page."""
         n_tokens = 1 if decode_only else 2
@@ -386,10 +301,11 @@ class ModelRunner:
             slot_mapping=np.zeros(t_pad, np.int32),
             page_table=np.zeros((b_pad, p_pad), np.int32), num_seqs=1, num_tokens=n_tokens)
 
-    def _dummy_args(self, layout: BatchLayout):
+    def _dummy_inputs(self, layout: BatchLayout, with_logprobs: bool = False) -> StepInputs:
         t_pad, b_pad = layout.positions.shape[0], layout.seq_lens.shape[0]
-        return (np.zeros(t_pad, np.int32), None, np.zeros(b_pad, np.int32),
-                self._metadata(layout), SamplingMetadata.from_host([], b_pad), None)
+        return StepInputs(np.zeros(t_pad, np.int32), layout.positions, np.zeros(b_pad, np.int32),
+                          attention_metadata(self._backend, layout),
+                          SamplingMetadata.from_host([], b_pad), with_logprobs=with_logprobs)
 
     def profile_peak_bytes(self) -> int | None:
         """Run the largest prefill step once on dummy data; the device's peak bytes in use
@@ -397,11 +313,9 @@ class ModelRunner:
         t_pad = self._token_buckets[-1]
         _, b_pad, _ = self._pad_sizes(t_pad, 1, 1, 1, False)
         layout = self._dummy_layout(t_pad, b_pad, self._page_buckets[-1], False)
-        args = self._dummy_args(layout)
-        fn = self._executable(layout, (True, False), *args)
-        input_ids, prompt_targets, logits_indices, metadata, sampling, adjust = args
-        out, self._kv_caches = fn(self._state, self._kv_caches, input_ids, prompt_targets,
-                                  layout.positions, logits_indices, metadata, sampling, adjust)
+        inputs = self._dummy_inputs(layout, with_logprobs=True)
+        out, self._kv_caches = self._executable(layout, inputs)(self._state, self._kv_caches,
+                                                                inputs)
         jax.block_until_ready(out)
         stats = jax.local_devices()[0].memory_stats()
         return None if not stats else stats.get("peak_bytes_in_use")
@@ -418,5 +332,52 @@ class ModelRunner:
             if should_stop():
                 break
             layout = self._dummy_layout(*shape)
-            self._executable(layout, (False, False), *self._dummy_args(layout))
+            self._executable(layout, self._dummy_inputs(layout))
         return time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A dispatched step whose device outputs may not be ready yet."""
+
+    scheduler_output: SchedulerOutput
+    prepared: PreparedStep
+    out: SamplerOutput
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the device and read the step's results back to the host."""
+        return _runner_output(self.scheduler_output, self.prepared,
+                              jax.tree.map(to_host, self.out))
+
+
+def _runner_output(sched: SchedulerOutput, prepared: PreparedStep,
+                   out: SamplerOutput) -> ModelRunnerOutput:
+    """The step's host results, per scheduled sequence (see :class:`ModelRunnerOutput`)."""
+    tokens = out.token_ids.tolist()
+    starts = prepared.row_starts
+    sampled = [tokens[starts[i]:starts[i] + s.num_samples] if s.samples else []
+               for i, s in enumerate(sched.scheduled)]
+    logprobs = None
+    if out.logprobs is not None:
+        lp = out.logprobs
+        logprobs = [[(float(lp.logprobs[r]), int(lp.ranks[r]), lp.top_ids[r].tolist(),
+                      lp.top_logprobs[r].tolist())
+                     for r in range(starts[i], starts[i] + s.num_samples)]
+                    for i, s in enumerate(sched.scheduled)]
+    prompt = None
+    if any(s.request.params.prompt_logprobs is not None for s in sched.scheduled):
+        prompt = [_prompt_logprobs(s, out.prompt_logprobs, int(q))
+                  for s, q in zip(sched.scheduled, prepared.layout.query_start_loc)]
+    return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs,
+                             prompt_logprobs=prompt)
+
+
+def _prompt_logprobs(s, scored, first_token: int) -> list[TokenLogprob] | None:
+    """The prompt logprobs chunk ``s`` computed: one entry per position ``p`` of it that
+    predicts a prompt token (``p + 1 <`` prompt length; none for a one-token prompt)."""
+    if s.request.params.prompt_logprobs is None:
+        return None
+    end = min(s.end, s.request.num_prompt_tokens - 1)
+    return [(float(scored.logprobs[t]), int(scored.ranks[t]), scored.top_ids[t].tolist(),
+             scored.top_logprobs[t].tolist())
+            for t in range(first_token, first_token + max(end - s.start, 0))]

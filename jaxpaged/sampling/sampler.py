@@ -50,19 +50,64 @@ class SamplingMetadata:
                   padded: int) -> "SamplingMetadata":
         """Pack ``(temperature, top_k, top_p, min_p, greedy, seed, position)`` rows into
         numpy arrays of length ``padded`` (padding rows are greedy)."""
-        temperature = np.ones(padded, np.float32)
-        top_k = np.zeros(padded, np.int32)
-        top_p = np.ones(padded, np.float32)
-        min_p = np.zeros(padded, np.float32)
-        greedy = np.ones(padded, bool)
-        seed = np.zeros(padded, np.uint64)
-        position = np.zeros(padded, np.int32)
-        for i, (t, k, p, mp, g, s, pos) in enumerate(rows):
-            temperature[i], top_k[i], top_p[i], min_p[i], greedy[i] = t, min(k, 2**31 - 1), p, mp, g
-            seed[i], position[i] = s & 0xFFFFFFFFFFFFFFFF, pos
-        return cls(temperature, top_k, top_p, min_p, greedy,
-                   (seed & 0xFFFFFFFF).astype(np.uint32), (seed >> 32).astype(np.uint32),
-                   position)
+        columns = list(zip(*rows)) if rows else [()] * 7
+        columns[5] = [s & 0xFFFFFFFFFFFFFFFF for s in columns[5]]
+        return cls.from_columns(*columns, padded=padded)
+
+    @classmethod
+    def from_columns(cls, temperature, top_k, top_p, min_p, greedy, seed, position, *,
+                     padded: int) -> "SamplingMetadata":
+        """Pack per-row sequences (floats, ints, bools; ``seed`` 64-bit unsigned values) into
+        numpy arrays of length ``padded`` (padding rows are greedy)."""
+        n = len(temperature)
+
+        def column(values, dtype, fill):
+            out = np.full(padded, fill, dtype)
+            out[:n] = values
+            return out
+
+        seeds = column(seed, np.uint64, 0)
+        return cls(column(temperature, np.float32, 1.0),
+                   column(np.minimum(np.asarray(top_k, np.int64), 2**31 - 1), np.int32, 0),
+                   column(top_p, np.float32, 1.0), column(min_p, np.float32, 0.0),
+                   column(greedy, bool, True),
+                   (seeds & 0xFFFFFFFF).astype(np.uint32), (seeds >> 32).astype(np.uint32),
+                   column(position, np.int32, 0))
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class TokenLogprobs:
+    """Raw-distribution log-probabilities of N scored tokens (device or host arrays).
+
+    Attributes:
+        logprobs: [N] float32, of each scored token.
+        ranks: [N] int32, its rank (1 = most likely).
+        top_ids: [N, MAX_LOGPROBS] int32, the most likely ids, best first.
+        top_logprobs: [N, MAX_LOGPROBS] float32, their log-probabilities.
+    """
+
+    logprobs: jax.Array
+    ranks: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplerOutput:
+    """One step's sampled tokens (vLLM's ``SamplerOutput``).
+
+    Attributes:
+        token_ids: [B] int32, one token per row.
+        logprobs: the sampled tokens' :class:`TokenLogprobs`, or None when not asked.
+        prompt_logprobs: for a step that scores prompts, every input token's distribution
+            over the next prompt token (:class:`TokenLogprobs` of [T] rows); else None.
+    """
+
+    token_ids: jax.Array
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 def processed_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
@@ -90,7 +135,7 @@ def processed_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
 
 
 def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool = False,
-           adjust: LogitsAdjustment | None = None) -> dict[str, jax.Array]:
+           adjust: LogitsAdjustment | None = None) -> SamplerOutput:
     """Draw one token per row.
 
     Args:
@@ -102,9 +147,8 @@ def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool = Fals
             adjustments and penalties (vLLM's default ``logprobs_mode="raw_logprobs"``).
 
     Returns:
-        ``token_ids`` [B] int32; with logprobs also ``logprobs`` [B] float32 (of the sampled
-        token), ``ranks`` [B] int32 (1 = most likely), ``top_ids`` [B, MAX_LOGPROBS] int32 and
-        ``top_logprobs`` [B, MAX_LOGPROBS] float32, best first.
+        A :class:`SamplerOutput`: ``token_ids`` [B] int32 and, with logprobs, the sampled
+        tokens' :class:`TokenLogprobs`.
     """
     adjusted = logits if adjust is None else apply_adjustment(logits, adjust)
     greedy_tokens = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)
@@ -120,18 +164,14 @@ def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool = Fals
 
     # An all-greedy step skips the vocabulary sort and the random draws at run time.
     tokens = jax.lax.cond(jnp.all(meta.greedy), lambda: greedy_tokens, with_sampling)
-    if not with_logprobs:
-        return {"token_ids": tokens}
-    return {"token_ids": tokens, **token_logprobs(logits, tokens)}
+    return SamplerOutput(tokens, token_logprobs(logits, tokens) if with_logprobs else None)
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array) -> dict[str, jax.Array]:
-    """Raw-distribution log-probabilities of ``tokens`` [N] under ``logits`` [N, V] float32:
-    ``logprobs`` [N], ``ranks`` [N] (1 = most likely), and the ``MAX_LOGPROBS`` best
-    ``top_ids`` / ``top_logprobs`` [N, MAX_LOGPROBS]."""
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
+    """Raw-distribution log-probabilities of ``tokens`` [N] under ``logits`` [N, V] float32,
+    with the ``MAX_LOGPROBS`` best ids and logprobs of every row."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
-    return {"logprobs": chosen,
-            "ranks": 1 + jnp.sum(logprobs > chosen[:, None], axis=-1).astype(jnp.int32),
-            "top_ids": top_ids.astype(jnp.int32), "top_logprobs": top_logprobs}
+    ranks = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1).astype(jnp.int32)
+    return TokenLogprobs(chosen, ranks, top_ids.astype(jnp.int32), top_logprobs)

@@ -14,16 +14,15 @@ def force_tokens(monkeypatch, engine, scripts: dict[str, list[int]]) -> None:
     """From now on, request ``rid`` (index 0 sequence) emits ``scripts[rid]`` in order."""
     real = engine.runner.execute
 
-    def execute(sched, kv):
-        results = real(sched, kv)
-        out = []
-        for s, r in zip(sched.scheduled, results):
+    def execute(scheduler_output):
+        out = real(scheduler_output)
+        sampled = []
+        for s, tokens in zip(scheduler_output.scheduled, out.sampled_token_ids):
             script = scripts.get(s.request.request_id)
-            if script is not None and r.token_ids:
-                n = s.request.num_output_tokens
-                r = dataclasses.replace(r, token_ids=[script[n]] * len(r.token_ids))
-            out.append(r)
-        return out
+            if script is not None and tokens:
+                tokens = [script[s.request.num_output_tokens]] * len(tokens)
+            sampled.append(tokens)
+        return dataclasses.replace(out, sampled_token_ids=sampled)
 
     monkeypatch.setattr(engine.runner, "execute", execute)
 

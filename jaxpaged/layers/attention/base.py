@@ -38,11 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.engine.arg_utils import KV_CACHE_DTYPES
+from jaxpaged.constants import KV_CACHE_DTYPES, NULL_PAGE  # noqa: F401 (NULL_PAGE re-exported)
 from pallas_kernels.kv_quant import FP8_DTYPE
-
-#: Index of the page reserved for padding writes; never allocated to a request.
-NULL_PAGE = 0
 
 KVPages = tuple[jax.Array, jax.Array]
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.engine.arg_utils import ATTENTION_BACKENDS
+from jaxpaged.constants import ATTENTION_BACKENDS
 from jaxpaged.layers.attention.base import AttentionBackend, BatchLayout
 from jaxpaged.layers.attention.pallas import PallasAttentionBackend
 from jaxpaged.layers.attention.xla import XlaAttentionBackend

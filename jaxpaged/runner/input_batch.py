@@ -1,0 +1,206 @@
+"""One step's device inputs (`StepInputs`), assembled on the host from a `SchedulerOutput`.
+
+The runner pads every array to the step's bucket (T tokens, B sequences, P pages per
+sequence; ``jaxpaged.runner.model_runner``) and builds them with whole-array numpy operations:
+one Python pass over the scheduled sequences reads their scalars, everything else (positions,
+the page table, the slot mapping, the sampling rows) is computed from those columns, so the
+host cost of a step grows with its sequences only through that one pass. The token ids and
+page ids come from the ``SchedulerOutput`` alone: the KV cache manager is never consulted.
+
+References: vLLM V1's ``InputBatch`` / ``GPUModelRunner._prepare_inputs``
+(``vllm/v1/worker/gpu_model_runner.py``) for the same slot-mapping arithmetic:
+``slot = page_table[seq, pos // page_size] * page_size + pos % page_size``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import chain
+
+import jax
+import numpy as np
+
+from jaxpaged.constants import NULL_PAGE
+from jaxpaged.engine.scheduler_output import SchedulerOutput
+from jaxpaged.layers.attention import AttentionBackend, BatchLayout
+from jaxpaged.sampling.logits_adjust import LogitsAdjustment, needs_adjustment, pack, row_adjustment
+from jaxpaged.sampling.sampler import SamplingMetadata
+
+_SEED_MASK = 0xFFFFFFFFFFFFFFFF
+
+
+def _seed_bits(seeds: list[int]) -> np.ndarray:
+    """Python int seeds modulo 2**64 as uint64 (two's complement of an int64 is that residue;
+    seeds outside int64 take the slow path)."""
+    try:
+        return np.array(seeds, np.int64).view(np.uint64)
+    except OverflowError:
+        return np.array([s & _SEED_MASK for s in seeds], object).astype(np.uint64)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Everything the jitted step takes besides the parameters and the KV pool (a pytree;
+    the two flags are static, so each combination compiles its own step).
+
+    Attributes:
+        input_ids: [T] int32 token ids (0 for padding).
+        positions: [T] int32 positions in their sequences.
+        logits_indices: [B] int32; the token whose logits give each sampling row.
+        attn_metadata: the backend's per-step arrays plus the layout's (``slot_mapping``,
+            ``page_table``, ``seq_lens``, ``query_start_loc``, ``positions``).
+        sampling: each row's sampling parameters.
+        adjust: per-row logit adjustments, or None when no row has any.
+        prompt_targets: [T] int32, each token's next prompt token, for a step that scores
+            prompt logprobs; else None.
+        with_logprobs: also return the sampled tokens' logprobs.
+        with_prompt_logprobs: also score ``prompt_targets``.
+    """
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    logits_indices: np.ndarray
+    attn_metadata: dict
+    sampling: SamplingMetadata
+    adjust: LogitsAdjustment | None = None
+    prompt_targets: np.ndarray | None = None
+    with_logprobs: bool = False
+    with_prompt_logprobs: bool = False
+
+
+jax.tree_util.register_dataclass(
+    StepInputs, data_fields=["input_ids", "positions", "logits_indices", "attn_metadata",
+                             "sampling", "adjust", "prompt_targets"],
+    meta_fields=["with_logprobs", "with_prompt_logprobs"])
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """A step's inputs and what the runner needs to read its outputs back.
+
+    Attributes:
+        inputs: the device inputs.
+        layout: the batch layout they were built from.
+        row_starts: [num_seqs + 1] each scheduled sequence's first sampling row (a
+            sequence has ``max(num_samples, 1)`` rows; one of a non-sampling chunk is unused).
+    """
+
+    inputs: StepInputs
+    layout: BatchLayout
+    row_starts: list[int]
+
+
+def attention_metadata(backend: AttentionBackend, layout: BatchLayout) -> dict:
+    """The backend's metadata for ``layout`` plus the layout's own arrays."""
+    metadata = backend.build_metadata(layout)
+    metadata.update(slot_mapping=layout.slot_mapping, page_table=layout.page_table,
+                    seq_lens=layout.seq_lens, query_start_loc=layout.query_start_loc,
+                    positions=layout.positions)
+    return metadata
+
+
+def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBackend,
+                 eos_token_ids: frozenset[int],
+                 pad_sizes: Callable[[int, int, int, int, bool], tuple[int, int, int]]
+                 ) -> PreparedStep:
+    """Pad and pack one scheduled step.
+
+    Args:
+        sched: the step (at least one sequence).
+        page_size: tokens per page.
+        backend: the attention backend (its metadata).
+        eos_token_ids: banned before a sequence's ``min_tokens``.
+        pad_sizes: ``(num_tokens, num_seqs, num_rows, max_pages, decode_only) -> (T, B, P)``.
+
+    Raises:
+        ValueError: the step exceeds the largest bucket.
+    """
+    seqs = sched.scheduled
+    b = len(seqs)
+    reqs = [s.request for s in seqs]
+    starts_a = np.array([s.start for s in seqs], np.int64)
+    counts_a = np.array([s.num_new_tokens for s in seqs], np.int64)
+    rows = [s.num_samples or 1 for s in seqs]
+    rows_a = np.array(rows, np.int64)
+    page_lens = [len(s.page_ids) for s in seqs]
+    # Sampling parameters per distinct SamplingParams object (a batch often shares a few).
+    index: dict[int, int] = {}
+    param_of = np.array([index.setdefault(id(r.params), len(index)) for r in reqs], np.int64)
+    distinct = list({id(r.params): r.params for r in reqs}.values())
+    with_logprobs = any(p.logprobs is not None for p in distinct)
+    with_prompt = any(p.prompt_logprobs is not None for p in distinct) and any(
+        r.params.prompt_logprobs is not None and s.start < r.num_prompt_tokens - 1
+        for s, r in zip(seqs, reqs))
+    needs = [needs_adjustment(p) for p in distinct]
+    adjusted = [i for i, s in enumerate(seqs) if s.samples and needs[param_of[i]]] \
+        if any(needs) else []
+    num_tokens, num_rows = int(counts_a.sum()), int(rows_a.sum())
+    t_pad, b_pad, p_pad = pad_sizes(num_tokens, b, num_rows, max(page_lens), num_tokens == b)
+
+    cu_tokens = np.zeros(b + 1, np.int64)
+    np.cumsum(counts_a, out=cu_tokens[1:])
+    token_seq = np.repeat(np.arange(b), counts_a)
+    token_pos = np.arange(num_tokens) - cu_tokens[token_seq] + starts_a[token_seq]
+    page_table = np.full((b_pad, p_pad), NULL_PAGE, np.int32)
+    page_rows = np.repeat(np.arange(b), page_lens)
+    cu_pages = np.zeros(b + 1, np.int64)
+    np.cumsum(page_lens, out=cu_pages[1:])
+    page_table[page_rows, np.arange(cu_pages[-1]) - cu_pages[page_rows]] = np.fromiter(
+        chain.from_iterable(s.page_ids for s in seqs), np.int32, int(cu_pages[-1]))
+
+    input_ids = np.zeros(t_pad, np.int32)
+    if num_tokens == b:     # decode-only: one token each
+        input_ids[:b] = [r.all_token_ids[s.start] for s, r in zip(seqs, reqs)]
+    else:
+        input_ids[:num_tokens] = np.fromiter(
+            chain.from_iterable(s.request.all_token_ids[s.start:s.end] for s in seqs),
+            np.int32, num_tokens)
+    positions = np.zeros(t_pad, np.int32)
+    positions[:num_tokens] = token_pos
+    slot_mapping = np.full(t_pad, NULL_PAGE * page_size, np.int32)
+    slot_mapping[:num_tokens] = (page_table[token_seq, token_pos // page_size] * page_size
+                                 + token_pos % page_size)
+    seq_lens = np.zeros(b_pad, np.int32)
+    seq_lens[:b] = starts_a + counts_a
+    query_start_loc = np.full(b_pad + 1, num_tokens, np.int32)
+    query_start_loc[:b] = cu_tokens[:b]
+    layout = BatchLayout(query_start_loc=query_start_loc, seq_lens=seq_lens,
+                         positions=positions, slot_mapping=slot_mapping, page_table=page_table,
+                         num_seqs=b, num_tokens=num_tokens)
+
+    # Sampling rows: a sequence's rows are consecutive; row j of it draws with seed + j.
+    owners = np.repeat(np.arange(b), rows_a)
+    cu_rows = np.zeros(b + 1, np.int64)
+    np.cumsum(rows_a, out=cu_rows[1:])
+    logits_indices = np.zeros(b_pad, np.int32)
+    logits_indices[:num_rows] = cu_tokens[1:][owners] - 1
+    row_seeds = (_seed_bits([r.seed for r in reqs])[owners]
+                 + (np.arange(num_rows) - cu_rows[owners]).astype(np.uint64))
+    row_params = param_of[owners]
+    sampling = SamplingMetadata.from_columns(
+        *(np.array([getattr(p, name) for p in distinct])[row_params]
+          for name in ("temperature", "top_k", "top_p", "min_p", "is_greedy")),
+        row_seeds, np.array([len(r.all_token_ids) for r in reqs], np.int64)[owners],
+        padded=b_pad)
+    adjust = None
+    if adjusted:
+        per_row = [None] * num_rows
+        for i in adjusted:
+            req = seqs[i].request
+            adj = row_adjustment(req.params, req.prompt_token_ids, req.output_token_ids,
+                                 eos_token_ids, req.bad_words_ids)
+            per_row[cu_rows[i]:cu_rows[i + 1]] = [adj] * rows[i]
+        if any(a is not None for a in per_row):
+            adjust = pack(per_row, b_pad)
+
+    prompt_targets = None
+    if with_prompt:     # each row's next prompt token (a chunk's last one: the next chunk's)
+        prompt_targets = np.zeros(t_pad, np.int32)
+        for i, s in enumerate(seqs):
+            following = s.request.all_token_ids[s.start + 1:s.end + 1]
+            t = int(cu_tokens[i])
+            prompt_targets[t:t + len(following)] = following
+    inputs = StepInputs(input_ids, positions, logits_indices, attention_metadata(backend, layout),
+                        sampling, adjust, prompt_targets, with_logprobs, with_prompt)
+    return PreparedStep(inputs, layout, cu_rows.tolist())

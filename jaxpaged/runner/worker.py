@@ -1,0 +1,147 @@
+"""Device assembly in one place: a `ModelRunner` for one engine, built once.
+
+What a vLLM worker (``vllm/v1/worker/gpu_worker.py``) does before serving, in order: pick the
+tensor-parallel mesh, the attention backend and the KV cache dtype; load the weights onto
+their shards; with ``--calculate-kv-scales``, calibrate per-layer fp8 KV scales on one prefill
+into a pool in the model's dtype (``jaxpaged.engine.kv_scales``); size the KV pool (override,
+byte budget, or GPU utilization after one profiling step, ``jaxpaged.engine.kv_sizing``); then
+allocate the serving pool. The engine gets the runner and the figures the host side needs
+(page count, bytes per page); nothing else on the host touches the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxpaged.config import ModelConfig
+from jaxpaged.distributed.tensor_parallel import TensorParallel
+from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.engine.kv_scales import KVScales, calibrate_kv_scales, calibration_token_ids
+from jaxpaged.engine.kv_sizing import check_pool_fits, num_kv_pages
+from jaxpaged.layers.attention import (allocate_kv_pool, get_attention_backend,
+                                       kv_bytes_per_page, resolve_kv_cache_dtype)
+from jaxpaged.layers.attention.tensor_parallel import TensorParallelAttention
+from jaxpaged.models.loader import load_model
+from jaxpaged.runner.model_runner import ModelRunner, RunnerLimits
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Worker:
+    """A built runner and the facts about it the engine needs.
+
+    Attributes:
+        runner: the model runner holding the weights and the serving KV pool.
+        dtype: the model's compute dtype (a jnp dtype).
+        kv_cache_dtype: the KV pool's element type.
+        kv_scales: each layer's ``(k_scale, v_scale)`` (1.0 unless calibrated).
+        num_pages: KV pages in the pool, the null page included.
+        kv_bytes_per_page: bytes of one page on one device (all layers, K and V).
+        tensor_parallel_size: devices the model is split over.
+    """
+
+    runner: ModelRunner
+    dtype: object
+    kv_cache_dtype: object
+    kv_scales: KVScales
+    num_pages: int
+    kv_bytes_per_page: int
+    tensor_parallel_size: int
+
+
+def resolve_dtype(name: str, checkpoint_dtype: str):
+    """``--dtype`` to a jnp dtype (``auto``: float32 for a float32/float64 checkpoint, else
+    bfloat16)."""
+    if name == "auto":
+        name = "float32" if checkpoint_dtype in ("float32", "float64") else "bfloat16"
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def enable_compilation_cache(path: str) -> None:
+    """Persist compiled steps under ``path`` so later start-ups load instead of compiling."""
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
+                 eos_token_ids: frozenset[int], tokenizer, devices: list | None = None) -> Worker:
+    """Load the model onto its devices and build its one :class:`ModelRunner`.
+
+    Args:
+        args: the engine configuration.
+        cfg: the model's configuration (with ``args.quantization`` applied).
+        max_model_len: the resolved length limit.
+        eos_token_ids: the model's EOS ids (banned before ``min_tokens``).
+        tokenizer: the model's tokenizer (the calibration prompt).
+        devices: the ``tensor_parallel_size`` devices to use (default: the first ones).
+
+    Raises:
+        TensorParallelError / MissingWeightsError / UnsupportedModelError: as
+            :class:`jaxpaged.engine.engine.Engine` documents; ValueError: a pool that does
+            not fit the devices or cannot hold one ``max_model_len`` request.
+    """
+    if args.compilation_cache_dir:
+        enable_compilation_cache(args.compilation_cache_dir)
+    tp = TensorParallel.create(args.tensor_parallel_size, cfg, devices)
+    kv_heads = tp.physical_config(cfg).num_kv_heads
+    dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype)
+    kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    backend = get_attention_backend(
+        args.attention_backend, num_kv_heads=cfg.num_kv_heads, num_heads=cfg.num_heads,
+        head_dim=cfg.head_dim, page_size=args.block_size, dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype)
+    if tp.size > 1:
+        backend = TensorParallelAttention(backend, tp.mesh)
+    model = load_model(args.model, cfg, dtype=dtype, backend=backend,
+                       load_format=args.load_format, seed=args.seed, tp=tp)
+    page_size = args.block_size
+    pages_per_seq = -(-max_model_len // page_size)
+
+    def pool(num_pages, pool_dtype=kv_cache_dtype):
+        return allocate_kv_pool(cfg.num_layers, num_pages, page_size, kv_heads, cfg.head_dim,
+                                pool_dtype, tp.kv_pool_sharding)
+
+    # Calibration reads the exact K/V, so it runs on an unquantized scratch pool first.
+    runner = ModelRunner(
+        model, pool(2, dtype if args.calculate_kv_scales else kv_cache_dtype), backend,
+        page_size=page_size, eos_token_ids=eos_token_ids, replicated=tp.replicated,
+        limits=RunnerLimits(max_num_tokens=args.max_num_batched_tokens,
+                            max_num_seqs=args.max_num_seqs, max_pages_per_seq=pages_per_seq))
+    scales = [(1.0, 1.0)] * cfg.num_layers
+    if args.calculate_kv_scales:
+        scales = calibrate_kv_scales(runner, calibration_token_ids(
+            tokenizer, cfg.max_position_embeddings, cfg.vocab_size))
+        runner.set_kv_scales(scales)
+        runner.set_kv_pool(pool(2))
+        logger.info("calibrated fp8 KV scales: k_scale %s; v_scale %s",
+                    " ".join(f"{k:.3g}" for k, _ in scales),
+                    " ".join(f"{v:.3g}" for _, v in scales))
+    # Budgets are per device: each holds kv_heads / tp heads of every page.
+    bytes_per_page = kv_bytes_per_page(cfg.num_layers, page_size, kv_heads // tp.size,
+                                       cfg.head_dim, kv_cache_dtype)
+    num_devices = tp.size * args.data_parallel_size
+    num_pages = num_kv_pages(
+        bytes_per_page=bytes_per_page, pages_per_seq=pages_per_seq,
+        max_num_seqs=args.max_num_seqs, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        profile_peak_bytes=runner.profile_peak_bytes, num_devices=num_devices,
+        device=tp.mesh.devices.flat[0])
+    check_pool_fits(num_pages, bytes_per_page, num_devices)
+    if num_pages - 1 < pages_per_seq:     # page 0 is the null page
+        raise ValueError(
+            f"the KV pool ({num_pages - 1} usable pages of {page_size} tokens) cannot hold one "
+            f"request of max_model_len={max_model_len} tokens; give more KV memory or lower "
+            "max_model_len")
+    runner.set_kv_pool(pool(num_pages))
+    return Worker(runner=runner, dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_scales=scales,
+                  num_pages=num_pages, kv_bytes_per_page=bytes_per_page,
+                  tensor_parallel_size=tp.size)

@@ -1,0 +1,67 @@
+"""``--async-scheduling`` gives the same outputs as synchronous scheduling, output for output
+(each one step later): greedy, seeded sampling, stop strings and stop token ids, min_tokens,
+n > 1, logprobs, delta outputs, preemption, aborts and prefix-cache hits on the bundled model."""
+
+import dataclasses
+
+import pytest
+
+from jaxpaged import SamplingParams
+from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.engine.engine import Engine
+from jaxpaged.sampling_params import RequestOutputKind
+
+SHARED = "Once upon a time, there was a little girl named Lily. She loved to play"
+
+
+def requests():
+    """(request id, prompt, params) of a mixed workload."""
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    return [
+        ("greedy", "Once upon a time", greedy),
+        ("prefix-a", SHARED + " outside", greedy),
+        ("prefix-b", SHARED + " with her", greedy),        # hits prefix-a's pages
+        ("seeded", "The dog", SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=20)),
+        ("stop", "Once upon a time", SamplingParams(temperature=0, max_tokens=40, stop=["Lily"])),
+        ("stop-id", "The cat", SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[13])),
+        ("min", "Tim and", SamplingParams(temperature=0, max_tokens=12, min_tokens=10, stop=["."])),
+        ("n3", "A big", SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=10, logprobs=2)),
+        ("delta", "One day", SamplingParams(temperature=0.7, seed=11, max_tokens=16,
+                                            output_kind=RequestOutputKind.DELTA)),
+        ("aborted", "The sun", SamplingParams(temperature=0, max_tokens=40)),
+    ]
+
+
+def run(async_scheduling: bool, **limits):
+    """Every output of every request, in the order the engine returned them, with the steps
+    taken; ``aborted`` is aborted after the engine's 6th step."""
+    engine = Engine(EngineArgs(enforce_eager=True, async_scheduling=async_scheduling, **limits))
+    for rid, prompt, params in requests():
+        engine.add_request(rid, prompt, params)
+    outputs, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(dataclasses.asdict(out))
+        steps += 1
+        if steps == 6:
+            engine.abort_request("aborted")
+    return outputs, engine.num_preemptions
+
+
+@pytest.mark.parametrize("limits", [
+    pytest.param(dict(max_num_seqs=16), id="plain"),
+    # 23 usable pages of 4 tokens for 12 sequences of up to 64: preemption (recompute)
+    pytest.param(dict(max_num_seqs=16, block_size=4, num_gpu_blocks_override=24,
+                      max_model_len=64), id="preemption", marks=pytest.mark.slow),
+])
+def test_async_scheduling_gives_the_sync_outputs(limits):
+    sync, sync_preemptions = run(False, **limits)
+    async_, async_preemptions = run(True, **limits)
+    assert async_ == sync
+    assert async_preemptions == sync_preemptions
+    if "num_gpu_blocks_override" in limits:
+        assert sync_preemptions > 0
+    finals = {rid: outs[-1]["outputs"] for rid, outs in sync.items()}
+    assert (finals["stop"][0]["finish_reason"], finals["stop"][0]["stop_reason"]) == ("stop", "Lily")
+    assert len(finals["n3"]) == 3 and finals["prefix-b"] and len(sync["aborted"]) >= 1
+    assert sync["prefix-b"][-1]["num_cached_tokens"] > 0
