@@ -225,10 +225,15 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         if table is None:
             table = self._tables[request_id] = _Table()
-        grow = self.pages_needed(num_tokens) - len(table.pages)
-        first_write = num_computed_tokens // self.page_size
-        shared = [i for i in range(first_write, len(table.pages))
-                  if self._pages[table.pages[i]].ref_cnt > 1]
+        pages, s = table.pages, self.page_size
+        grow = -(-num_tokens // s) - len(pages)
+        shared = [i for i in range(num_computed_tokens // s, len(pages))
+                  if self._pages[pages[i]].ref_cnt > 1]
+        if grow <= 0 and not shared:    # a decode inside its last page: the common case
+            if (self.enable_prefix_caching and token_ids is not None
+                    and min(num_tokens // s, len(pages)) > table.num_cached_pages):
+                self._register_full_pages(table, token_ids, num_tokens, extra_keys)
+            return True
         if max(grow, 0) + len(shared) > len(self._free):
             if not table.pages:
                 del self._tables[request_id]

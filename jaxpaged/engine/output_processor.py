@@ -152,7 +152,9 @@ class OutputProcessor:
             caller (``Scheduler.update_from_output``) finishes the sequence with it.
         """
         state = self.seqs[req.request_id]
-        req.all_token_ids.append(token)
+        ids = req.all_token_ids
+        ids.append(token)
+        num_output = len(ids) - len(req.prompt_token_ids)
         p = req.params
         if state.logprobs is not None:
             lp, rank, top_ids, top_logprobs = logprob
@@ -163,11 +165,11 @@ class OutputProcessor:
             state.logprobs.append(entry)
             state.cumulative_logprob += lp
         stop = None
-        if req.num_output_tokens < p.min_tokens:
+        if num_output < p.min_tokens:
             _add_text(state, token, check_stop=False)
         elif not p.ignore_eos and token in self.eos_token_ids:
             stop = ("stop", None)
-        elif token in p.stop_token_id_set:
+        elif p.stop_token_ids and token in p.stop_token_ids:
             stop = ("stop", token)
             if p.include_stop_str_in_output:
                 _add_text(state, token, check_stop=False)
@@ -175,8 +177,7 @@ class OutputProcessor:
             matched = _add_text(state, token)
             if matched is not None:
                 stop = ("stop", matched)
-        if stop is None and (req.num_output_tokens >= req.max_tokens
-                             or req.num_tokens >= self.max_model_len):
+        if stop is None and (num_output >= req.max_tokens or len(ids) >= self.max_model_len):
             stop = ("length", None)
         if stop is not None and not isinstance(stop[1], str):
             # a stop string cut the text: nothing to release
@@ -241,7 +242,7 @@ class OutputProcessor:
                 s.sent_tokens += len(ids)
                 s.sent_final = done
             else:
-                ids = req.output_token_ids
+                ids = req.all_token_ids[len(req.prompt_token_ids):]
                 logprobs = list(s.logprobs) if s.logprobs is not None else None
             outs.append(CompletionOutput(req.index, text, ids, s.cumulative_logprob, logprobs,
                                          req.finish_reason, req.stop_reason))
@@ -252,8 +253,9 @@ class OutputProcessor:
             prompt_token_ids=first.prompt_token_ids, prompt_logprobs=group.prompt_logprobs,
             outputs=outs, finished=finished,
             num_cached_tokens=first.num_cached_tokens or 0,
-            num_preemptions=(sum(s.request.num_preemptions for s in seqs)
-                             if num_preemptions is None else num_preemptions),
+            num_preemptions=(num_preemptions if num_preemptions is not None
+                             else first.num_preemptions if len(seqs) == 1
+                             else sum(s.request.num_preemptions for s in seqs)),
             error=group.error)
 
 

@@ -102,21 +102,26 @@ class Scheduler:
         counts its ``n``)."""
         return sum(r.n_samples for r in self.waiting)
 
+    # The three helpers below run once per running sequence per step: they read the
+    # request's fields directly rather than through its properties (host time per step).
     def _chunk(self, req: Request, budget: int) -> int:
-        num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+        computed = req.num_computed_tokens
+        num_new = min(len(req.all_token_ids) - computed, budget)
         threshold = self.config.long_prefill_token_threshold
-        if threshold and req.num_computed_tokens < req.num_prompt_tokens:
+        if threshold and computed < len(req.prompt_token_ids):
             num_new = min(num_new, threshold)
         return num_new
 
     def _allocate(self, req: Request, num_new: int) -> bool:
-        return self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new,
-                                      req.all_token_ids, req.num_computed_tokens, req.extra_keys)
+        computed = req.num_computed_tokens
+        return self.kv.allocate_slots(req.request_id, computed + num_new, req.all_token_ids,
+                                      computed, () if req.cache_salt is None
+                                      else (req.cache_salt,))
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
-        samples = start + num_new == req.num_tokens
-        return ScheduledRequest(req, start, num_new, list(self.kv.page_table(req.request_id)),
+        samples = start + num_new == len(req.all_token_ids)
+        return ScheduledRequest(req, start, num_new, self.kv.page_table(req.request_id).copy(),
                                 samples, req.n_samples if samples else 0)
 
     # ---- deciding a step -------------------------------------------------------------------
