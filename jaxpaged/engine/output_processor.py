@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
-from jaxpaged.engine.request import Request
+from jaxpaged.engine.request import Request, RequestStatus
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.runner.output import TokenLogprob
 from jaxpaged.sampling_params import RequestOutputKind
@@ -66,7 +66,8 @@ class RequestGroup:
             return True
         seqs = self.seqs
         if len(seqs) == 1:    # the common case, without a generator
-            return seqs[0].request.is_finished and seqs[0].request.params.n == 1
+            req = seqs[0].request
+            return req.status is RequestStatus.FINISHED and req.params.n == 1
         return len(seqs) == seqs[0].request.params.n and all(
             s.request.is_finished for s in seqs)
 

@@ -158,6 +158,8 @@ class Scheduler:
     def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> list[Request]:
         """Move waiting requests into the step while the budget, the seats and the pages
         allow (appending to ``scheduled``); returns them."""
+        if not self.waiting or budget <= 0:   # skip the counts over every running sequence
+            return []
         partial = sum(1 for r in self.running if r.num_computed_tokens < r.num_prompt_tokens)
         # A parallel-sampling request not yet forked holds a seat for each sequence.
         seats = sum(r.n_samples for r in self.running)
