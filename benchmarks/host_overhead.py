@@ -57,55 +57,73 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def model_runner(engine):
-    """The object whose ``execute`` method is the engine's device call."""
+    """The object whose ``dispatch`` method starts the engine's device step (``execute`` is
+    ``dispatch(...).result()``)."""
     return engine.runner
 
 
 class DeviceTimer:
-    """Wraps ``model_runner(engine).execute`` and records each call's start and end
-    (``time.perf_counter`` seconds)."""
+    """Records each device step of ``model_runner(engine)`` as ``(start, end)``
+    ``time.perf_counter`` seconds: from the start of ``dispatch`` (batch preparation and the
+    launch) to the return of its ``PendingStep.result`` (the tokens on the host). The same
+    span in both modes: with ``async_scheduling`` the engine processes the previous step's
+    outputs inside it, while the device runs."""
 
     def __init__(self, engine):
         runner = model_runner(engine)
-        execute = runner.execute
-        self.calls: list[tuple[float, float]] = []
+        dispatch = runner.dispatch
+        #: (start, end, new tokens of each scheduled sequence) of every device step.
+        self.calls: list[tuple[float, float, list[int]]] = []
 
-        def timed(*args, **kwargs):
+        calls = self.calls
+
+        class TimedPending:
+            """The dispatched step, whose ``result`` records the span when it returns."""
+
+            def __init__(self, pending, start, scheduled):
+                self._pending, self._start, self._scheduled = pending, start, scheduled
+
+            def result(self):
+                try:
+                    return self._pending.result()
+                finally:
+                    calls.append((self._start, time.perf_counter(), self._scheduled))
+
+        def timed_dispatch(scheduler_output, *args, **kwargs):
             start = time.perf_counter()
-            try:
-                return execute(*args, **kwargs)
-            finally:
-                self.calls.append((start, time.perf_counter()))
+            pending = dispatch(scheduler_output, *args, **kwargs)
+            return TimedPending(pending, start, [s.num_new_tokens
+                                                 for s in scheduler_output.scheduled])
 
-        runner.execute = timed
+        runner.dispatch = timed_dispatch
 
 
 def run_steps(llm: LLM, requests, timer: DeviceTimer | None = None) -> list[dict]:
     """Submit ``requests`` at once and step the engine until all finish; per step: wall,
     device and host milliseconds (host: before, between and after the device calls), the
-    number of sequences that got a token, and whether it was a decode step."""
+    number of sequences the step scheduled, and whether it was a decode step (one new token
+    each). Engine steps with no device step are left out (with async scheduling, the last
+    one only reports the previous step's outputs)."""
     engine = llm.engine
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=requests[0].output_len)
     for i, q in enumerate(requests):
         engine.add_request(f"host-overhead-{i}", q.prompt, params)
-    started: set[str] = set()
     steps = []
     while engine.has_unfinished_requests():
-        decode = len(started) == len(requests)
         first = len(timer.calls) if timer else 0
         t0 = time.perf_counter()
-        outputs = engine.step()
+        engine.step()
         t1 = time.perf_counter()
-        started.update(o.request_id for o in outputs)
-        if timer is None:
+        calls = timer.calls[first:] if timer else []
+        if not calls:       # no device step (async: the last step only reports outputs)
             continue
-        calls = timer.calls[first:]
-        device = sum(end - start for start, end in calls)
-        host = (t1 - t0) - device if not calls else (
-            (calls[0][0] - t0) + (t1 - calls[-1][1])
-            + sum(b[0] - a[1] for a, b in zip(calls, calls[1:])))
+        device = sum(end - start for start, end, _ in calls)
+        host = (calls[0][0] - t0) + (t1 - calls[-1][1]) + sum(
+            b[0] - a[1] for a, b in zip(calls, calls[1:]))
+        new_tokens = [n for *_, scheduled in calls for n in scheduled]
         steps.append({"wall_ms": (t1 - t0) * 1e3, "device_ms": device * 1e3,
-                      "host_ms": host * 1e3, "num_seqs": len(outputs), "decode": decode})
+                      "host_ms": host * 1e3, "num_seqs": len(new_tokens),
+                      "decode": all(n == 1 for n in new_tokens)})
     return steps
 
 

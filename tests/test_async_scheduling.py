@@ -65,3 +65,27 @@ def test_async_scheduling_gives_the_sync_outputs(limits):
     assert (finals["stop"][0]["finish_reason"], finals["stop"][0]["stop_reason"]) == ("stop", "Lily")
     assert len(finals["n3"]) == 3 and finals["prefix-b"] and len(sync["aborted"]) >= 1
     assert sync["prefix-b"][-1]["num_cached_tokens"] > 0
+
+
+def test_abort_after_the_last_step_reports_the_real_finish():
+    """A request whose last token came in step N but is reported only after step N+1 (async):
+    aborting it in between gives the final output the synchronous engine gave, with its real
+    finish reason, and its statistics count it as that reason, not as an abort."""
+    params = SamplingParams(temperature=0, max_tokens=1)
+    results = {}
+    for async_scheduling in (False, True):
+        engine = Engine(EngineArgs(enforce_eager=True, async_scheduling=async_scheduling))
+        finished = []
+        engine.stat_loggers.append(type("Sink", (), {
+            "record": lambda self, scheduler_stats, iteration_stats: finished.extend(
+                r.finish_reason for r in iteration_stats.finished_requests)})())
+        engine.add_request("one", "Once upon a time", params)
+        outputs = engine.step()             # sync: the output; async: reported one step later
+        engine.abort_request("one")
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        results[async_scheduling] = ([(o.outputs[0].token_ids, o.outputs[0].finish_reason,
+                                       o.finished) for o in outputs], finished)
+    assert results[True] == results[False]
+    assert results[False][0][0][1] == "length"
+    assert results[False][1] == ["length"]

@@ -107,3 +107,20 @@ def test_unforked_request_reserves_a_seat_per_sequence():
     assert [len(o.outputs) for o in outs] == [8, 1]
     kv = llm.engine.kv_cache_manager
     assert kv.num_free_pages == kv.num_usable_pages
+
+
+def test_bad_words_apply_to_every_sequence_of_n():
+    # Greedy: every sequence is the same greedy text, which says "Lily" at its 9th word
+    # unless banned. Before the fix only sequence 0 kept the ban after its first token.
+    llm = LLM(enforce_eager=True)
+    prompt = "Once upon a time"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24))[0]
+    assert "Lily" in free.outputs[0].text
+    banned = llm.generate([prompt], SamplingParams(n=3, temperature=0, max_tokens=24,
+                                                   bad_words=["Lily"]))[0]
+    solo = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24,
+                                                 bad_words=["Lily"]))[0]
+    assert len(banned.outputs) == 3
+    for c in banned.outputs:
+        assert "Lily" not in c.text
+        assert c.token_ids == solo.outputs[0].token_ids

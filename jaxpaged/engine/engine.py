@@ -192,13 +192,13 @@ class Engine:
         """Stop requests now and free their pages; unknown ids are ignored."""
         aborted = False
         for rid in [request_id] if isinstance(request_id, str) else request_id:
+            if self._unreported.pop(rid, False) is None:
+                # Async scheduling: its last step's output first, as the synchronous engine
+                # gave it (tokens noted; a request that step finished is retired as such).
+                self._early_outputs += self._outputs([self.output_processor.groups[rid]])
             group = self.output_processor.remove_request(rid)
             if group is None:
                 continue
-            if rid in self._unreported:     # async scheduling: its last step's output first
-                out = self.output_processor.make_output(group, self._unreported.pop(rid))
-                if out is not None:
-                    self._early_outputs.append(out)
             for seq in group.seqs:
                 if not seq.request.is_finished:
                     self.scheduler.finish_request(seq.request, "abort")

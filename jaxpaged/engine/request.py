@@ -108,6 +108,7 @@ class Request:
                        self.params, seed=self.seed + index, max_tokens=self.max_tokens,
                        arrival=self.arrival, group_id=self.group_id, index=index,
                        priority=self.priority, cache_salt=self.cache_salt,
+                       bad_words_ids=self.bad_words_ids,
                        all_token_ids=list(self.all_token_ids),
                        num_computed_tokens=self.num_computed_tokens,
                        num_cached_tokens=self.num_cached_tokens)

@@ -229,7 +229,7 @@ class Scheduler:
         touched: dict[str, None] = {}
         logprobs, prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
         for i, (s, tokens) in enumerate(zip(scheduler_output.scheduled,
-                                            runner_output.sampled_token_ids)):
+                                            runner_output.sampled_token_ids, strict=True)):
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             if prompt_logprobs is not None and prompt_logprobs[i] is not None:
