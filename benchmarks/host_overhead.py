@@ -3,14 +3,17 @@ the per-token cost of incremental detokenization (issue 20's acceptance benchmar
 
 Part 1 drives ``Engine.step()`` by hand on ``--num-requests`` random prompts of
 ``--min-prompt-len``..``--max-prompt-len`` tokens, each generating exactly ``--output-len``
-greedy tokens (EOS ignored), all submitted at once. Every step is timed with
-``time.perf_counter``: its wall time, the time inside the model runner's ``execute`` (the
-device call: batch assembly, the jitted step and the copy of its results to the host), and
-the host time outside it (scheduling, stop checks, detokenization, output assembly). Medians
-and means are taken over the decode steps: the steps after every request has its first token
-(no prompt token left to run). A warm-up pass with the same lengths and other token ids
-compiles every step shape first. It runs in synchronous mode and, where ``EngineArgs`` has
-``async_scheduling`` (vLLM's ``--async-scheduling``), in asynchronous mode too.
+greedy tokens (EOS ignored), all submitted at once, in synchronous mode and with async
+scheduling (vLLM's ``--async-scheduling``). Every engine step is timed with
+``time.perf_counter``: its wall time, the time inside the model runner's device calls
+(``dispatch``: batch assembly and the launch; ``result``: waiting for the device and copying
+the tokens back), and the host time outside them (scheduling, applying tokens, stop checks,
+detokenization, outputs). Synchronously the device calls are the device step's time and the
+host time adds to it; with async scheduling the host work overlaps the next device step, so
+the goal is an async wall time per step close to the synchronous device call (the ratio is
+printed). Medians and means are taken over the decode steps: the steps after every request
+has its first token (no prompt token left to run). A warm-up pass with the same lengths and
+other token ids compiles every step shape first.
 
 Part 2 feeds :class:`~jaxpaged.engine.detokenizer.IncrementalDetokenizer` one random token
 at a time for outputs of each ``--detok-lengths`` length with a 32000-piece sentencepiece
@@ -63,66 +66,68 @@ def model_runner(engine):
 
 
 class DeviceTimer:
-    """Records each device step of ``model_runner(engine)`` as ``(start, end)``
-    ``time.perf_counter`` seconds: from the start of ``dispatch`` (batch preparation and the
-    launch) to the return of its ``PendingStep.result`` (the tokens on the host). The same
-    span in both modes: with ``async_scheduling`` the engine processes the previous step's
-    outputs inside it, while the device runs."""
+    """Records the time spent inside the device calls of ``model_runner(engine)``:
+    ``dispatch`` (batch preparation and the launch) and its ``PendingStep.result`` (waiting
+    for the device and copying the tokens to the host), as ``time.perf_counter`` intervals.
+    Synchronously the two follow each other within one engine step; with async scheduling a
+    step's ``result`` is called in the next engine step, after that step's ``dispatch``,
+    and the host work in between overlaps the device."""
 
     def __init__(self, engine):
         runner = model_runner(engine)
         dispatch = runner.dispatch
-        #: (start, end, new tokens of each scheduled sequence) of every device step.
-        self.calls: list[tuple[float, float, list[int]]] = []
-
-        calls = self.calls
+        #: (start, end) of every dispatch and result call, in order.
+        self.intervals: list[tuple[float, float]] = []
+        #: New tokens of each scheduled sequence, per dispatched step.
+        self.dispatched: list[list[int]] = []
+        intervals = self.intervals
 
         class TimedPending:
-            """The dispatched step, whose ``result`` records the span when it returns."""
+            """The dispatched step, whose ``result`` call is timed."""
 
-            def __init__(self, pending, start, scheduled):
-                self._pending, self._start, self._scheduled = pending, start, scheduled
+            def __init__(self, pending):
+                self._pending = pending
 
             def result(self):
+                start = time.perf_counter()
                 try:
                     return self._pending.result()
                 finally:
-                    calls.append((self._start, time.perf_counter(), self._scheduled))
+                    intervals.append((start, time.perf_counter()))
 
         def timed_dispatch(scheduler_output, *args, **kwargs):
             start = time.perf_counter()
-            pending = dispatch(scheduler_output, *args, **kwargs)
-            return TimedPending(pending, start, [s.num_new_tokens
-                                                 for s in scheduler_output.scheduled])
+            try:
+                return TimedPending(dispatch(scheduler_output, *args, **kwargs))
+            finally:
+                intervals.append((start, time.perf_counter()))
+                self.dispatched.append([s.num_new_tokens for s in scheduler_output.scheduled])
 
         runner.dispatch = timed_dispatch
 
 
 def run_steps(llm: LLM, requests, timer: DeviceTimer | None = None) -> list[dict]:
-    """Submit ``requests`` at once and step the engine until all finish; per step: wall,
-    device and host milliseconds (host: before, between and after the device calls), the
-    number of sequences the step scheduled, and whether it was a decode step (one new token
-    each). Engine steps with no device step are left out (with async scheduling, the last
-    one only reports the previous step's outputs)."""
+    """Submit ``requests`` at once and step the engine until all finish; per engine step that
+    dispatched a device step: wall, device-call and host milliseconds (host: the wall time
+    outside the runner's dispatch and result calls), the number of sequences the dispatched
+    step scheduled, and whether it was a decode step (one new token each). With async
+    scheduling the last engine step only applies the previous step's tokens: left out."""
     engine = llm.engine
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=requests[0].output_len)
     for i, q in enumerate(requests):
         engine.add_request(f"host-overhead-{i}", q.prompt, params)
     steps = []
     while engine.has_unfinished_requests():
-        first = len(timer.calls) if timer else 0
+        first, first_step = (len(timer.intervals), len(timer.dispatched)) if timer else (0, 0)
         t0 = time.perf_counter()
         engine.step()
         t1 = time.perf_counter()
-        calls = timer.calls[first:] if timer else []
-        if not calls:       # no device step (async: the last step only reports outputs)
+        if timer is None or len(timer.dispatched) == first_step:
             continue
-        device = sum(end - start for start, end, _ in calls)
-        host = (calls[0][0] - t0) + (t1 - calls[-1][1]) + sum(
-            b[0] - a[1] for a, b in zip(calls, calls[1:]))
-        new_tokens = [n for *_, scheduled in calls for n in scheduled]
+        device = sum(end - start for start, end in timer.intervals[first:])
+        new_tokens = [n for scheduled in timer.dispatched[first_step:] for n in scheduled]
         steps.append({"wall_ms": (t1 - t0) * 1e3, "device_ms": device * 1e3,
-                      "host_ms": host * 1e3, "num_seqs": len(new_tokens),
+                      "host_ms": (t1 - t0 - device) * 1e3, "num_seqs": len(new_tokens),
                       "decode": all(n == 1 for n in new_tokens)})
     return steps
 
@@ -201,6 +206,10 @@ def print_table(result: dict, per_step: bool) -> None:
                 print(f"  {mode} step {i:3d}: seqs {s['num_seqs']:3d} wall {s['wall_ms']:8.3f}"
                       f" device {s['device_ms']:8.3f} host {s['host_ms']:8.3f} ms"
                       f"{'' if s['decode'] else ' (prefill)'}")
+    sync, async_ = (result["modes"][m]["decode"] for m in ("sync", "async"))
+    print(f"Goals: sync host per decode step {sync['median_host_ms']:.2f} ms median (<= 3 ms); "
+          f"async wall / sync device call {result['async_wall_over_sync_device']:.3f} "
+          f"(median; <= 1.10)")
     det = result["detokenize"]
     times = ", ".join(f"{n} tokens {t['mean_us']:.1f} us (median {t['median_us']:.1f})"
                       for n, t in det["per_token"].items())
@@ -216,15 +225,16 @@ def main(args: argparse.Namespace) -> dict:
     if args.max_prompt_len < args.min_prompt_len:
         raise ValueError("--max-prompt-len must be >= --min-prompt-len")
     engine_args = EngineArgs.from_cli_args(args, enforce_eager_default=True)
-    modes = {"sync": engine_args}
-    if any(f.name == "async_scheduling" for f in dataclasses.fields(EngineArgs)):
-        modes = {"sync": dataclasses.replace(engine_args, async_scheduling=False),
-                 "async": dataclasses.replace(engine_args, async_scheduling=True)}
+    modes = {"sync": dataclasses.replace(engine_args, async_scheduling=False),
+             "async": dataclasses.replace(engine_args, async_scheduling=True)}
     result = {"model": engine_args.model, "num_requests": args.num_requests,
               "prompt_len_range": [args.min_prompt_len, args.max_prompt_len],
               "output_len": args.output_len, "max_num_seqs": engine_args.max_num_seqs,
               "cpu": cpu_model(),
               "modes": {mode: measure_mode(a, args) for mode, a in modes.items()}}
+    sync, async_ = (result["modes"][m]["decode"] for m in ("sync", "async"))
+    result["async_wall_over_sync_device"] = (async_["median_wall_ms"] / sync["median_device_ms"]
+                                             if sync["median_device_ms"] else 0.0)
     path = args.detok_tokenizer or (LLAMA2_TOKENIZER if os.path.isdir(LLAMA2_TOKENIZER)
                                     else engine_args.model)
     tok = load_tokenizer(path)

@@ -1,7 +1,6 @@
 """Small runs of `jaxpaged bench throughput | latency | host-overhead` and the benchmark
 datasets."""
 
-import dataclasses
 import json
 import os
 import re
@@ -17,7 +16,6 @@ from jaxpaged.benchmarks import host_overhead, latency, throughput
 from jaxpaged.benchmarks.datasets import (prefix_repetition_requests, random_requests,
                                           sharegpt_requests, w1_requests)
 from jaxpaged.cli import build_parser
-from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.tokenizer import load_tokenizer
 from tests.conftest import LLAMA2_TOKENIZER
 
@@ -59,8 +57,10 @@ def test_bench_host_overhead_small(tmp_path):
          "--output-json", str(out)])
     result = host_overhead.main(args)
     assert json.loads(out.read_text()) == result
-    has_async = any(f.name == "async_scheduling" for f in dataclasses.fields(EngineArgs))
-    assert set(result["modes"]) == ({"sync", "async"} if has_async else {"sync"})
+    assert set(result["modes"]) == {"sync", "async"}
+    assert result["async_wall_over_sync_device"] == pytest.approx(
+        result["modes"]["async"]["decode"]["median_wall_ms"]
+        / result["modes"]["sync"]["decode"]["median_device_ms"])
     for mode in result["modes"].values():
         # All 8 prompts (<= 64 tokens each) fit one step: a prefill step that samples every
         # first token, then 3 decode steps of 8 sequences.

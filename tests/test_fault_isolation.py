@@ -120,6 +120,6 @@ def test_cli_generate_reports_a_failed_prompt(monkeypatch, capsys):
     def broken(self, scheduler_output):
         raise InjectedFault("injected fault")
 
-    monkeypatch.setattr(ModelRunner, "execute", broken)
+    monkeypatch.setattr(ModelRunner, "dispatch", broken)
     assert main(["generate", "--max-tokens", "2", "Once upon a time"]) == 1
     assert f"jaxpaged: error: prompt 1 failed: {MESSAGE}" in capsys.readouterr().err

@@ -2,10 +2,11 @@
 
 ``step()`` is vLLM V1's three calls (``vllm/v1/engine/core.py``):
 ``scheduler.schedule()`` (which sequences run, their tokens, pages and page copies) ->
-``runner.execute(scheduler_output)`` (the device step) ->
-``scheduler.update_from_output(scheduler_output, runner_output)`` (advance, fork
-parallel-sampling requests, append and detokenize tokens, stop rules, free finished
-sequences), then the requests' outputs. The device side is assembled once by
+``runner.dispatch(scheduler_output).result()`` (the device step) ->
+``scheduler.update_from_output(scheduler_output, runner_output)`` (fork parallel-sampling
+requests, append and detokenize tokens, stop rules, free finished sequences), then the
+requests' outputs; with async scheduling the third call of step N-1 comes after step N's
+dispatch. The device side is assembled once by
 ``jaxpaged.runner.worker``. Callers drive it themselves (``add_request`` / ``step`` /
 ``abort_request``) or through :class:`jaxpaged.LLM`.
 """
@@ -16,6 +17,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,17 +32,30 @@ from jaxpaged.engine.generation_config import (eos_token_ids, generation_default
 from jaxpaged.engine.input_processor import InputProcessor, Prompt
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
 from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup
-from jaxpaged.engine.request import Request
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.scheduler_output import SchedulerOutput
 from jaxpaged.metrics.stats import (EngineStats, IterationStats, SchedulerStats, StatLogger,
                                     finished_request_stats)
 from jaxpaged.outputs import RequestOutput
+from jaxpaged.runner.output import ModelRunnerOutput
 from jaxpaged.runner.worker import build_worker
+from jaxpaged.sampling.logits_adjust import needs_adjustment
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A dispatched step: its plan, a call that waits for and returns its
+    ``ModelRunnerOutput``, when it was dispatched (``time.monotonic()`` seconds), and whether
+    it samples a parallel-sampling prompt (the next step must wait for its fork)."""
+
+    scheduler_output: SchedulerOutput
+    result: Callable[[], ModelRunnerOutput]
+    scheduled_at: float
+    forks: bool
 
 
 class Engine:
@@ -120,7 +135,6 @@ class Engine:
                     page_size, self.kv_cache_dtype.name, self.kv_bytes_per_page,
                     num_pages * self.kv_bytes_per_page / 2**20, self.max_model_len,
                     (num_pages - 1) / -(-self.max_model_len // page_size))
-        self.output_processor.defer_detokenization = args.async_scheduling
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len,
@@ -136,9 +150,9 @@ class Engine:
         self._reported = (0, 0, 0)   # prefix-cache queries, hits, preemptions already reported
         self._arrivals = 0
         self._num_steps = 0
-        #: Async scheduling: requests whose last step's output is not made yet, and outputs
-        #: made early (an abort) for the next step to return.
-        self._unreported: dict[str, None] = {}
+        #: Async scheduling: the dispatched step whose results are not applied yet, and
+        #: outputs made early (an abort) for the next step to return.
+        self._in_flight: _InFlight | None = None
         self._early_outputs: list[RequestOutput] = []
         self.fault_injector: Callable[[int, list[str]], None] | None = None
         self._seed_rng = seed_rng or np.random.default_rng(args.seed)
@@ -173,29 +187,25 @@ class Engine:
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self.output_processor.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise TypeError(f"priority must be an integer, got {priority!r}")
-        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        text, ids = self.input_processor.tokenize(prompt)
-        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**62))
-        max_tokens = self.max_model_len - len(ids)
-        if params.max_tokens is not None:
-            max_tokens = min(max_tokens, params.max_tokens)
-        req = Request(request_id, text, ids, params, seed=seed, max_tokens=max(max_tokens, 1),
-                      arrival=self._arrivals, priority=priority, cache_salt=cache_salt,
-                      n_samples=params.n, bad_words_ids=self.input_processor.bad_words_ids(params))
+        req = self.input_processor.make_request(request_id, prompt, params, priority=priority,
+                                                arrival=self._arrivals, seed_rng=self._seed_rng)
+        req.needs_output_tokens = needs_adjustment(params)
         self._arrivals += 1
         self.output_processor.add_request(req, time.monotonic())
         self.scheduler.add_request(req)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests now and free their pages; unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        step = self._in_flight
+        if step is not None and not set(ids).isdisjoint(
+                s.request.group_id for s in step.scheduler_output.scheduled):
+            # Async scheduling: the step running it first, and its outputs as the
+            # synchronous engine gave them (a request it finished is retired as such).
+            self._in_flight = None
+            self._early_outputs += self._finish(step)
         aborted = False
-        for rid in [request_id] if isinstance(request_id, str) else request_id:
-            if self._unreported.pop(rid, False) is None:
-                # Async scheduling: its last step's output first, as the synchronous engine
-                # gave it (tokens noted; a request that step finished is retired as such).
-                self._early_outputs += self._outputs([self.output_processor.groups[rid]])
+        for rid in ids:
             group = self.output_processor.remove_request(rid)
             if group is None:
                 continue
@@ -224,77 +234,104 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling iteration and model step.
 
+        With ``async_scheduling`` (vLLM's ``--async-scheduling``) the step is scheduled and
+        dispatched while the previous one still runs on the device (each running sequence
+        assumed to get its token; ``Scheduler.schedule``), and the previous step's tokens
+        are then applied and its outputs made while this one runs: outputs come one call
+        later, and are those of the synchronous mode. A step after a parallel-sampling
+        prompt waits for it (the fork needs its tokens).
+
         If the model step raises an ``Exception`` (the runner: batch preparation,
-        compilation, the device step, sampling), only the requests it ran fail: each gets a
-        final output with finish reason ``"error"`` and :attr:`RequestOutput.error`, its
-        pages are freed, and the pages the step was to fill leave the prefix cache. If the
-        failure consumed the donated KV pool, the pool is reallocated, every running
-        sequence is preempted (it recomputes) and the prefix cache is emptied. Other requests
-        carry on. In a multi-host job the error is raised instead (the processes' engines
-        must take the same steps).
+        compilation, the device step, sampling), only the requests it ran fail (with async
+        scheduling, also those of the step dispatched after it, which read its tokens):
+        each gets a final output with finish reason ``"error"`` and
+        :attr:`RequestOutput.error`, its pages are freed, and the pages the step was to
+        fill leave the prefix cache. If the failure consumed the donated KV pool, the pool
+        is reallocated, every running sequence is preempted (it recomputes) and the prefix
+        cache is emptied. Other requests carry on. In a multi-host job the error is raised
+        instead (the processes' engines must take the same steps).
 
         Returns:
-            An output for every request that produced a token this step (cumulative text and
-            ids; ``finished`` set on the last one), and the failed requests' final outputs;
-            with ``async_scheduling``, the previous step's outputs (made while the device ran
-            this one) and this step's failures.
+            An output for every request that produced a token in the step whose results
+            came in (this one; with async scheduling, the previous one): cumulative text and
+            ids, ``finished`` set on the last one; and the failed requests' final outputs.
         """
-        scheduler_output = self.scheduler.schedule()
         outputs, self._early_outputs = self._early_outputs, []
-        if not scheduler_output.scheduled:
-            if self.scheduler.waiting and not self.scheduler.running and not self._unreported:
-                # Unreachable while add_request's checks hold; never spin silently.
-                raise RuntimeError(f"no waiting request can be scheduled "
-                                   f"({len(self.scheduler.waiting)} waiting, {self.stats()})")
-            return outputs + self._report_unreported(scheduler_output)
-        scheduled_at = time.monotonic()
-        try:
-            pending = self._dispatch(scheduler_output)
-        except Exception as e:
-            if self.args.num_processes > 1:
-                raise
-            return outputs + self._report_unreported(scheduler_output) + self._fail_step(
-                scheduler_output, e)
-        # With async scheduling the previous step's outputs are made while the device runs.
-        outputs += self._report_unreported(scheduler_output)
-        try:
-            runner_output = pending()
-        except Exception as e:
-            if self.args.num_processes > 1:
-                raise
-            return outputs + self._fail_step(scheduler_output, e)
-        self._note_scheduled(scheduler_output, scheduled_at)
-        groups = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self._iteration.num_generation_tokens += runner_output.num_sampled_tokens
-        if not self.args.async_scheduling:
-            return outputs + self._outputs(groups)
-        self._unreported = {g.request_id: None for g in groups}
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and previous.forks:
+            outputs += self._finish(previous)
+            previous = None
+        scheduler_output = self.scheduler.schedule()
+        current = None
+        if scheduler_output.scheduled:
+            try:
+                current = self._dispatch(scheduler_output)
+            except Exception as e:
+                if self.args.num_processes > 1:
+                    raise
+                if previous is not None:    # its tokens first, as the synchronous engine
+                    outputs += self._finish(previous)
+                return outputs + self._fail_step(scheduler_output, e)
+        elif previous is None and self.scheduler.waiting and not self.scheduler.running:
+            # Unreachable while add_request's checks hold; never spin silently.
+            raise RuntimeError(f"no waiting request can be scheduled "
+                               f"({len(self.scheduler.waiting)} waiting, {self.stats()})")
+        if previous is not None:
+            outputs += self._finish(previous, scheduler_output, current)
+        if current is not None:
+            if self.args.async_scheduling:
+                self._in_flight = current
+            else:
+                outputs += self._finish(current)
         return outputs
 
-    def _report_unreported(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
-        """Async scheduling: the outputs of the requests the previous step gave tokens to, as
-        they stood after that step (``scheduler_output``, scheduled since, may have preempted
-        some: not counted yet)."""
-        if not self._unreported:
-            return []
-        unreported, self._unreported = self._unreported, {}
-        preempted: dict[str, int] = {}
-        for req in scheduler_output.preempted:
-            preempted[req.group_id] = preempted.get(req.group_id, 0) + 1
-        groups = self.output_processor.groups
-        return self._outputs([groups[rid] for rid in unreported if rid in groups], preempted)
-
-    def _dispatch(self, scheduler_output: SchedulerOutput):
-        """Start the device step (synchronous: run it), after the test hook
-        :attr:`fault_injector`; calling the return value gives its output."""
+    def _dispatch(self, scheduler_output: SchedulerOutput) -> _InFlight:
+        """Start the device step, after the test hook :attr:`fault_injector`."""
         step_index, self._num_steps = self._num_steps, self._num_steps + 1
         if self.fault_injector is not None:
             self.fault_injector(step_index, list(dict.fromkeys(
                 s.request.group_id for s in scheduler_output.scheduled)))
-        if self.args.async_scheduling:
-            return self.runner.dispatch(scheduler_output).result
-        runner_output = self.runner.execute(scheduler_output)
-        return lambda: runner_output
+        scheduled_at = time.monotonic()
+        pending = self.runner.dispatch(scheduler_output)
+        return _InFlight(scheduler_output, pending.result, scheduled_at,
+                         any(s.num_samples > 1 for s in scheduler_output.scheduled))
+
+    def _finish(self, step: _InFlight, next_output: SchedulerOutput | None = None,
+                next_step: _InFlight | None = None) -> list[RequestOutput]:
+        """Wait for a dispatched step, apply its tokens and make its outputs.
+
+        Args:
+            step: the step.
+            next_output: the step scheduled since (async scheduling), whose preemptions are
+                left out of the counts these outputs report (they came after this step).
+            next_step: that step, if dispatched: it fails too if this one fails.
+        """
+        try:
+            runner_output = step.result()
+        except Exception as e:
+            if self.args.num_processes > 1:
+                raise
+            outputs = self._fail_step(step.scheduler_output, e)
+            if next_step is not None:
+                self._in_flight = None
+                try:
+                    next_step.result()
+                except Exception:   # noqa: S110 - it fails as the step it followed did
+                    pass
+                outputs += self._fail_step(next_step.scheduler_output, e)
+            return outputs
+        scheduled = step.scheduler_output.scheduled
+        self._note_scheduled(step.scheduler_output, step.scheduled_at)
+        self._iteration.num_generation_tokens += sum(
+            len(tokens) for s, tokens in zip(scheduled, runner_output.sampled_token_ids)
+            if not s.request.is_finished)
+        groups = self.scheduler.update_from_output(step.scheduler_output, runner_output)
+        preempted: dict[str, int] | None = None
+        if next_output is not None and next_output.preempted:
+            preempted = {}
+            for req in next_output.preempted:
+                preempted[req.group_id] = preempted.get(req.group_id, 0) + 1
+        return self._outputs(groups, preempted)
 
     def _note_scheduled(self, scheduler_output: SchedulerOutput, now: float) -> None:
         """Queue time: when each request first left the waiting queue (in a step that ran)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxpaged.engine.request import Request
 from jaxpaged.sampling_params import SamplingParams, SamplingParamsError
 
 #: A prompt: text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``
@@ -111,3 +112,26 @@ class InputProcessor:
             raise ValueError(f"the prompt (length {len(ids)}) is longer than the maximum "
                              f"model length of {self.max_model_len}")
         return text, ids
+
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams, *,
+                     priority: int, arrival: int, seed_rng: np.random.Generator) -> Request:
+        """The :class:`Request` the scheduler runs for a checked ``params``: the prompt
+        tokenized, the seed resolved (the request's, else one drawn from ``seed_rng``),
+        ``max_tokens`` capped by ``max_model_len``, bad words tokenized.
+
+        Raises:
+            TypeError: a priority that is not an int, or a prompt of the wrong type.
+            ValueError: an empty, untokenizable or too long prompt, or ids outside the
+                vocabulary.
+        """
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an integer, got {priority!r}")
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        text, ids = self.tokenize(prompt)
+        seed = params.seed if params.seed is not None else int(seed_rng.integers(2**62))
+        max_tokens = self.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        return Request(request_id, text, ids, params, seed=seed, max_tokens=max(max_tokens, 1),
+                       arrival=arrival, priority=priority, cache_salt=cache_salt,
+                       n_samples=params.n, bad_words_ids=self.bad_words_ids(params))

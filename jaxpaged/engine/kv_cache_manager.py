@@ -178,8 +178,10 @@ class KVCacheManager:
 
     def _register_full_pages(self, table: _Table, token_ids: list[int], num_tokens: int,
                              extra_keys: tuple) -> None:
-        """Put the request's pages that ``num_tokens`` fill into the cache."""
-        full = min(num_tokens // self.page_size, len(table.pages))
+        """Put the request's pages that ``num_tokens`` fill into the cache (only pages whose
+        tokens are all known: under async scheduling a step may compute a token whose id is
+        not on the host yet; its page is registered by a later allocation)."""
+        full = min(min(num_tokens, len(token_ids)) // self.page_size, len(table.pages))
         if full <= table.num_cached_pages:
             return
         hashes = self._page_hashes(table, token_ids[:full * self.page_size], extra_keys)

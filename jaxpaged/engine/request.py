@@ -44,6 +44,12 @@ class Request:
         num_computed_tokens: tokens whose K/V are in the pool (0 again after preemption).
         num_cached_tokens: prompt tokens served by the prefix cache at first scheduling.
         num_preemptions: how often the sequence was preempted.
+        num_output_placeholders: tokens scheduled to be sampled whose ids are not on the host
+            yet (vLLM's name): 1 between a sampling step's scheduling and its result, 2
+            briefly under async scheduling; 0 again after preemption.
+        needs_output_tokens: its sampling reads its output ids on the host (penalties, bad
+            words, ``min_tokens``, logit bias, allowed ids), so async scheduling does not run
+            it ahead of its unknown tokens.
         finish_reason, stop_reason: set when it finishes (vLLM's meanings).
     """
 
@@ -64,6 +70,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None
     num_preemptions: int = 0
+    num_output_placeholders: int = 0
+    needs_output_tokens: bool = False
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -109,6 +117,7 @@ class Request:
                        arrival=self.arrival, group_id=self.group_id, index=index,
                        priority=self.priority, cache_salt=self.cache_salt,
                        bad_words_ids=self.bad_words_ids,
+                       needs_output_tokens=self.needs_output_tokens,
                        all_token_ids=list(self.all_token_ids),
                        num_computed_tokens=self.num_computed_tokens,
                        num_cached_tokens=self.num_cached_tokens)

@@ -106,7 +106,7 @@ class Scheduler:
     # request's fields directly rather than through its properties (host time per step).
     def _chunk(self, req: Request, budget: int) -> int:
         computed = req.num_computed_tokens
-        num_new = min(len(req.all_token_ids) - computed, budget)
+        num_new = min(len(req.all_token_ids) + req.num_output_placeholders - computed, budget)
         threshold = self.config.long_prefill_token_threshold
         if threshold and computed < len(req.prompt_token_ids):
             num_new = min(num_new, threshold)
@@ -120,7 +120,7 @@ class Scheduler:
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
-        samples = start + num_new == len(req.all_token_ids)
+        samples = start + num_new == len(req.all_token_ids) + req.num_output_placeholders
         return ScheduledRequest(req, start, num_new, self.kv.page_table(req.request_id).copy(),
                                 samples, req.n_samples if samples else 0)
 
@@ -128,13 +128,26 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's sequences and token counts, allocating their pages; the result
-        holds everything the device step needs."""
+        holds everything the device step needs.
+
+        Scheduling advances each scheduled sequence's ``num_computed_tokens`` by its chunk at
+        once and counts a sampling chunk's coming token in ``num_output_placeholders`` (as
+        vLLM V1's ``_update_after_schedule``), so the next step can be scheduled before this
+        one's tokens are known (async scheduling): a sequence with a placeholder then decodes
+        that unknown token (the runner takes it from the previous step's device output). A
+        sequence is not run ahead of its placeholders when its sampling needs its output ids
+        on the host, when it is a parallel-sampling prompt not yet forked, or when its
+        placeholders already reach its length limit (it finishes when they resolve).
+        """
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_output_placeholders and not self._can_run_ahead(req):
+                i += 1
+                continue
             num_new = self._chunk(req, budget)
             while not self._allocate(req, num_new):
                 victim = self._pick_victim()
@@ -153,7 +166,21 @@ class Scheduler:
             budget -= num_new
             i += 1
         admitted = [] if preempted else self._admit_waiting(scheduled, budget)
+        for s in scheduled:
+            req = s.request
+            req.num_computed_tokens = s.start + s.num_new_tokens
+            if s.samples:
+                req.num_output_placeholders += 1
         return SchedulerOutput(scheduled, preempted, admitted, self.kv.take_pending_copies())
+
+    def _can_run_ahead(self, req: Request) -> bool:
+        """Whether a sequence whose last sampled token(s) are not known yet can be scheduled
+        (see :meth:`schedule`)."""
+        if req.needs_output_tokens or req.n_samples > 1:
+            return False
+        known = len(req.all_token_ids) + req.num_output_placeholders
+        return (known - len(req.prompt_token_ids) < req.max_tokens
+                and known < self.config.max_model_len)
 
     def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> list[Request]:
         """Move waiting requests into the step while the budget, the seats and the pages
@@ -208,6 +235,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0    # an in-flight token still arrives and is kept
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self._enqueue(req)
@@ -217,10 +245,15 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[RequestGroup]:
-        """Apply a finished step: advance every scheduled sequence's ``num_computed_tokens``,
-        fork parallel-sampling requests after their prompt, hand each sampled token to the
-        output processor (append, detokenize, stop rules) and finish (free) the sequences it
-        stops. The one place that moves a request forward after a step.
+        """Apply a finished step: resolve every sampling sequence's placeholder with its
+        sampled token, fork parallel-sampling requests after their prompt, hand each token
+        to the output processor (append, detokenize, stop rules) and finish (free) the
+        sequences it stops. The one place that moves a request's tokens forward after a
+        step (``num_computed_tokens`` moved when it was scheduled).
+
+        Under async scheduling the next step may have been scheduled in between: a sequence
+        finished since (a stop found in the step before, an abort) drops its token; one
+        preempted since keeps it (it recomputes with it, as if preempted after this step).
 
         Returns:
             The requests that got tokens (or prompt logprobs) this step, in batch order.
@@ -231,11 +264,14 @@ class Scheduler:
         for i, (s, tokens) in enumerate(zip(scheduler_output.scheduled,
                                             runner_output.sampled_token_ids, strict=True)):
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
+            if req.status is RequestStatus.FINISHED:
+                continue
             if prompt_logprobs is not None and prompt_logprobs[i] is not None:
                 op.add_prompt_logprobs(req.group_id, s.start, prompt_logprobs[i])
             if not tokens:
                 continue
+            if req.num_output_placeholders:
+                req.num_output_placeholders -= 1
             seqs = [req] if len(tokens) == 1 else [req] + self._fork(req, len(tokens) - 1)
             for j, seq in enumerate(seqs):
                 stop = op.append_token(seq, tokens[j],

@@ -28,6 +28,7 @@ from jaxpaged.sampling.logits_adjust import LogitsAdjustment, needs_adjustment, 
 from jaxpaged.sampling.sampler import SamplingMetadata
 
 _SEED_MASK = 0xFFFFFFFFFFFFFFFF
+_UNKNOWN = [0]      # the stand-in id of a token not on the host yet
 
 
 def _seed_bits(seeds: list[int]) -> np.ndarray:
@@ -54,6 +55,9 @@ class StepInputs:
         adjust: per-row logit adjustments, or None when no row has any.
         prompt_targets: [T] int32, each token's next prompt token, for a step that scores
             prompt logprobs; else None.
+        prev_token_index: [T] int32; for a token whose id the host does not know yet (async
+            scheduling: a decode of the token the previous step samples), that step's
+            sampling row; -1 for every other token (its id is in ``input_ids``).
         with_logprobs: also return the sampled tokens' logprobs.
         with_prompt_logprobs: also score ``prompt_targets``.
     """
@@ -65,13 +69,14 @@ class StepInputs:
     sampling: SamplingMetadata
     adjust: LogitsAdjustment | None = None
     prompt_targets: np.ndarray | None = None
+    prev_token_index: np.ndarray | None = None
     with_logprobs: bool = False
     with_prompt_logprobs: bool = False
 
 
 jax.tree_util.register_dataclass(
     StepInputs, data_fields=["input_ids", "positions", "logits_indices", "attn_metadata",
-                             "sampling", "adjust", "prompt_targets"],
+                             "sampling", "adjust", "prompt_targets", "prev_token_index"],
     meta_fields=["with_logprobs", "with_prompt_logprobs"])
 
 
@@ -102,8 +107,8 @@ def attention_metadata(backend: AttentionBackend, layout: BatchLayout) -> dict:
 
 def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBackend,
                  eos_token_ids: frozenset[int],
-                 pad_sizes: Callable[[int, int, int, int, bool], tuple[int, int, int]]
-                 ) -> PreparedStep:
+                 pad_sizes: Callable[[int, int, int, int, bool], tuple[int, int, int]],
+                 prev_rows: Callable[[], dict[str, int]]) -> PreparedStep:
     """Pad and pack one scheduled step.
 
     Args:
@@ -112,9 +117,13 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
         backend: the attention backend (its metadata).
         eos_token_ids: banned before a sequence's ``min_tokens``.
         pad_sizes: ``(num_tokens, num_seqs, num_rows, max_pages, decode_only) -> (T, B, P)``.
+        prev_rows: gives, by sequence id, the sampling row of each sequence in the step
+            dispatched before this one (called only when a sequence decodes a token not on
+            the host yet, see :attr:`StepInputs.prev_token_index`).
 
     Raises:
         ValueError: the step exceeds the largest bucket.
+        RuntimeError: a sequence decodes an unknown token the previous step did not sample.
     """
     seqs = sched.scheduled
     b = len(seqs)
@@ -150,12 +159,25 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
         chain.from_iterable(s.page_ids for s in seqs), np.int32, int(cu_pages[-1]))
 
     input_ids = np.zeros(t_pad, np.int32)
+    # A decode of a token still being sampled by the previous step (async scheduling): its
+    # id comes from that step's device output; 0 stands in here.
+    unknown = [i for i, (s, r) in enumerate(zip(seqs, reqs)) if s.start >= len(r.all_token_ids)]
     if num_tokens == b:     # decode-only: one token each
-        input_ids[:b] = [r.all_token_ids[s.start] for s, r in zip(seqs, reqs)]
+        input_ids[:b] = [r.all_token_ids[s.start] if s.start < len(r.all_token_ids) else 0
+                         for s, r in zip(seqs, reqs)]
     else:
         input_ids[:num_tokens] = np.fromiter(
-            chain.from_iterable(s.request.all_token_ids[s.start:s.end] for s in seqs),
-            np.int32, num_tokens)
+            chain.from_iterable(s.request.all_token_ids[s.start:s.end] or _UNKNOWN
+                                for s in seqs), np.int32, num_tokens)
+    prev_token_index = np.full(t_pad, -1, np.int32)
+    if unknown:
+        rows_before = prev_rows()
+        try:
+            prev_token_index[cu_tokens[unknown]] = [rows_before[reqs[i].request_id]
+                                                    for i in unknown]
+        except KeyError as e:
+            raise RuntimeError(f"sequence {e.args[0]!r} decodes a token that the previous "
+                               "step did not sample") from None
     positions = np.zeros(t_pad, np.int32)
     positions[:num_tokens] = token_pos
     slot_mapping = np.full(t_pad, NULL_PAGE * page_size, np.int32)
@@ -181,7 +203,7 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
     sampling = SamplingMetadata.from_columns(
         *(np.array([getattr(p, name) for p in distinct])[row_params]
           for name in ("temperature", "top_k", "top_p", "min_p", "is_greedy")),
-        row_seeds, np.array([len(r.all_token_ids) for r in reqs], np.int64)[owners],
+        row_seeds, (starts_a + counts_a)[owners],
         padded=b_pad)
     adjust = None
     if adjusted:
@@ -202,5 +224,6 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
             t = int(cu_tokens[i])
             prompt_targets[t:t + len(following)] = following
     inputs = StepInputs(input_ids, positions, logits_indices, attention_metadata(backend, layout),
-                        sampling, adjust, prompt_targets, with_logprobs, with_prompt)
+                        sampling, adjust, prompt_targets, prev_token_index, with_logprobs,
+                        with_prompt)
     return PreparedStep(inputs, layout, cu_rows.tolist())

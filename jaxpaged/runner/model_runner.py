@@ -2,9 +2,10 @@
 -> a `ModelRunnerOutput` (vLLM V1's ``execute_model`` contract; the runner never calls the KV
 cache manager: the page ids and page copies arrive in the ``SchedulerOutput``).
 
-The jitted step takes the model's parameters, the donated KV pool and one ``StepInputs``
-pytree (``jaxpaged.runner.input_batch``), and returns a ``SamplerOutput`` (the sampled tokens,
-with their log-probabilities when asked) plus the updated pool. Arrays are padded to buckets
+The jitted step takes the model's parameters, the donated KV pool, one ``StepInputs`` pytree
+(``jaxpaged.runner.input_batch``) and the previous step's sampled ids (for the tokens the host
+does not know yet under async scheduling), and returns a ``SamplerOutput`` (the sampled tokens,
+with their log-probabilities when asked), the updated pool and this step's sampled ids. Arrays are padded to buckets
 so the step compiles a bounded number of times:
 
 - decode-only steps: T = B = a sequence bucket (8, 16, ... up to ``max_num_seqs``);
@@ -26,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -113,9 +115,16 @@ class ModelRunner:
         self._graphdef = graphdef
         self._executables.clear()
 
-        def step(state, kv_caches, inputs: StepInputs) -> tuple[SamplerOutput, list[KVPages]]:
+        num_rows = self._seq_buckets[-1]
+
+        def step(state, kv_caches, inputs: StepInputs, prev_tokens: jax.Array
+                 ) -> tuple[SamplerOutput, list[KVPages], jax.Array]:
+            input_ids = inputs.input_ids
+            if inputs.prev_token_index is not None:   # ids sampled by the step before
+                input_ids = jnp.where(inputs.prev_token_index >= 0,
+                                      prev_tokens[inputs.prev_token_index], input_ids)
             model = nnx.merge(graphdef, state)
-            hidden, kv_caches = model(inputs.input_ids, inputs.positions, kv_caches,
+            hidden, kv_caches = model(input_ids, inputs.positions, kv_caches,
                                       inputs.attn_metadata)
             logits = model.compute_logits(hidden[inputs.logits_indices])
             out = sample(logits, inputs.sampling, inputs.with_logprobs, inputs.adjust)
@@ -125,14 +134,18 @@ class ModelRunner:
                 # among this step's inputs: the host passes every row's target).
                 out = dataclasses.replace(out, prompt_logprobs=token_logprobs(
                     model.compute_logits(hidden), inputs.prompt_targets))
-            return out, kv_caches
+            # The sampled ids padded to the largest row count: the next step's prev_tokens.
+            sampled = jnp.pad(out.token_ids, (0, num_rows - out.token_ids.shape[0]))
+            return out, kv_caches, sampled
 
         state_sharding = jax.tree.map(lambda a: a.sharding, self._state)
         kv_sharding = jax.tree.map(lambda a: a.sharding, self._kv_caches)
         rep = self._replicated
         self._step = jax.jit(step, donate_argnums=(1,),
-                             in_shardings=(state_sharding, kv_sharding, rep),
-                             out_shardings=(rep, kv_sharding))
+                             in_shardings=(state_sharding, kv_sharding, rep, rep),
+                             out_shardings=(rep, kv_sharding, rep))
+        self._prev_tokens = jax.device_put(np.zeros(num_rows, np.int32), rep)
+        self._prev_rows: Callable[[], dict[str, int]] = dict
 
         def copy_pages(kv_caches, src, dst):
             return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv_caches]
@@ -219,13 +232,23 @@ class ModelRunner:
 
     def dispatch(self, scheduler_output: SchedulerOutput) -> PendingStep:
         """Start the step of :meth:`execute` on the device and return at once (JAX
-        dispatches asynchronously); :meth:`PendingStep.result` waits for it."""
+        dispatches asynchronously); :meth:`PendingStep.result` waits for it.
+
+        A sequence may decode a token whose id the host does not know yet: the one the step
+        dispatched just before samples for it (async scheduling, see
+        ``Scheduler.schedule``); the step reads it from that step's device output, so the
+        two steps run back to back without the host in between.
+        """
         self.copy_pages(scheduler_output.page_copies)
         prepared = prepare_step(scheduler_output, page_size=self._page_size,
                                 backend=self._backend, eos_token_ids=self._eos_token_ids,
-                                pad_sizes=self._pad_sizes)
+                                pad_sizes=self._pad_sizes, prev_rows=self._prev_rows)
         fn = self._executable(prepared.layout, prepared.inputs)
-        out, self._kv_caches = fn(self._state, self._kv_caches, prepared.inputs)
+        out, self._kv_caches, self._prev_tokens = fn(self._state, self._kv_caches,
+                                                     prepared.inputs, self._prev_tokens)
+        scheduled, starts = scheduler_output.scheduled, prepared.row_starts
+        self._prev_rows = lambda: {s.request.request_id: starts[i]
+                                   for i, s in enumerate(scheduled) if s.samples}
         return PendingStep(scheduler_output, prepared, out)
 
     def _executable(self, layout: BatchLayout, inputs: StepInputs):
@@ -236,7 +259,8 @@ class ModelRunner:
         fn = self._executables.get(key)
         if fn is None:
             t0 = time.perf_counter()
-            fn = self._step.lower(self._state, self._kv_caches, inputs).compile()
+            fn = self._step.lower(self._state, self._kv_caches, inputs,
+                                  self._prev_tokens).compile()
             self._executables[key] = fn
             logger.debug("compiled step %s in %.2fs", key, time.perf_counter() - t0)
         return fn
@@ -305,7 +329,9 @@ class ModelRunner:
         t_pad, b_pad = layout.positions.shape[0], layout.seq_lens.shape[0]
         return StepInputs(np.zeros(t_pad, np.int32), layout.positions, np.zeros(b_pad, np.int32),
                           attention_metadata(self._backend, layout),
-                          SamplingMetadata.from_host([], b_pad), with_logprobs=with_logprobs)
+                          SamplingMetadata.from_host([], b_pad),
+                          prev_token_index=np.full(t_pad, -1, np.int32),
+                          with_logprobs=with_logprobs)
 
     def profile_peak_bytes(self) -> int | None:
         """Run the largest prefill step once on dummy data; the device's peak bytes in use
@@ -314,8 +340,8 @@ class ModelRunner:
         _, b_pad, _ = self._pad_sizes(t_pad, 1, 1, 1, False)
         layout = self._dummy_layout(t_pad, b_pad, self._page_buckets[-1], False)
         inputs = self._dummy_inputs(layout, with_logprobs=True)
-        out, self._kv_caches = self._executable(layout, inputs)(self._state, self._kv_caches,
-                                                                inputs)
+        out, self._kv_caches, _ = self._executable(layout, inputs)(
+            self._state, self._kv_caches, inputs, self._prev_tokens)
         jax.block_until_ready(out)
         stats = jax.local_devices()[0].memory_stats()
         return None if not stats else stats.get("peak_bytes_in_use")

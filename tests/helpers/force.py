@@ -1,21 +1,23 @@
 """FORCE: a test hook that makes the engine emit exactly a scripted token sequence.
 
-It wraps the runner's ``execute``: the real model step still runs (so the KV cache stays
+It wraps the runner's ``dispatch``: the real model step still runs (so the KV cache stays
 consistent with what the engine feeds next), then each scripted request's sampled token is
-replaced by the next token of its script.
+replaced by the next token of its script. The engine must schedule synchronously (under async
+scheduling the next step would read the real token on the device).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 
 def force_tokens(monkeypatch, engine, scripts: dict[str, list[int]]) -> None:
     """From now on, request ``rid`` (index 0 sequence) emits ``scripts[rid]`` in order."""
-    real = engine.runner.execute
+    assert not engine.args.async_scheduling, "FORCE needs synchronous scheduling"
+    real = engine.runner.dispatch
 
-    def execute(scheduler_output):
-        out = real(scheduler_output)
+    def forced(out, scheduler_output):
         sampled = []
         for s, tokens in zip(scheduler_output.scheduled, out.sampled_token_ids):
             script = scripts.get(s.request.request_id)
@@ -24,7 +26,11 @@ def force_tokens(monkeypatch, engine, scripts: dict[str, list[int]]) -> None:
             sampled.append(tokens)
         return dataclasses.replace(out, sampled_token_ids=sampled)
 
-    monkeypatch.setattr(engine.runner, "execute", execute)
+    def dispatch(scheduler_output):
+        pending = real(scheduler_output)
+        return SimpleNamespace(result=lambda: forced(pending.result(), scheduler_output))
+
+    monkeypatch.setattr(engine.runner, "dispatch", dispatch)
 
 
 def run_engine(engine, rid, prompt, params):
