@@ -24,6 +24,13 @@ def llm():
     return LLM(enforce_eager=True, max_num_seqs=64, max_num_batched_tokens=512)
 
 
+@pytest.fixture(scope="module")
+def forced_llm():
+    """The same engine, scheduling synchronously: FORCE replaces sampled tokens on the host."""
+    return LLM(enforce_eager=True, max_num_seqs=64, max_num_batched_tokens=512,
+               async_scheduling=False)
+
+
 def ref(llm, prompt, k):
     return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=k, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]
@@ -48,7 +55,7 @@ def test_b01_stop_string_spanning_tokens_starting_inside_a_token(llm):
     assert not any(ch in d for d in deltas for ch in set(s) - set(r.text[:i]))
 
 
-def test_b03_stop_at_the_very_first_token(llm, monkeypatch):
+def test_b03_stop_at_the_very_first_token(llm, forced_llm, monkeypatch):
     r = ref(llm, "Once upon a time", 8)
     s = r.text[:2]
     for kind in (RequestOutputKind.CUMULATIVE, DELTA):
@@ -56,26 +63,26 @@ def test_b03_stop_at_the_very_first_token(llm, monkeypatch):
                          SamplingParams(temperature=0, max_tokens=8, stop=[s], output_kind=kind))
         assert out[-1].outputs[0].text == "" and out[-1].outputs[0].finish_reason == "stop"
         assert out[-1].finished
-    force_tokens(monkeypatch, llm.engine, {"eos-first": [2]})
-    out = run_engine(llm.engine, "eos-first", "Once upon a time",
+    force_tokens(monkeypatch, forced_llm.engine, {"eos-first": [2]})
+    out = run_engine(forced_llm.engine, "eos-first", "Once upon a time",
                      SamplingParams(max_tokens=8, output_kind=DELTA))
     c = out[-1].outputs[0]
     assert (c.text, c.finish_reason, c.token_ids) == ("", "stop", [2])
 
 
 @pytest.mark.parametrize("include", [False, True])
-def test_b04_stop_token_ids_special_and_plain(llm, monkeypatch, include):
-    tok = llm.get_tokenizer()
+def test_b04_stop_token_ids_special_and_plain(forced_llm, monkeypatch, include):
+    tok = forced_llm.get_tokenizer()
     hello = tok.encode("hello world", add_special_tokens=False)
     newline = tok.encode("\n", add_special_tokens=False)[-1]
-    force_tokens(monkeypatch, llm.engine, {"special": hello + [2], "plain": hello + [newline]})
+    force_tokens(monkeypatch, forced_llm.engine, {"special": hello + [2], "plain": hello + [newline]})
     words = tok.decode([5] + hello)[len(tok.decode([5])):]      # " hello world" after the prompt
     assert words.strip() == "hello world"
     common = dict(max_tokens=20, skip_special_tokens=True, include_stop_str_in_output=include)
-    c = run_engine(llm.engine, "special", [1, 5], SamplingParams(stop_token_ids=[2], ignore_eos=True,
+    c = run_engine(forced_llm.engine, "special", [1, 5], SamplingParams(stop_token_ids=[2], ignore_eos=True,
                                                                  **common))[-1].outputs[0]
     assert (c.text, c.finish_reason, c.stop_reason) == (words, "stop", 2)
-    c = run_engine(llm.engine, "plain", [1, 5], SamplingParams(stop_token_ids=[newline],
+    c = run_engine(forced_llm.engine, "plain", [1, 5], SamplingParams(stop_token_ids=[newline],
                                                                **common))[-1].outputs[0]
     assert c.text == (words + "\n" if include else words)
     assert (c.finish_reason, c.stop_reason) == ("stop", newline)
@@ -116,18 +123,18 @@ def test_b06_ignore_eos_ignores_every_eos_id(llm, monkeypatch):
     assert c.finish_reason == "stop" and c.stop_reason == e2
 
 
-def test_b07_streamed_deltas_concatenate_to_the_full_decode(llm, monkeypatch):
-    tok = llm.get_tokenizer()
+def test_b07_streamed_deltas_concatenate_to_the_full_decode(forced_llm, monkeypatch):
+    tok = forced_llm.get_tokenizer()
     rng = np.random.default_rng(7)
     special = set(tok.all_special_ids)
     random_ids = [int(t) for t in rng.integers(3, 512, 400) if int(t) not in special][:200]
     for rid, ids in [("utf8", tok.encode("汉字 🤗 café. It works", add_special_tokens=False)),
                      ("random", random_ids), ("cut", tok.encode("汉字", add_special_tokens=False)[:-1])]:
-        force_tokens(monkeypatch, llm.engine, {rid: ids, rid + "-full": ids})
-        concat, deltas, last = stream(llm, rid, [1, 5], max_tokens=len(ids), ignore_eos=True)
+        force_tokens(monkeypatch, forced_llm.engine, {rid: ids, rid + "-full": ids})
+        concat, deltas, last = stream(forced_llm, rid, [1, 5], max_tokens=len(ids), ignore_eos=True)
         # The decode of the ids as they follow the prompt (sentencepiece keeps the space).
         full = tok.decode([5] + ids, skip_special_tokens=True)[len(tok.decode([5])):]
-        nonstream = run_engine(llm.engine, rid + "-full", [1, 5], SamplingParams(
+        nonstream = run_engine(forced_llm.engine, rid + "-full", [1, 5], SamplingParams(
             max_tokens=len(ids), ignore_eos=True))[-1].outputs[0].text
         assert concat == full == nonstream, rid
         assert all("\ufffd" not in d for d in deltas[:-1]) or "\ufffd" in full

@@ -62,7 +62,8 @@ def test_statistics_of_the_replicas_are_merged():
     llm.engine.stat_loggers.append(Recorder())
     llm.engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=5, ignore_eos=True))
     llm.engine.add_request("b", PROMPTS[1], SamplingParams(max_tokens=5, ignore_eos=True))
-    llm.engine.step()          # both replicas prefill and sample their first token
+    while not reports:         # both replicas prefill and sample their first token
+        llm.engine.step()      # (reported one step later with async scheduling)
     last = reports[-1][0]
     assert last.num_running_reqs == 2
     assert sum(it.num_generation_tokens for _, it in reports) == 2

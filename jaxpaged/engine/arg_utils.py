@@ -61,9 +61,11 @@ class EngineArgs:
             takes the lowest-priority, newest request).
         gpu_memory_utilization: fraction of GPU memory for weights, activations and KV pool.
         enforce_eager: skip the start-up precompile of every step shape (compile lazily).
-        async_scheduling: overlap each step's output processing (detokenization, output
-            assembly) with the next device step (``Engine.step``); outputs are identical,
-            each returned one step later.
+        async_scheduling: schedule and dispatch each step while the previous one runs on
+            the device, and apply that one's tokens and make its outputs while this one runs
+            (``Engine.step``; vLLM's ``--async-scheduling``); the synchronous outputs, each
+            returned one step later. On by default (a multi-host job, whose processes step
+            in lockstep, schedules synchronously); off: each step waits for the previous.
         compilation_cache_dir: directory of JAX's persistent compilation cache (off if None).
         tensor_parallel_size: devices the model's heads and MLP columns are split over
             (``jaxpaged.distributed.tensor_parallel``).
@@ -96,7 +98,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     gpu_memory_utilization: float = 0.92
     enforce_eager: bool = False
-    async_scheduling: bool = False
+    async_scheduling: bool = True
     compilation_cache_dir: str | None = None
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -197,7 +199,8 @@ class EngineArgs:
                        default=d.enable_prefix_caching, help="automatic prefix caching")
         g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                        default=d.async_scheduling,
-                       help="process a step's outputs while the device runs the next step")
+                       help="schedule and dispatch each step while the device runs the "
+                            "previous one (the same outputs, each one step later)")
         g.add_argument("--max-num-partial-prefills", type=int, default=d.max_num_partial_prefills)
         g.add_argument("--long-prefill-token-threshold", type=int,
                        default=d.long_prefill_token_threshold)

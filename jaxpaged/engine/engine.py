@@ -153,6 +153,8 @@ class Engine:
         #: Async scheduling: the dispatched step whose results are not applied yet, and
         #: outputs made early (an abort) for the next step to return.
         self._in_flight: _InFlight | None = None
+        # A multi-host job's processes take their steps in lockstep: synchronously.
+        self._async_scheduling = args.async_scheduling and args.num_processes == 1
         self._early_outputs: list[RequestOutput] = []
         self.fault_injector: Callable[[int, list[str]], None] | None = None
         self._seed_rng = seed_rng or np.random.default_rng(args.seed)
@@ -195,15 +197,20 @@ class Engine:
         self.scheduler.add_request(req)
 
     def abort_request(self, request_id: str | list[str]) -> None:
-        """Stop requests now and free their pages; unknown ids are ignored."""
+        """Stop requests now and free their pages; unknown ids are ignored. No output of
+        them follows (with async scheduling, not even one of a step that ran before the
+        abort but whose output the next :meth:`step` would have returned)."""
         ids = [request_id] if isinstance(request_id, str) else request_id
         step = self._in_flight
         if step is not None and not set(ids).isdisjoint(
                 s.request.group_id for s in step.scheduler_output.scheduled):
-            # Async scheduling: the step running it first, and its outputs as the
-            # synchronous engine gave them (a request it finished is retired as such).
+            # Async scheduling: the step running it first (a request it finished is retired
+            # as such); the other requests' outputs of it come with the next step.
             self._in_flight = None
             self._early_outputs += self._finish(step)
+        if self._early_outputs:     # an aborted request gets no further output
+            gone = set(ids)
+            self._early_outputs = [o for o in self._early_outputs if o.request_id not in gone]
         aborted = False
         for rid in ids:
             group = self.output_processor.remove_request(rid)
@@ -279,7 +286,7 @@ class Engine:
         if previous is not None:
             outputs += self._finish(previous, scheduler_output, current)
         if current is not None:
-            if self.args.async_scheduling:
+            if self._async_scheduling:
                 self._in_flight = current
             else:
                 outputs += self._finish(current)
