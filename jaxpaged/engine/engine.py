@@ -110,7 +110,7 @@ class Engine:
         self.dtype = worker.dtype
         #: The KV pool's element type (the model's dtype, or float8_e4m3fn for fp8).
         self.kv_cache_dtype = worker.kv_cache_dtype
-        #: Each layer's ``(k_scale, v_scale)`` (``jaxpaged.engine.kv_scales``).
+        #: Each layer's ``(k_scale, v_scale)`` (``jaxpaged.runner.kv_scales``).
         self.kv_scales = worker.kv_scales
         self.kv_bytes_per_page = worker.kv_bytes_per_page
         num_pages, page_size = worker.num_pages, args.block_size
