@@ -25,6 +25,7 @@ from jaxpaged.distributed.multihost import initialize as initialize_multihost
 from jaxpaged.distributed.step_sync import install_signal_handlers, stop_requested_anywhere
 from jaxpaged.distributed.tensor_parallel import request_host_devices
 from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.engine.gc_heap import CompileAwareHeapFreezer
 from jaxpaged.engine.generation_config import (eos_token_ids, generation_defaults,
                                                load_generation_config)
 from jaxpaged.engine.input_processor import InputProcessor, Prompt
@@ -147,6 +148,8 @@ class Engine:
                     cfg.architecture, cfg.num_layers, np.dtype(self.dtype).name,
                     cfg.quantization, self.runner.weight_bytes / 2**20, self.max_model_len,
                     self.runner.backend.name, worker.tensor_parallel_size)
+        self._heap = CompileAwareHeapFreezer()    # start-up's objects out of the GC's reach
+        self._heap.update(self.runner.num_compilations)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -319,6 +322,7 @@ class Engine:
             if out.finished if out is not None else group.finished:
                 self._retire(group, now, group.seqs[0].request.finish_reason)
         self.record_stats()
+        self._heap.update(self.runner.num_compilations)   # after a step that compiled
         return outputs
 
     def _fail_step(self, scheduler_output: SchedulerOutput,
