@@ -175,3 +175,30 @@ def test_stop_strings_match_where_the_whole_decode_first_holds_them(path, includ
         assert matched == s
         assert detok.text == text[:i + len(s) if include else i]
         assert detok.visible_text(finished=True) == detok.text
+
+
+def test_token_tables_are_per_tokenizer_and_keep_none_alive():
+    """The byte-fallback and special-id tables go with their tokenizer object: they do not
+    keep it alive, and another tokenizer (a new object, perhaps at a reused ``id``) gets its
+    own."""
+    import gc
+    import weakref
+
+    llama = AutoTokenizer.from_pretrained(LLAMA2_TOKENIZER)
+    assert len(byte_fallback_ids(llama)) == 256              # <0x00> .. <0xFF>
+    assert special_ids(llama) == {0, 1, 2}                   # <unk>, <s>, </s>
+    detok = IncrementalDetokenizer(llama, [1], skip_special_tokens=True)
+    detok.add_token(llama.convert_tokens_to_ids("<0x41>"))
+    assert detok.text == ""          # a byte piece: held back until its run closes
+    detok.flush()
+    assert detok.text == "A"
+    alive = weakref.ref(llama)
+    del llama, detok
+    gc.collect()
+    assert alive() is None
+    for _ in range(3):      # new objects, which may reuse a dead one's id
+        gpt2 = AutoTokenizer.from_pretrained(os.path.join(TOKENIZERS, "gpt2"))
+        assert byte_fallback_ids(gpt2) == frozenset()        # byte-level BPE: no <0xNN>
+        assert special_ids(gpt2) == {gpt2.eos_token_id}       # <|endoftext|> only
+        del gpt2
+        gc.collect()

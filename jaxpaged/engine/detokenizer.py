@@ -29,6 +29,7 @@ used because it emits a byte-fallback token's character before its run is closed
 from __future__ import annotations
 
 import re
+import weakref
 from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase, TokenizersBackend
@@ -47,31 +48,44 @@ _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 _LOCAL_DECODER_PARTS = frozenset({"Sequence", "ByteLevel", "Metaspace", "Replace",
                                   "ByteFallback", "Fuse", "Strip", "WordPiece", "BPEDecoder",
                                   "String", "Regex"})
-_token_sets: dict[int, tuple] = {}
 
 
-def _token_sets_of(tokenizer: PreTrainedTokenizerBase) -> tuple:
-    """(tokenizer, byte-fallback ids, special ids, their union), computed once per tokenizer
-    object (held here, so its ``id`` is not reused by another)."""
-    entry = _token_sets.get(id(tokenizer))
-    if entry is None:
-        byte_ids = frozenset(i for piece, i in tokenizer.get_vocab().items()
-                             if _BYTE_TOKEN.match(piece))
-        special = frozenset(tokenizer.all_special_ids) | frozenset(
+class _TokenizerTables:
+    """What the detokenizer derives from one tokenizer once: the ids of its byte-fallback
+    pieces, of its special tokens, and their union (frozensets of ids)."""
+
+    __slots__ = ("byte_ids", "special", "byte_or_special")
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.byte_ids = frozenset(i for piece, i in tokenizer.get_vocab().items()
+                                  if _BYTE_TOKEN.match(piece))
+        self.special = frozenset(tokenizer.all_special_ids) | frozenset(
             i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
-        entry = _token_sets[id(tokenizer)] = (tokenizer, byte_ids, special, byte_ids | special)
-    return entry
+        self.byte_or_special = self.byte_ids | self.special
+
+
+#: Each live tokenizer's tables, keyed weakly: an entry goes with its tokenizer, so it keeps
+#: no tokenizer alive and a later tokenizer never finds another's tables.
+_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _tables_of(tokenizer: PreTrainedTokenizerBase) -> _TokenizerTables:
+    """The tokenizer's :class:`_TokenizerTables`, computed on its first use."""
+    tables = _tables.get(tokenizer)
+    if tables is None:
+        tables = _tables[tokenizer] = _TokenizerTables(tokenizer)
+    return tables
 
 
 def byte_fallback_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """Ids of the tokenizer's ``<0xNN>`` byte-fallback pieces (empty for byte-level BPE)."""
-    return _token_sets_of(tokenizer)[1]
+    return _tables_of(tokenizer).byte_ids
 
 
 def special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """Ids that ``decode(..., skip_special_tokens=True)`` drops: the special tokens and the
     added tokens marked special."""
-    return _token_sets_of(tokenizer)[2]
+    return _tables_of(tokenizer).special
 
 
 def fast_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
@@ -114,8 +128,9 @@ class IncrementalDetokenizer:
         self._context_text = self._decode(self._ids)
         # Tokens that leave a run of byte-fallback pieces open: byte pieces, and special
         # tokens when they are skipped (the decode then joins the runs on either side).
-        _, byte_ids, _, both = _token_sets_of(tokenizer)
-        self._run_ids = both if skip_special_tokens and byte_ids else byte_ids
+        tables = _tables_of(tokenizer)
+        self._run_ids = (tables.byte_or_special if skip_special_tokens and tables.byte_ids
+                         else tables.byte_ids)
         self._closed = self._num_context     # ids before any open run of byte tokens
         self._stop = stop
         self._include_stop = include_stop_str_in_output
