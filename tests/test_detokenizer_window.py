@@ -117,6 +117,9 @@ def test_window_stays_short_over_a_long_output(path, monkeypatch):
     # sizes[0] is the context; a window holds a byte-fallback run (8 pieces for two emoji)
     # and the few tokens before it, however long the output grows.
     assert len(sizes) >= len(ids) and max(sizes[1:]) <= 24
+    # One decode per token (the window), the lone decode of the token it then starts at
+    # being cached per tokenizer: 1.05-1.22 per token here (1.5-1.9 when it decoded both).
+    assert len(sizes) <= 1.3 * len(ids)
     detok.flush()
     whole, context_text = (tok.decode(x, skip_special_tokens=True) for x in (prompt + ids, prompt))
     assert detok.text == whole[len(context_text):]
