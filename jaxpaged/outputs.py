@@ -1,11 +1,16 @@
-"""Request outputs, with vLLM's class and field names (``vllm/outputs.py``, ``vllm/logprobs.py``)."""
+"""Request outputs, with vLLM's class and field names (``vllm/outputs.py``, ``vllm/logprobs.py``).
+
+The classes have ``__slots__``: the engine builds a ``RequestOutput`` and a ``CompletionOutput``
+per request per step (and a ``Logprob`` per returned logprob), and a slotted instance is
+smaller and faster to build; no attribute outside the fields can be set on them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
     """One token's log-probability.
 
@@ -20,7 +25,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One generated sequence of a request.
 
@@ -50,7 +55,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """The state of one request after an engine step.
 

@@ -18,7 +18,7 @@ convert with saturation to finite values the same way).
 The scale trades range for resolution of small values: with ``k_scale = 1`` values below
 2**-6 lose relative precision (subnormals) and values above 448 saturate. vLLM uses 1.0 unless
 a quantized checkpoint ships scales or ``--calculate-kv-scales`` derives them from a first
-batch (``jaxpaged.engine.kv_scales``).
+batch (``jaxpaged.runner.kv_scales``).
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.multihost import abandon, job_formed, leave_failed_job
 from jaxpaged.distributed.step_sync import request_job_stop
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs, cli_error_message
-from jaxpaged.engine.async_engine import AsyncEngine, run_follower
+from jaxpaged.engine.async_engine import AsyncEngine
+from jaxpaged.engine.follower import run_follower
 from jaxpaged.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from jaxpaged.server.app import build_app
 from jaxpaged.server.serving import ServerConfig
@@ -157,7 +158,7 @@ def make_server(engine_args: EngineArgs, config: ServerConfig, log_stats: bool =
 def run_server(args: argparse.Namespace) -> int:
     """Serve until interrupted; returns the exit status. In a multi-host job only process 0
     serves HTTP; the others run the engine on process 0's commands
-    (:func:`jaxpaged.engine.async_engine.run_follower`) until it stops."""
+    (:func:`jaxpaged.engine.follower.run_follower`) until it stops."""
     try:
         engine_args = EngineArgs.from_cli_args(args)
         config = server_config(args)

@@ -117,6 +117,9 @@ def test_window_stays_short_over_a_long_output(path, monkeypatch):
     # sizes[0] is the context; a window holds a byte-fallback run (8 pieces for two emoji)
     # and the few tokens before it, however long the output grows.
     assert len(sizes) >= len(ids) and max(sizes[1:]) <= 24
+    # One decode per token (the window), the lone decode of the token it then starts at
+    # being cached per tokenizer: 1.05-1.22 per token here (1.5-1.9 when it decoded both).
+    assert len(sizes) <= 1.3 * len(ids)
     detok.flush()
     whole, context_text = (tok.decode(x, skip_special_tokens=True) for x in (prompt + ids, prompt))
     assert detok.text == whole[len(context_text):]
@@ -175,3 +178,30 @@ def test_stop_strings_match_where_the_whole_decode_first_holds_them(path, includ
         assert matched == s
         assert detok.text == text[:i + len(s) if include else i]
         assert detok.visible_text(finished=True) == detok.text
+
+
+def test_token_tables_are_per_tokenizer_and_keep_none_alive():
+    """The byte-fallback and special-id tables go with their tokenizer object: they do not
+    keep it alive, and another tokenizer (a new object, perhaps at a reused ``id``) gets its
+    own."""
+    import gc
+    import weakref
+
+    llama = AutoTokenizer.from_pretrained(LLAMA2_TOKENIZER)
+    assert len(byte_fallback_ids(llama)) == 256              # <0x00> .. <0xFF>
+    assert special_ids(llama) == {0, 1, 2}                   # <unk>, <s>, </s>
+    detok = IncrementalDetokenizer(llama, [1], skip_special_tokens=True)
+    detok.add_token(llama.convert_tokens_to_ids("<0x41>"))
+    assert detok.text == ""          # a byte piece: held back until its run closes
+    detok.flush()
+    assert detok.text == "A"
+    alive = weakref.ref(llama)
+    del llama, detok
+    gc.collect()
+    assert alive() is None
+    for _ in range(3):      # new objects, which may reuse a dead one's id
+        gpt2 = AutoTokenizer.from_pretrained(os.path.join(TOKENIZERS, "gpt2"))
+        assert byte_fallback_ids(gpt2) == frozenset()        # byte-level BPE: no <0xNN>
+        assert special_ids(gpt2) == {gpt2.eos_token_id}       # <|endoftext|> only
+        del gpt2
+        gc.collect()

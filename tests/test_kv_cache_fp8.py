@@ -31,7 +31,7 @@ from jaxpaged import LLM, EngineArgs, SamplingParams
 from jaxpaged.cli import build_parser
 from jaxpaged.config import ModelConfig
 from jaxpaged.engine.arg_utils import cli_error_message
-from jaxpaged.engine.kv_scales import (K_SCALE_CONSTANT, V_SCALE_CONSTANT, attention_modules,
+from jaxpaged.runner.kv_scales import (K_SCALE_CONSTANT, V_SCALE_CONSTANT, attention_modules,
                                        calibration_token_ids, set_kv_scales)
 from jaxpaged.layers.attention import get_attention_backend, resolve_kv_cache_dtype
 from jaxpaged.models.loader import load_model

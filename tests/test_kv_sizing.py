@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxpaged.engine import kv_sizing
+from jaxpaged.runner import kv_sizing
 
 ARGS = dict(bytes_per_page=1000, pages_per_seq=4, max_num_seqs=10, num_gpu_blocks_override=None,
             kv_cache_memory_bytes=None, gpu_memory_utilization=0.92)

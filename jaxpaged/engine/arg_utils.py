@@ -49,7 +49,7 @@ class EngineArgs:
             (float8_e4m3fn with per-layer scales: one byte an element, so a byte budget holds
             twice the pages of a bfloat16 model's KV, four times a float32 model's).
         calculate_kv_scales: derive each layer's fp8 ``k_scale`` / ``v_scale`` from a short
-            calibration prefill at start-up (``jaxpaged.engine.kv_scales``) instead of
+            calibration prefill at start-up (``jaxpaged.runner.kv_scales``) instead of
             using 1.0; needs an fp8 ``kv_cache_dtype``.
         attention_backend: ``xla``, ``pallas`` or ``auto`` (pallas on a GPU after a
             self-check, else xla).

@@ -22,8 +22,9 @@ its engine-core process.
 
 In a multi-host job (``--num-processes`` > 1) this runs in process 0, which sends each step's
 commands to the other processes before applying them (``jaxpaged.distributed.step_sync``);
-those run :func:`run_follower`, the same loop without HTTP, so every engine takes the same
-steps. A stop signal to any process ends the loop on all of them at the same step.
+those run :func:`jaxpaged.engine.follower.run_follower`, the same loop without HTTP, so every
+engine takes the same steps. A stop signal to any process ends the loop on all of them at the
+same step.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ import queue
 import threading
 import time
 
-from jaxpaged.distributed.multihost import first_line, leave_failed_job
+from jaxpaged.distributed.multihost import first_line
 from jaxpaged.distributed.step_sync import JobStopped, sync_step
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.data_parallel import DataParallelEngine, make_engine
 from jaxpaged.engine.engine import Engine
 from jaxpaged.engine.commands import AbortRequest, AddRequest, EngineCommand, StopEngine
+from jaxpaged.engine.follower import warm_up
 from jaxpaged.engine.input_processor import Prompt
 from jaxpaged.engine.request_stream import (EngineDeadError, EngineNotReadyError,
                                             EngineStoppedError, RequestFailedError,
@@ -349,52 +351,6 @@ class AsyncEngine:
     def _call_soon(self, fn, *args) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(fn, *args)
-
-
-def warm_up(engine: Engine | DataParallelEngine) -> None:
-    """Run a one-token request end to end on every replica, so that the first user request
-    does not pay for anything that a precompile leaves out (and a broken step fails here).
-    The requests carry a seed, so the engine's seed sequence is left as it was."""
-    bos = engine.tokenizer.bos_token_id
-    for i in range(engine.args.data_parallel_size):     # one per replica (least busy first)
-        engine.add_request(f"__warmup__{i}", [bos if bos is not None else 0],
-                           SamplingParams(max_tokens=1, temperature=0, seed=0))
-    while engine.has_unfinished_requests():
-        engine.step()
-
-
-def run_follower(args: EngineArgs) -> int:
-    """A non-leader process of a multi-host server: the same engine as process 0's
-    :class:`AsyncEngine`, fed with process 0's commands, stepping when it steps, until a
-    stop command or a stop signal to any process. Requests that process 0 refused are refused
-    here the same way.
-
-    Returns:
-        The exit status: 0 after a stop. If the job breaks (a peer died), the process prints
-        the error and leaves at once with status 1 (:func:`leave_failed_job`).
-    """
-    engine = make_engine(args)
-    try:
-        warm_up(engine)
-        while True:
-            for cmd in sync_step():
-                if isinstance(cmd, StopEngine):
-                    logger.info("process 0 stopped the job")
-                    return 0
-                if isinstance(cmd, AddRequest):
-                    try:
-                        engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority)
-                    except Exception:   # noqa: BLE001 - process 0 answered the client already
-                        pass
-                else:
-                    engine.abort_request(cmd.request_id)
-            if engine.has_unfinished_requests():
-                engine.step()
-    except JobStopped as e:
-        logger.info("%s", e)
-        return 0
-    except Exception as e:   # noqa: BLE001 - a broken job: say why in one line and leave
-        leave_failed_job(e)
 
 
 def _settle(future: asyncio.Future, error: BaseException | None) -> None:

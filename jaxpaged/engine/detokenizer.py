@@ -14,8 +14,9 @@ Fast tokenizers (a ``tokenizers.Tokenizer`` backend with a known decoder) decode
 window per token, vLLM's prefix/read-offset algorithm (``detokenize_incrementally`` in
 ``vllm/transformers_utils/detokenizer_utils.py``): the window starts at the token after the
 second-to-last point where the text was complete (no trailing U+FFFD, no open byte run), and
-the new text is the window's decode minus the decode of its already-emitted part. Its cost
-per token does not grow with the output. The window is decoded by the Rust backend directly,
+the new text is the window's decode minus the decode of its already-emitted part. That part's
+decode is kept from the token before, where it is usually one token's lone decode, cached per
+tokenizer: a token costs one backend decode, and its cost does not grow with the output. The window is decoded by the Rust backend directly,
 without ``transformers``' ``decode`` wrapper. Where the window's decode does not start with
 the text already emitted for it (a decoder that rewrites earlier text), that token falls back
 to decoding the whole output, which is what every token of a slow tokenizer does. The text
@@ -29,6 +30,7 @@ used because it emits a byte-fallback token's character before its run is closed
 from __future__ import annotations
 
 import re
+import weakref
 from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase, TokenizersBackend
@@ -47,31 +49,49 @@ _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 _LOCAL_DECODER_PARTS = frozenset({"Sequence", "ByteLevel", "Metaspace", "Replace",
                                   "ByteFallback", "Fuse", "Strip", "WordPiece", "BPEDecoder",
                                   "String", "Regex"})
-_token_sets: dict[int, tuple] = {}
 
 
-def _token_sets_of(tokenizer: PreTrainedTokenizerBase) -> tuple:
-    """(tokenizer, byte-fallback ids, special ids, their union), computed once per tokenizer
-    object (held here, so its ``id`` is not reused by another)."""
-    entry = _token_sets.get(id(tokenizer))
-    if entry is None:
-        byte_ids = frozenset(i for piece, i in tokenizer.get_vocab().items()
-                             if _BYTE_TOKEN.match(piece))
-        special = frozenset(tokenizer.all_special_ids) | frozenset(
+class _TokenizerTables:
+    """What the detokenizer derives from one tokenizer once: the ids of its byte-fallback
+    pieces, of its special tokens, and their union (frozensets of ids); its
+    :func:`fast_backend`; and, for the fast path, each token's lone decode as it is first
+    needed, one dict per ``skip_special_tokens`` value (a decode of one id depends on
+    nothing else)."""
+
+    __slots__ = ("byte_ids", "special", "byte_or_special", "backend", "single_texts")
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.byte_ids = frozenset(i for piece, i in tokenizer.get_vocab().items()
+                                  if _BYTE_TOKEN.match(piece))
+        self.special = frozenset(tokenizer.all_special_ids) | frozenset(
             i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
-        entry = _token_sets[id(tokenizer)] = (tokenizer, byte_ids, special, byte_ids | special)
-    return entry
+        self.byte_or_special = self.byte_ids | self.special
+        self.backend = fast_backend(tokenizer)
+        self.single_texts: tuple[dict[int, str], dict[int, str]] = ({}, {})
+
+
+#: Each live tokenizer's tables, keyed weakly: an entry goes with its tokenizer, so it keeps
+#: no tokenizer alive and a later tokenizer never finds another's tables.
+_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _tables_of(tokenizer: PreTrainedTokenizerBase) -> _TokenizerTables:
+    """The tokenizer's :class:`_TokenizerTables`, computed on its first use."""
+    tables = _tables.get(tokenizer)
+    if tables is None:
+        tables = _tables[tokenizer] = _TokenizerTables(tokenizer)
+    return tables
 
 
 def byte_fallback_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """Ids of the tokenizer's ``<0xNN>`` byte-fallback pieces (empty for byte-level BPE)."""
-    return _token_sets_of(tokenizer)[1]
+    return _tables_of(tokenizer).byte_ids
 
 
 def special_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """Ids that ``decode(..., skip_special_tokens=True)`` drops: the special tokens and the
     added tokens marked special."""
-    return _token_sets_of(tokenizer)[2]
+    return _tables_of(tokenizer).special
 
 
 def fast_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
@@ -108,14 +128,16 @@ class IncrementalDetokenizer:
         self._skip_special = skip_special_tokens
         self._decode_kwargs = {"skip_special_tokens": skip_special_tokens,
                                "spaces_between_special_tokens": spaces_between_special_tokens}
-        self._backend = fast_backend(tokenizer)
+        tables = _tables_of(tokenizer)
+        self._backend = tables.backend
+        self._single_texts = tables.single_texts[skip_special_tokens]
         self._ids = list(prompt_token_ids[-INITIAL_OFFSET:])   # context, then generated ids
         self._num_context = len(self._ids)
         self._context_text = self._decode(self._ids)
         # Tokens that leave a run of byte-fallback pieces open: byte pieces, and special
         # tokens when they are skipped (the decode then joins the runs on either side).
-        _, byte_ids, _, both = _token_sets_of(tokenizer)
-        self._run_ids = both if skip_special_tokens and byte_ids else byte_ids
+        self._run_ids = (tables.byte_or_special if skip_special_tokens and tables.byte_ids
+                         else tables.byte_ids)
         self._closed = self._num_context     # ids before any open run of byte tokens
         self._stop = stop
         self._include_stop = include_stop_str_in_output
@@ -141,15 +163,20 @@ class IncrementalDetokenizer:
         Returns:
             The stop string that matched (``text`` is then cut), else None.
         """
-        self._ids.append(token_id)
+        ids = self._ids
+        ids.append(token_id)
         if token_id not in self._run_ids:
-            self._closed = len(self._ids)    # an open run of byte tokens may be re-rendered
+            self._closed = len(ids)    # an open run of byte tokens may be re-rendered
         new = self._new_text(self._closed, final=False)
         if not new:
             return None
-        before = self._last_chars(self._hold) if check_stop and self._stop else ""
+        if not (check_stop and self._stop):
+            self._pieces.append(new)
+            self._num_chars += len(new)
+            return None
+        before = self._last_chars(self._hold)
         self._append(new)
-        return self._match_stop(before + new) if check_stop and self._stop else None
+        return self._match_stop(before + new)
 
     def flush(self) -> None:
         """At the end of generation, release text held back for an incomplete UTF-8
@@ -175,7 +202,7 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=self._skip_special)
+            return self._backend.decode(ids, self._skip_special)   # (ids, skip_special_tokens)
         return self._tok.decode(ids, **self._decode_kwargs)
 
     def _new_text(self, end: int, final: bool) -> str:
@@ -183,32 +210,39 @@ class IncrementalDetokenizer:
         trailing U+FFFD held back unless ``final``; empty when ``text`` is not shorter."""
         base = self._read_chars
         if self._windowed and self._num_chars >= base:
+            prefix_text = self._prefix_text
             window = self._decode(self._ids[self._prefix:end])
-            if window.startswith(self._prefix_text):
-                tail = window[len(self._prefix_text):]
-                if not final:
-                    self._advance(end, window, tail)
-                    tail = tail.rstrip(_REPLACEMENT)
-                return tail[self._num_chars - base:]
+            if window.startswith(prefix_text):
+                tail = window[len(prefix_text):]
+                if final:
+                    return tail[self._num_chars - base:]
+                read = self._read
+                if end > read and not window.endswith(_REPLACEMENT):
+                    self._advance(read, end, window, len(tail))
+                return tail.rstrip(_REPLACEMENT)[self._num_chars - base:]
         whole = self._decoded(end)
         if not final:
             whole = whole.rstrip(_REPLACEMENT)
         return whole[self._num_chars:]
 
-    def _advance(self, end: int, window: str, tail: str) -> None:
-        """Mark ``ids[:end]`` emitted when its text is complete (the window's decode ends in
-        no U+FFFD, which also keeps the window on a context that ends inside a character);
-        the window then starts at the previous read offset, unless the ids since it decode
-        to nothing (a skipped special token), whose decode would drop the next token's
-        leading space."""
-        if end <= self._read or window.endswith(_REPLACEMENT):
-            return
-        since = self._decode(self._ids[self._read:end])
+    def _advance(self, read: int, end: int, window: str, num_new_chars: int) -> None:
+        """Mark ``ids[:end]`` emitted (called when its text is complete: the window's decode
+        ends in no U+FFFD, which also keeps the window on a context that ends inside a
+        character); the window then starts at the previous read offset ``read``, unless the
+        ids since it decode to nothing (a skipped special token), whose decode would drop
+        the next token's leading space. ``num_new_chars``: the text ``ids[read:end]`` added."""
+        if end - read == 1:    # one token since (the common case): its lone decode, cached
+            token = self._ids[read]
+            since = self._single_texts.get(token)
+            if since is None:
+                since = self._single_texts[token] = self._decode([token])
+        else:
+            since = self._decode(self._ids[read:end])
         if since:
-            self._prefix, self._prefix_text = self._read, since
+            self._prefix, self._prefix_text = read, since
         else:
             self._prefix_text = window
-        self._read, self._read_chars = end, self._read_chars + len(tail)
+        self._read, self._read_chars = end, self._read_chars + num_new_chars
 
     def _decoded(self, end: int) -> str:
         """The text of ``ids[:end]`` as it reads after the context (the whole-output decode)."""

@@ -27,6 +27,7 @@ from jaxpaged.distributed.multihost import initialize as initialize_multihost
 from jaxpaged.distributed.step_sync import install_signal_handlers, stop_requested_anywhere
 from jaxpaged.distributed.tensor_parallel import request_host_devices
 from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.engine.gc_heap import CompileAwareHeapFreezer
 from jaxpaged.engine.generation_config import (eos_token_ids, generation_defaults,
                                                load_generation_config)
 from jaxpaged.engine.input_processor import InputProcessor, Prompt
@@ -125,7 +126,7 @@ class Engine:
         self.dtype = worker.dtype
         #: The KV pool's element type (the model's dtype, or float8_e4m3fn for fp8).
         self.kv_cache_dtype = worker.kv_cache_dtype
-        #: Each layer's ``(k_scale, v_scale)`` (``jaxpaged.engine.kv_scales``).
+        #: Each layer's ``(k_scale, v_scale)`` (``jaxpaged.runner.kv_scales``).
         self.kv_scales = worker.kv_scales
         self.kv_bytes_per_page = worker.kv_bytes_per_page
         num_pages, page_size = worker.num_pages, args.block_size
@@ -163,6 +164,8 @@ class Engine:
                     cfg.architecture, cfg.num_layers, np.dtype(self.dtype).name,
                     cfg.quantization, self.runner.weight_bytes / 2**20, self.max_model_len,
                     self.runner.backend.name, worker.tensor_parallel_size)
+        self._heap = CompileAwareHeapFreezer()    # start-up's objects out of the GC's reach
+        self._heap.update(self.runner.num_compilations)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -363,6 +366,7 @@ class Engine:
             if out.finished if out is not None else group.finished:
                 self._retire(group, now, group.seqs[0].request.finish_reason)
         self.record_stats()
+        self._heap.update(self.runner.num_compilations)   # after a step that compiled
         return outputs
 
     def _fail_step(self, scheduler_output: SchedulerOutput,

@@ -228,14 +228,17 @@ class KVCacheManager:
         if table is None:
             table = self._tables[request_id] = _Table()
         pages, s = table.pages, self.page_size
-        grow = -(-num_tokens // s) - len(pages)
-        shared = [i for i in range(num_computed_tokens // s, len(pages))
-                  if self._pages[pages[i]].ref_cnt > 1]
-        if grow <= 0 and not shared:    # a decode inside its last page: the common case
+        num_pages = len(pages)
+        grow = -(-num_tokens // s) - num_pages
+        first = num_computed_tokens // s      # the first page the write touches
+        if grow <= 0 and (first >= num_pages or (first == num_pages - 1
+                                                 and self._pages[pages[first]].ref_cnt == 1)):
+            # A decode inside its last page, held by this request alone: the common case.
             if (self.enable_prefix_caching and token_ids is not None
-                    and min(num_tokens // s, len(pages)) > table.num_cached_pages):
+                    and min(num_tokens // s, num_pages) > table.num_cached_pages):
                 self._register_full_pages(table, token_ids, num_tokens, extra_keys)
             return True
+        shared = [i for i in range(first, num_pages) if self._pages[pages[i]].ref_cnt > 1]
         if max(grow, 0) + len(shared) > len(self._free):
             if not table.pages:
                 del self._tables[request_id]

@@ -155,7 +155,8 @@ class OutputProcessor:
         state = self.seqs[req.request_id]
         ids = req.all_token_ids
         ids.append(token)
-        num_output = len(ids) - len(req.prompt_token_ids)
+        num_ids = len(ids)
+        num_output = num_ids - len(req.prompt_token_ids)
         p = req.params
         if state.logprobs is not None:
             lp, rank, top_ids, top_logprobs = logprob
@@ -167,18 +168,20 @@ class OutputProcessor:
             state.cumulative_logprob += lp
         stop = None
         if num_output < p.min_tokens:
-            _add_text(state, token, check_stop=False)
+            _add_text(state, token)
         elif not p.ignore_eos and token in self.eos_token_ids:
             stop = ("stop", None)
         elif p.stop_token_ids and token in p.stop_token_ids:
             stop = ("stop", token)
             if p.include_stop_str_in_output:
-                _add_text(state, token, check_stop=False)
-        else:
-            matched = _add_text(state, token)
+                _add_text(state, token)
+        elif state.pending is None:    # detokenize now (or queue it), looking for stops
+            matched = state.detokenizer.add_token(token)
             if matched is not None:
                 stop = ("stop", matched)
-        if stop is None and (num_output >= req.max_tokens or len(ids) >= self.max_model_len):
+        else:
+            state.pending.append(token)
+        if stop is None and (num_output >= req.max_tokens or num_ids >= self.max_model_len):
             stop = ("length", None)
         if stop is not None and not isinstance(stop[1], str):
             # a stop string cut the text: nothing to release
@@ -230,10 +233,10 @@ class OutputProcessor:
             if s.pending:
                 _drain(s)
             req = s.request
-            done = req.finish_reason is not None
-            text = s.detokenizer.visible_text(done)
+            reason = req.finish_reason
+            text = s.detokenizer.visible_text(reason is not None)
             if delta:   # only what is new; no copy of what was sent before
-                if s.sent_final or (len(text) == s.sent_chars and not done
+                if s.sent_final or (len(text) == s.sent_chars and reason is None
                                     and req.num_output_tokens == s.sent_tokens):
                     continue
                 text = text[s.sent_chars:]
@@ -241,32 +244,30 @@ class OutputProcessor:
                 logprobs = s.logprobs[s.sent_tokens:] if s.logprobs is not None else None
                 s.sent_chars += len(text)
                 s.sent_tokens += len(ids)
-                s.sent_final = done
+                s.sent_final = reason is not None
             else:
                 ids = req.all_token_ids[len(req.prompt_token_ids):]
                 logprobs = list(s.logprobs) if s.logprobs is not None else None
             outs.append(CompletionOutput(req.index, text, ids, s.cumulative_logprob, logprobs,
-                                         req.finish_reason, req.stop_reason))
+                                         reason, req.stop_reason))
         if not outs:
             return None
-        return RequestOutput(
-            request_id=group.request_id, prompt=first.prompt,
-            prompt_token_ids=first.prompt_token_ids, prompt_logprobs=group.prompt_logprobs,
-            outputs=outs, finished=finished,
-            num_cached_tokens=first.num_cached_tokens or 0,
-            num_preemptions=(num_preemptions if num_preemptions is not None
-                             else first.num_preemptions if len(seqs) == 1
-                             else sum(s.request.num_preemptions for s in seqs)),
-            error=group.error)
+        if num_preemptions is None:
+            num_preemptions = (first.num_preemptions if len(seqs) == 1
+                               else sum(s.request.num_preemptions for s in seqs))
+        # Positional (RequestOutput's field order): one per request per step.
+        return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids,
+                             group.prompt_logprobs, outs, finished,
+                             first.num_cached_tokens or 0, num_preemptions, group.error)
 
 
-def _add_text(state: SequenceState, token: int, check_stop: bool = True) -> str | None:
-    """Detokenize ``token`` now, or queue it (a sequence without stop strings, whose add
-    can match nothing)."""
+def _add_text(state: SequenceState, token: int) -> None:
+    """Detokenize ``token`` without looking for stop strings (before ``min_tokens``, or a
+    stop token kept in the text), now or queued."""
     if state.pending is None:
-        return state.detokenizer.add_token(token, check_stop)
-    state.pending.append(token)
-    return None
+        state.detokenizer.add_token(token, check_stop=False)
+    else:
+        state.pending.append(token)
 
 
 def _drain(state: SequenceState) -> None:

@@ -33,7 +33,7 @@ from flax import nnx
 
 from jaxpaged.constants import NULL_PAGE
 from jaxpaged.distributed.multihost import to_host
-from jaxpaged.engine.kv_scales import KVScales, set_kv_scales
+from jaxpaged.runner.kv_scales import KVScales, set_kv_scales
 from jaxpaged.engine.scheduler_output import SchedulerOutput
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, allocate_kv_pool
 from jaxpaged.runner.input_batch import PreparedStep, StepInputs, attention_metadata, prepare_step
@@ -164,7 +164,7 @@ class ModelRunner:
 
     def set_kv_scales(self, scales: KVScales) -> None:
         """Give layer i's attention ``scales[i]`` (after a calibration,
-        ``jaxpaged.engine.kv_scales``); compiled steps are dropped."""
+        ``jaxpaged.runner.kv_scales``); compiled steps are dropped."""
         model = nnx.merge(self._graphdef, self._state)
         set_kv_scales(model, scales)
         self._load(model)
@@ -272,7 +272,7 @@ class ModelRunner:
         but holds only the prompt, in pages 1..n (page 0 stays the null page); the serving
         pool, the compiled steps and the KV cache manager are not touched. It shows what a
         prompt's K/V look like in this runner's cache (KV-scale calibration,
-        ``jaxpaged.engine.kv_scales``) and what logits this configuration gives (accuracy
+        ``jaxpaged.runner.kv_scales``) and what logits this configuration gives (accuracy
         measurements against reference logits).
 
         Args:

@@ -3,8 +3,8 @@
 What a vLLM worker (``vllm/v1/worker/gpu_worker.py``) does before serving, in order: pick the
 tensor-parallel mesh, the attention backend and the KV cache dtype; load the weights onto
 their shards; with ``--calculate-kv-scales``, calibrate per-layer fp8 KV scales on one prefill
-into a pool in the model's dtype (``jaxpaged.engine.kv_scales``); size the KV pool (override,
-byte budget, or GPU utilization after one profiling step, ``jaxpaged.engine.kv_sizing``); then
+into a pool in the model's dtype (``jaxpaged.runner.kv_scales``); size the KV pool (override,
+byte budget, or GPU utilization after one profiling step, ``jaxpaged.runner.kv_sizing``); then
 allocate the serving pool. The engine gets the runner and the figures the host side needs
 (page count, bytes per page); nothing else on the host touches the device.
 """
@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.tensor_parallel import TensorParallel
 from jaxpaged.engine.arg_utils import EngineArgs
-from jaxpaged.engine.kv_scales import KVScales, calibrate_kv_scales, calibration_token_ids
-from jaxpaged.engine.kv_sizing import check_pool_fits, num_kv_pages
+from jaxpaged.runner.kv_scales import KVScales, calibrate_kv_scales, calibration_token_ids
+from jaxpaged.runner.kv_sizing import check_pool_fits, num_kv_pages
 from jaxpaged.layers.attention import (allocate_kv_pool, get_attention_backend,
                                        kv_bytes_per_page, resolve_kv_cache_dtype)
 from jaxpaged.layers.attention.tensor_parallel import TensorParallelAttention

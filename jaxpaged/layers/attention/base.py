@@ -12,7 +12,7 @@ float32 model's). Each layer has two per-tensor scales, ``k_scale`` and ``v_scal
 names), and the pool stores ``K / k_scale`` and ``V / v_scale`` rounded to its dtype, fp8
 saturating at ±448 (``pallas_kernels.kv_quant``); attention reads ``stored * scale``. The
 scales are static floats of the layer's backend (:meth:`AttentionBackend.with_kv_scales`), not
-arrays of the pool: 1.0 unless calibrated (``jaxpaged.engine.kv_scales``). The engine keeps
+arrays of the pool: 1.0 unless calibrated (``jaxpaged.runner.kv_scales``). The engine keeps
 them at 1.0 for a pool in the model's dtype, which then holds K and V themselves.
 
 A token at position ``p`` of a request whose page table is ``page_table`` lives in page
@@ -82,7 +82,7 @@ class AttentionBackend(abc.ABC):
     Implementations must be hashable and immutable: they are static parts of the jitted
     step. ``build_metadata`` runs on the host without JAX; ``forward`` runs inside jit. A
     backend carries one layer's KV scales, so a model whose layers have different scales holds
-    one backend per layer (``jaxpaged.engine.kv_scales``).
+    one backend per layer (``jaxpaged.runner.kv_scales``).
     """
 
     #: The name used by ``--attention-backend``.

@@ -1,0 +1,46 @@
+"""The engine freezes the GC heap after start-up and after steps that compile
+(``jaxpaged/engine/gc_heap.py``)."""
+
+import gc
+import weakref
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.engine.gc_heap import CompileAwareHeapFreezer
+
+
+class _Node:
+    pass
+
+
+def test_freezer_freezes_when_the_compile_count_moves_and_collects_first():
+    freezer = CompileAwareHeapFreezer()
+    assert freezer.update(0) is True          # the first call always freezes
+    frozen = gc.get_freeze_count()
+    kept = [[i] for i in range(100)]          # 100 tracked lists made after the freeze
+    assert freezer.update(0) is False         # same count: nothing frozen
+    assert gc.get_freeze_count() == frozen
+    cycle = _Node()
+    cycle.self = cycle
+    dead = weakref.ref(cycle)
+    del cycle                                  # garbage only the cyclic collector frees
+    assert dead() is not None
+    assert freezer.update(3) is True
+    assert dead() is None                      # collected before the freeze, not frozen
+    assert gc.get_freeze_count() >= frozen + len(kept) + 1
+    assert not any(o is kept for o in gc.get_objects())   # frozen objects are not tracked
+
+
+def test_engine_freezes_after_start_up_and_after_a_step_that_compiled():
+    llm = LLM(enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    assert not any(o is runner for o in gc.get_objects())   # frozen at the end of __init__
+    compilations = runner.num_compilations
+    frozen = gc.get_freeze_count()
+    out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert runner.num_compilations > compilations             # eager: the steps compiled
+    assert gc.get_freeze_count() > frozen                     # and the heap was frozen after
+    frozen, compilations = gc.get_freeze_count(), runner.num_compilations
+    llm.generate(["Once upon a time"], SamplingParams(max_tokens=4, temperature=0))
+    assert runner.num_compilations == compilations            # the same shapes again
+    assert gc.get_freeze_count() == frozen                    # no compile, no freeze
