@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from jaxpaged.constants import NULL_PAGE
 from jaxpaged.distributed.multihost import to_host
@@ -36,7 +37,8 @@ from jaxpaged.engine.scheduler_output import SchedulerOutput
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, allocate_kv_pool
 from jaxpaged.runner.input_batch import PreparedStep, StepInputs, attention_metadata, prepare_step
 from jaxpaged.runner.output import ModelRunnerOutput, TokenLogprob
-from jaxpaged.sampling.sampler import SamplerOutput, SamplingMetadata, sample, token_logprobs
+from jaxpaged.sampling.logits_adjust import no_adjustment
+from jaxpaged.sampling.sampler import SamplerOutput, SamplingMetadata, sample, token_logprobs, when
 
 logger = logging.getLogger(__name__)
 
@@ -71,11 +73,14 @@ class RunnerLimits:
         max_num_tokens: tokens per step (``max_num_batched_tokens``).
         max_num_seqs: sequences per step.
         max_pages_per_seq: pages of a ``max_model_len`` sequence.
+        max_adjust_entries: logit-adjustment entries (and allowed tokens) per sampling row
+            every step is compiled for (:func:`jaxpaged.sampling.logits_adjust.capacity`).
     """
 
     max_num_tokens: int
     max_num_seqs: int
     max_pages_per_seq: int
+    max_adjust_entries: int = 16
 
 
 class ModelRunner:
@@ -102,7 +107,12 @@ class ModelRunner:
         self._replicated = replicated
         self._token_buckets = bucket_sizes(16, max(16, limits.max_num_tokens))
         self._seq_buckets = bucket_sizes(8, max(8, limits.max_num_seqs))
+        # The xla backend's work follows the real sequence lengths, not the page table's
+        # width (``layers/attention/xla.py``): one page bucket, the widest. The Pallas
+        # decode kernel sizes its split-K grid from the width, so it keeps the buckets.
         self._page_buckets = bucket_sizes(4, max(4, limits.max_pages_per_seq))
+        if backend.name != "pallas":
+            self._page_buckets = self._page_buckets[-1:]
         self._executables: dict[tuple, object] = {}
         self._eos_token_ids = eos_token_ids
         self._load(model)
@@ -119,12 +129,13 @@ class ModelRunner:
                                       inputs.attn_metadata)
             logits = model.compute_logits(hidden[inputs.logits_indices])
             out = sample(logits, inputs.sampling, inputs.with_logprobs, inputs.adjust)
-            if inputs.with_prompt_logprobs:
-                # Every token's distribution over the next prompt token (a chunk's last
-                # token predicts the first token of the request's next chunk, which is not
-                # among this step's inputs: the host passes every row's target).
-                out = dataclasses.replace(out, prompt_logprobs=token_logprobs(
-                    model.compute_logits(hidden), inputs.prompt_targets))
+            # Every token's distribution over the next prompt token (a chunk's last token
+            # predicts the first token of the request's next chunk, which is not among this
+            # step's inputs: the host passes every row's target); skipped on the device
+            # unless asked.
+            out = dataclasses.replace(out, prompt_logprobs=when(
+                inputs.with_prompt_logprobs,
+                lambda: token_logprobs(model.compute_logits(hidden), inputs.prompt_targets)))
             return out, kv_caches
 
         state_sharding = jax.tree.map(lambda a: a.sharding, self._state)
@@ -223,16 +234,15 @@ class ModelRunner:
         self.copy_pages(scheduler_output.page_copies)
         prepared = prepare_step(scheduler_output, page_size=self._page_size,
                                 backend=self._backend, eos_token_ids=self._eos_token_ids,
-                                pad_sizes=self._pad_sizes)
+                                pad_sizes=self._pad_sizes,
+                                adjust_capacity=self._limits.max_adjust_entries)
         fn = self._executable(prepared.layout, prepared.inputs)
         out, self._kv_caches = fn(self._state, self._kv_caches, prepared.inputs)
         return PendingStep(scheduler_output, prepared, out)
 
     def _executable(self, layout: BatchLayout, inputs: StepInputs):
-        adjust = inputs.adjust
-        key = (layout.positions.shape[0], layout.seq_lens.shape[0], layout.page_table.shape[1],
-               layout.is_decode_only, (inputs.with_logprobs, inputs.with_prompt_logprobs),
-               None if adjust is None else (adjust.ids.shape[1], adjust.allowed_ids.shape[1]))
+        """The compiled step for ``inputs``' shapes (compiled now if new)."""
+        key = _shape_key(layout, inputs)
         fn = self._executables.get(key)
         if fn is None:
             t0 = time.perf_counter()
@@ -287,10 +297,32 @@ class ModelRunner:
         if decode_only:
             t_pad = b_pad = pick_bucket(self._seq_buckets, num_rows)
         else:
+            # More sampling rows than sequences (n > 1 prompts) take a wider token bucket
+            # first, whose sequence bucket holds them: a shape the precompile made.
             t_pad = pick_bucket(self._token_buckets, num_tokens)
-            b_pad = pick_bucket(self._seq_buckets,
-                                max(num_rows, min(t_pad, self._limits.max_num_seqs)))
+            wider = [t for t in self._token_buckets
+                     if t >= t_pad and self._mixed_seq_bucket(t) >= num_rows]
+            t_pad = wider[0] if wider else self._token_buckets[-1]
+            b_pad = pick_bucket(self._seq_buckets, max(num_rows, self._mixed_seq_bucket(t_pad)))
         return t_pad, b_pad, pick_bucket(self._page_buckets, max_pages)
+
+    def _mixed_seq_bucket(self, t_pad: int) -> int:
+        """The sequence bucket of a step with prefill chunks padded to ``t_pad`` tokens."""
+        return pick_bucket(self._seq_buckets, min(t_pad, self._limits.max_num_seqs))
+
+    def step_shapes(self) -> list[tuple[int, int, int, bool]]:
+        """Every ``(T, B, P, decode_only)`` a step of this runner can be padded to: decode
+        steps of each sequence bucket, steps with prefill chunks of each token bucket (with
+        the wider sequence buckets n > 1 prompts can need when the widest token bucket holds
+        fewer than ``max_num_seqs`` rows), each with every page bucket."""
+        t_max = self._token_buckets[-1]
+        shapes = {(b, b, p, True) for b in self._seq_buckets for p in self._page_buckets}
+        for t in self._token_buckets:
+            seq_buckets = [self._mixed_seq_bucket(t)]
+            if t == t_max:
+                seq_buckets += [b for b in self._seq_buckets if b > seq_buckets[0]]
+            shapes.update((t, b, p, False) for b in seq_buckets for p in self._page_buckets)
+        return sorted(shapes)
 
     def _dummy_layout(self, t_pad: int, b_pad: int, p_pad: int, decode_only: bool):
         """A layout of the given padded shape whose tokens all write to the null page."""
@@ -301,11 +333,13 @@ class ModelRunner:
             slot_mapping=np.zeros(t_pad, np.int32),
             page_table=np.zeros((b_pad, p_pad), np.int32), num_seqs=1, num_tokens=n_tokens)
 
-    def _dummy_inputs(self, layout: BatchLayout, with_logprobs: bool = False) -> StepInputs:
+    def _dummy_inputs(self, layout: BatchLayout) -> StepInputs:
         t_pad, b_pad = layout.positions.shape[0], layout.seq_lens.shape[0]
+        k = self._limits.max_adjust_entries
         return StepInputs(np.zeros(t_pad, np.int32), layout.positions, np.zeros(b_pad, np.int32),
                           attention_metadata(self._backend, layout),
-                          SamplingMetadata.from_host([], b_pad), with_logprobs=with_logprobs)
+                          SamplingMetadata.from_host([], b_pad), no_adjustment(b_pad, k, k),
+                          np.zeros(t_pad, np.int32), np.asarray(False), np.asarray(False))
 
     def profile_peak_bytes(self) -> int | None:
         """Run the largest prefill step once on dummy data; the device's peak bytes in use
@@ -313,22 +347,31 @@ class ModelRunner:
         t_pad = self._token_buckets[-1]
         _, b_pad, _ = self._pad_sizes(t_pad, 1, 1, 1, False)
         layout = self._dummy_layout(t_pad, b_pad, self._page_buckets[-1], False)
-        inputs = self._dummy_inputs(layout, with_logprobs=True)
+        inputs = self._dummy_inputs(layout)
         out, self._kv_caches = self._executable(layout, inputs)(self._state, self._kv_caches,
                                                                 inputs)
         jax.block_until_ready(out)
         stats = jax.local_devices()[0].memory_stats()
         return None if not stats else stats.get("peak_bytes_in_use")
 
-    def precompile(self, should_stop: Callable[[], bool] = lambda: False) -> float:
-        """Compile every step shape a run without logprobs can meet, unless ``should_stop``
-        turns true between two shapes (the rest then compile lazily); returns seconds taken."""
+    def precompile(self, should_stop: Callable[[], bool] = lambda: False,
+                   progress: bool | None = None) -> float:
+        """Compile every step shape a run can meet (:meth:`step_shapes`; logprobs, prompt
+        logprobs and logit adjustments of up to ``max_adjust_entries`` entries a row run in
+        the same executables), unless ``should_stop`` turns true between two shapes (the
+        rest then compile lazily); returns the seconds taken.
+
+        One shape at a time: on the 2-core CPU two compilations on two threads took as long
+        as one after the other (XLA's compile holds the interpreter), so threads would only
+        add contention. ``progress``: show a tqdm bar (None: only on a terminal). With the
+        compilation cache (``jaxpaged.runner.compile_cache``) a shape compiled by an
+        earlier run is loaded instead.
+        """
         t0 = time.perf_counter()
-        shapes = {(b, b, p, True) for b in self._seq_buckets for p in self._page_buckets}
-        for t in self._token_buckets:
-            _, b, _ = self._pad_sizes(t, 1, 1, 1, False)
-            shapes.update((t, b, p, False) for p in self._page_buckets)
-        for shape in sorted(shapes):
+        shapes = self.step_shapes()
+        for shape in tqdm(shapes, desc="Compiling model steps", unit="shape",
+                          disable=None if progress is None else not progress,
+                          leave=False):
             if should_stop():
                 break
             layout = self._dummy_layout(*shape)
@@ -345,9 +388,19 @@ class PendingStep:
     out: SamplerOutput
 
     def result(self) -> ModelRunnerOutput:
-        """Wait for the device and read the step's results back to the host."""
-        return _runner_output(self.scheduler_output, self.prepared,
-                              jax.tree.map(to_host, self.out))
+        """Wait for the device and read the step's results back to the host (logprobs only
+        when the step asked for them)."""
+        inputs = self.prepared.inputs
+        out = dataclasses.replace(
+            self.out, logprobs=self.out.logprobs if inputs.with_logprobs else None,
+            prompt_logprobs=self.out.prompt_logprobs if inputs.with_prompt_logprobs else None)
+        return _runner_output(self.scheduler_output, self.prepared, jax.tree.map(to_host, out))
+
+
+def _shape_key(layout: BatchLayout, inputs: StepInputs) -> tuple:
+    """What selects a step's executable: (T, B, P, decode_only, K, A)."""
+    return (layout.positions.shape[0], layout.seq_lens.shape[0], layout.page_table.shape[1],
+            layout.is_decode_only, inputs.adjust.ids.shape[1], inputs.adjust.allowed_ids.shape[1])
 
 
 def _runner_output(sched: SchedulerOutput, prepared: PreparedStep,
