@@ -27,9 +27,10 @@ def test_cache_dir_default_override_and_off(monkeypatch, tmp_path):
 
 
 def test_engine_fills_the_cache_and_a_second_engine_reuses_it(tmp_path):
-    """Every precompiled step lands in the cache directory given; a second engine of the
-    same configuration loads them all (the benchmark's start-up figures say so), another
-    configuration adds its own entries."""
+    """Every precompiled step lands in the cache directory given (JAX's compile cache and
+    the executable store); a second engine of the same configuration loads them all (the
+    benchmark's start-up figures say so) and runs them; another configuration adds its own
+    entries."""
     import jax
 
     from jaxpaged.benchmarks.throughput import start_engine
@@ -41,11 +42,20 @@ def test_engine_fills_the_cache_and_a_second_engine_reuses_it(tmp_path):
         # decode B 8, mixed T 16 and 32 (B 8)
         assert (cold["num_step_shapes"], cold["num_compiled"]) == (3, 3)
         assert compile_cache.num_step_entries(cache) == 3
-        _, warm = start_engine(EngineArgs(compilation_cache_dir=cache, **LIMITS))
+        llm, warm = start_engine(EngineArgs(compilation_cache_dir=cache, **LIMITS))
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        eager = LLM(enforce_eager=True, compilation_cache_dir="", **LIMITS)
+        prompts = [[1, 403, 407], [1] + list(range(300, 320))]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] \
+            == [o.outputs[0].token_ids for o in eager.generate(prompts, greedy, use_tqdm=False)]
+        assert llm.engine.stats().num_compilations == 3
         assert (warm["num_compiled"], warm["num_loaded_from_cache"]) == (0, 3)
         assert warm["compile_cache_dir"] == cache
+        # ... whole, from the executable store: nothing was lowered or compiled again.
+        assert len(os.listdir(os.path.join(cache, "steps"))) == 3
         start_engine(EngineArgs(compilation_cache_dir=cache, dtype="bfloat16", **LIMITS))
         assert compile_cache.num_step_entries(cache) == 6
+        assert len(os.listdir(os.path.join(cache, "steps"))) == 6
     finally:    # back to the suite's cache for the tests that follow
         compile_cache.configure_compilation_cache(compile_cache.resolve_cache_dir(None))
     assert jax.config.jax_compilation_cache_dir == compile_cache.resolve_cache_dir(None)

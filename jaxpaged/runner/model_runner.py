@@ -35,6 +35,7 @@ from jaxpaged.distributed.multihost import to_host
 from jaxpaged.engine.kv_scales import KVScales, set_kv_scales
 from jaxpaged.engine.scheduler_output import SchedulerOutput
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, allocate_kv_pool
+from jaxpaged.runner.executable_store import ExecutableStore, fingerprint
 from jaxpaged.runner.input_batch import PreparedStep, StepInputs, attention_metadata, prepare_step
 from jaxpaged.runner.output import ModelRunnerOutput, TokenLogprob
 from jaxpaged.sampling.logits_adjust import no_adjustment
@@ -95,12 +96,15 @@ class ModelRunner:
         eos_token_ids: the model's EOS ids (masked before a request's ``min_tokens``).
         replicated: the sharding of every per-step input and output (the whole mesh); the
             parameters and the pool keep the shardings they arrived with.
+        executable_dir: where compiled steps are kept whole across runs
+            (``jaxpaged.runner.executable_store``; None: not kept).
     """
 
     def __init__(self, model: nnx.Module, kv_caches: list[KVPages], backend: AttentionBackend,
                  *, page_size: int, limits: RunnerLimits, eos_token_ids: frozenset[int],
-                 replicated: jax.sharding.Sharding):
+                 replicated: jax.sharding.Sharding, executable_dir: str | None = None):
         self._kv_caches = kv_caches
+        self._store = ExecutableStore(executable_dir)
         self._backend = backend
         self._page_size = page_size
         self._limits = limits
@@ -246,9 +250,16 @@ class ModelRunner:
         fn = self._executables.get(key)
         if fn is None:
             t0 = time.perf_counter()
-            fn = self._step.lower(self._state, self._kv_caches, inputs).compile()
+            devices = list(self._replicated.mesh.devices.flat)
+            name = fingerprint(self._graphdef, self._state, self._kv_caches,
+                               ("step", key, self._page_size, repr(self._replicated),
+                                [d.id for d in devices]))
+            fn = self._store.load(name, devices)
+            if fn is None:
+                fn = self._step.lower(self._state, self._kv_caches, inputs).compile()
+                self._store.store(name, fn)
             self._executables[key] = fn
-            logger.debug("compiled step %s in %.2fs", key, time.perf_counter() - t0)
+            logger.debug("step %s ready in %.2fs", key, time.perf_counter() - t0)
         return fn
 
     def run_prefill(self, token_ids: list[int]) -> tuple[np.ndarray, list[KVPages]]:

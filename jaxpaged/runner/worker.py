@@ -12,6 +12,7 @@ allocate the serving pool. The engine gets the runner and the figures the host s
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import jax.numpy as jnp
@@ -80,7 +81,8 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
             :class:`jaxpaged.engine.engine.Engine` documents; ValueError: a pool that does
             not fit the devices or cannot hold one ``max_model_len`` request.
     """
-    configure_compilation_cache(resolve_cache_dir(args.compilation_cache_dir))
+    cache_dir = resolve_cache_dir(args.compilation_cache_dir)
+    configure_compilation_cache(cache_dir)
     tp = TensorParallel.create(args.tensor_parallel_size, cfg, devices)
     kv_heads = tp.physical_config(cfg).num_kv_heads
     dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype)
@@ -104,6 +106,7 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
     runner = ModelRunner(
         model, pool(2, dtype if args.calculate_kv_scales else kv_cache_dtype), backend,
         page_size=page_size, eos_token_ids=eos_token_ids, replicated=tp.replicated,
+        executable_dir=cache_dir and os.path.join(cache_dir, "steps"),
         limits=RunnerLimits(max_num_tokens=args.max_num_batched_tokens,
                             max_num_seqs=args.max_num_seqs, max_pages_per_seq=pages_per_seq,
                             max_adjust_entries=adjust_capacity(cfg.vocab_size, max_model_len)))
