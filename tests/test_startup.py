@@ -3,8 +3,11 @@ after start-up whatever features a request uses."""
 
 import os
 
+import pytest
+
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.runner import compile_cache
+from jaxpaged.runner.buckets import ShapeBuckets
 
 LIMITS = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32)
 
@@ -118,3 +121,21 @@ def test_page_buckets_follow_the_backend():
         llm = LLM(enforce_eager=True, attention_backend=backend, max_num_seqs=4,
                   max_model_len=256, max_num_batched_tokens=32)
         assert llm.engine.runner._page_buckets == want
+
+
+@pytest.mark.parametrize("tokens, seqs, pages", [(64, 32, 4), (16, 64, 8), (2048, 256, 32)])
+@pytest.mark.parametrize("by_width", [False, True])
+def test_every_padded_shape_is_one_the_precompile_makes(tokens, seqs, pages, by_width):
+    """Whatever a step holds (up to the limits), its padded shape is in ``step_shapes``,
+    including mixed steps with up to ``max_num_seqs`` sampling rows when the widest token
+    bucket is narrower than that (16 tokens, 64 sequences)."""
+    b = ShapeBuckets(max_num_tokens=tokens, max_num_seqs=seqs, max_pages_per_seq=pages,
+                     page_buckets_by_width=by_width)
+    shapes = set(b.step_shapes())
+    met = {(*b.pad_sizes(rows, rows, rows, p, True), True) for rows in range(1, seqs + 1)
+           for p in range(1, pages + 1)}
+    met |= {(*b.pad_sizes(t, 1, rows, p, False), False) for t in range(2, tokens + 1, 7)
+            for rows in range(1, seqs + 1, 5) for p in (1, pages)}
+    assert met <= shapes
+    with pytest.raises(ValueError):
+        b.pad_sizes(tokens + 1, 1, 1, 1, False)

@@ -5,16 +5,14 @@ cache manager: the page ids and page copies arrive in the ``SchedulerOutput``).
 The jitted step takes the model's parameters, the donated KV pool and one ``StepInputs``
 pytree (``jaxpaged.runner.input_batch``), and returns a ``SamplerOutput`` (the sampled tokens,
 with their log-probabilities when asked) plus the updated pool. Arrays are padded to buckets
-so the step compiles a bounded number of times:
+(``jaxpaged.runner.buckets``) so the step compiles a bounded number of times.
 
-- decode-only steps: T = B = a sequence bucket (8, 16, ... up to ``max_num_seqs``);
-- steps with prefill chunks: T = a token bucket (16, 32, ... up to ``max_num_batched_tokens``)
-  and B = the sequence bucket of min(T, ``max_num_seqs``);
-- pages per sequence P: 4, 8, ... up to ``max_model_len / page_size``.
-
-Each (T, B, P, decode-only, logprobs) shape is compiled ahead of time once and kept;
-:meth:`ModelRunner.precompile` compiles every shape a logprob-free run can meet, and
-:attr:`ModelRunner.num_compilations` counts compilations so one during serving is visible.
+Each (T, B, P, decode-only) shape is compiled ahead of time once and kept; logprobs, prompt
+logprobs and logit adjustments are inputs of fixed shapes, not part of the shape.
+:meth:`ModelRunner.precompile` compiles every shape a run can meet
+(:meth:`ModelRunner.step_shapes`), loading it instead when an earlier run left it in the
+executable store or JAX's compilation cache, and :attr:`ModelRunner.num_compilations` counts
+compilations so one during serving is visible.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from jaxpaged.distributed.multihost import to_host
 from jaxpaged.engine.kv_scales import KVScales, set_kv_scales
 from jaxpaged.engine.scheduler_output import SchedulerOutput
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, allocate_kv_pool
+from jaxpaged.runner.buckets import ShapeBuckets, bucket_sizes, pick_bucket
 from jaxpaged.runner.executable_store import ExecutableStore, fingerprint
 from jaxpaged.runner.input_batch import PreparedStep, StepInputs, attention_metadata, prepare_step
 from jaxpaged.runner.output import ModelRunnerOutput, TokenLogprob
@@ -42,28 +41,6 @@ from jaxpaged.sampling.logits_adjust import no_adjustment
 from jaxpaged.sampling.sampler import SamplerOutput, SamplingMetadata, sample, token_logprobs, when
 
 logger = logging.getLogger(__name__)
-
-
-def bucket_sizes(smallest: int, largest: int) -> list[int]:
-    """Powers of two from ``smallest`` up to (and ending exactly at) ``largest``."""
-    sizes, s = [], smallest
-    while s < largest:
-        sizes.append(s)
-        s *= 2
-    sizes.append(largest)
-    return sizes
-
-
-def pick_bucket(sizes: list[int], n: int) -> int:
-    """The smallest bucket >= n.
-
-    Raises:
-        ValueError: ``n`` exceeds the largest bucket.
-    """
-    for s in sizes:
-        if s >= n:
-            return s
-    raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,14 +86,16 @@ class ModelRunner:
         self._page_size = page_size
         self._limits = limits
         self._replicated = replicated
-        self._token_buckets = bucket_sizes(16, max(16, limits.max_num_tokens))
-        self._seq_buckets = bucket_sizes(8, max(8, limits.max_num_seqs))
-        # The xla backend's work follows the real sequence lengths, not the page table's
-        # width (``layers/attention/xla.py``): one page bucket, the widest. The Pallas
-        # decode kernel sizes its split-K grid from the width, so it keeps the buckets.
-        self._page_buckets = bucket_sizes(4, max(4, limits.max_pages_per_seq))
-        if backend.name != "pallas":
-            self._page_buckets = self._page_buckets[-1:]
+        self._buckets = ShapeBuckets(
+            max_num_tokens=limits.max_num_tokens, max_num_seqs=limits.max_num_seqs,
+            max_pages_per_seq=limits.max_pages_per_seq,
+            page_buckets_by_width=backend.name == "pallas")
+        self._token_buckets = self._buckets.token_buckets
+        self._page_buckets = self._buckets.page_buckets
+        self._pad_sizes = self._buckets.pad_sizes
+        #: Every ``(T, B, P, decode_only)`` a step can be padded to
+        #: (:meth:`ShapeBuckets.step_shapes`).
+        self.step_shapes = self._buckets.step_shapes
         self._executables: dict[tuple, object] = {}
         self._eos_token_ids = eos_token_ids
         self._load(model)
@@ -302,38 +281,6 @@ class ModelRunner:
         return to_host(logits), pool
 
     # ---- shapes ------------------------------------------------------------------------------
-
-    def _pad_sizes(self, num_tokens: int, num_seqs: int, num_rows: int, max_pages: int,
-                   decode_only: bool) -> tuple[int, int, int]:
-        if decode_only:
-            t_pad = b_pad = pick_bucket(self._seq_buckets, num_rows)
-        else:
-            # More sampling rows than sequences (n > 1 prompts) take a wider token bucket
-            # first, whose sequence bucket holds them: a shape the precompile made.
-            t_pad = pick_bucket(self._token_buckets, num_tokens)
-            wider = [t for t in self._token_buckets
-                     if t >= t_pad and self._mixed_seq_bucket(t) >= num_rows]
-            t_pad = wider[0] if wider else self._token_buckets[-1]
-            b_pad = pick_bucket(self._seq_buckets, max(num_rows, self._mixed_seq_bucket(t_pad)))
-        return t_pad, b_pad, pick_bucket(self._page_buckets, max_pages)
-
-    def _mixed_seq_bucket(self, t_pad: int) -> int:
-        """The sequence bucket of a step with prefill chunks padded to ``t_pad`` tokens."""
-        return pick_bucket(self._seq_buckets, min(t_pad, self._limits.max_num_seqs))
-
-    def step_shapes(self) -> list[tuple[int, int, int, bool]]:
-        """Every ``(T, B, P, decode_only)`` a step of this runner can be padded to: decode
-        steps of each sequence bucket, steps with prefill chunks of each token bucket (with
-        the wider sequence buckets n > 1 prompts can need when the widest token bucket holds
-        fewer than ``max_num_seqs`` rows), each with every page bucket."""
-        t_max = self._token_buckets[-1]
-        shapes = {(b, b, p, True) for b in self._seq_buckets for p in self._page_buckets}
-        for t in self._token_buckets:
-            seq_buckets = [self._mixed_seq_bucket(t)]
-            if t == t_max:
-                seq_buckets += [b for b in self._seq_buckets if b > seq_buckets[0]]
-            shapes.update((t, b, p, False) for b in seq_buckets for p in self._page_buckets)
-        return sorted(shapes)
 
     def _dummy_layout(self, t_pad: int, b_pad: int, p_pad: int, decode_only: bool):
         """A layout of the given padded shape whose tokens all write to the null page."""
