@@ -7,7 +7,10 @@ warm-up pass runs the same request lengths with other token ids first (the same 
 no prefix-cache hits on the timed pass), and the number of compilations during the timed
 pass is reported (0 when the warm-up covered every shape).
 
-Prints requests/s, output tokens/s and total tokens/s, writes ``--output-json`` with vLLM's
+Prints the start-up (seconds until ``LLM()`` returned, step shapes compiled or loaded from
+the compile cache, compilations during the timed pass: run with ``--no-enforce-eager
+--no-warmup`` to time a start-up that precompiles and a first pass that must compile nothing),
+then requests/s, output tokens/s and total tokens/s, writes ``--output-json`` with vLLM's
 field names (``elapsed_time``, ``num_requests``, ``total_num_tokens``,
 ``requests_per_second``, ``tokens_per_second``) plus ours, and ends with a one-line JSON.
 """
@@ -21,6 +24,7 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.benchmarks.datasets import SampleRequest, add_dataset_args, requests_from_args
 from jaxpaged.benchmarks.results import write_outputs
 from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.runner.compile_cache import num_step_entries, resolve_cache_dir
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -83,14 +87,35 @@ def measure(llm: LLM, requests: list[SampleRequest], warmup: bool = True) -> dic
     }
 
 
+def start_engine(engine_args: EngineArgs) -> tuple[LLM, dict]:
+    """``LLM(**engine_args)`` and its start-up figures: ``startup_time`` (seconds until it
+    returned), ``num_step_shapes`` (compiled steps it holds then), ``num_compiled`` (those
+    compiled afresh: new entries in the compile cache, or every shape with the cache off)
+    and ``num_loaded_from_cache`` (the rest), ``compile_cache_dir`` (None: off)."""
+    cache_dir = resolve_cache_dir(engine_args.compilation_cache_dir)
+    stored = num_step_entries(cache_dir)
+    t0 = time.perf_counter()
+    llm = LLM(**vars(engine_args))
+    startup = time.perf_counter() - t0
+    shapes = llm.engine.stats().num_compilations
+    compiled = num_step_entries(cache_dir) - stored if cache_dir else shapes
+    return llm, {"startup_time": startup, "num_step_shapes": shapes, "num_compiled": compiled,
+                 "num_loaded_from_cache": shapes - compiled, "compile_cache_dir": cache_dir}
+
+
 def main(args: argparse.Namespace) -> dict:
     """Run the benchmark the flags describe; returns (and prints) the result."""
     engine_args = EngineArgs.from_cli_args(args, enforce_eager_default=True)
-    llm = LLM(**vars(engine_args))
+    llm, startup = start_engine(engine_args)
     requests = requests_from_args(args, llm.get_tokenizer(), llm.engine.model_config.vocab_size,
                                   llm.engine.max_model_len)
     result = {"backend": "jaxpaged", "model": engine_args.model,
-              "dataset": args.dataset_name, **measure(llm, requests, not args.no_warmup)}
+              "dataset": args.dataset_name, "startup": startup,
+              **measure(llm, requests, not args.no_warmup)}
+    print(f"Start-up: {startup['startup_time']:.1f} s ({startup['num_step_shapes']} step "
+          f"shapes: {startup['num_compiled']} compiled, {startup['num_loaded_from_cache']} "
+          f"loaded from the compile cache {startup['compile_cache_dir'] or '(off)'}); "
+          f"compilations during the timed run: {result['num_compilations_during_run']}")
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
           f"{result['tokens_per_second']:.2f} total tokens/s, "
           f"{result['output_tokens_per_second']:.2f} output tokens/s "

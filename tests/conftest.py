@@ -8,6 +8,16 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
+# Compiled steps go to a cache of this session (subprocesses inherit it), never to the
+# user's ~/.cache/jaxpaged; tests that build the same step shapes load them from it.
+if "JAXPAGED_CACHE_ROOT" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["JAXPAGED_CACHE_ROOT"] = tempfile.mkdtemp(prefix="jaxpaged-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAXPAGED_CACHE_ROOT"], True)
+
 import pytest  # noqa: E402
 
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL  # noqa: E402

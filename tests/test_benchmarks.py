@@ -34,7 +34,12 @@ def test_bench_throughput_small(tmp_path, capsys):
                 "output_tokens_per_second", "warmup_time"):
         assert result[key] > 0, key
     assert result["num_compilations_during_run"] == 0     # the warm-up compiled every shape
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    assert result["startup"]["startup_time"] > 0
+    assert result["startup"]["num_step_shapes"] == 0      # the benchmark's default is eager
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[0].startswith("Start-up: ") and printed[0].endswith(
+        "compilations during the timed run: 0")
+    assert json.loads(printed[-1]) == result
 
 
 def test_bench_latency_small(tmp_path):

@@ -66,7 +66,11 @@ class EngineArgs:
             (``Engine.step``; vLLM's ``--async-scheduling``); the synchronous outputs, each
             returned one step later. On by default (a multi-host job, whose processes step
             in lockstep, schedules synchronously); off: each step waits for the previous.
-        compilation_cache_dir: directory of JAX's persistent compilation cache (off if None).
+        compilation_cache_dir: directory of the on-disk cache of compiled steps (JAX's
+            persistent compilation cache; ``jaxpaged.runner.compile_cache``). None: the
+            default, ``~/.cache/jaxpaged/compile_cache`` (``$XDG_CACHE_HOME`` and
+            ``$JAXPAGED_CACHE_ROOT`` respected); ``""``: off (as is
+            ``JAXPAGED_DISABLE_COMPILE_CACHE=1``).
         tensor_parallel_size: devices the model's heads and MLP columns are split over
             (``jaxpaged.distributed.tensor_parallel``).
         data_parallel_size: engine replicas, each on its own ``tensor_parallel_size``
@@ -212,7 +216,9 @@ class EngineArgs:
                             "lazily (default: on for generate, which runs one batch; off for "
                             "serve)")
         g.add_argument("--compilation-cache-dir", default=None,
-                       help="persistent compilation cache directory")
+                       help="directory of the on-disk cache of compiled steps (default "
+                            "~/.cache/jaxpaged/compile_cache; '' or "
+                            "JAXPAGED_DISABLE_COMPILE_CACHE=1: off)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                        help="devices to split the model over (heads, MLP columns, KV pool)")
         g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,

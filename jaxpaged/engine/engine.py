@@ -38,6 +38,7 @@ from jaxpaged.engine.scheduler_output import SchedulerOutput
 from jaxpaged.metrics.stats import (EngineStats, IterationStats, SchedulerStats, StatLogger,
                                     finished_request_stats)
 from jaxpaged.outputs import RequestOutput
+from jaxpaged.runner.compile_cache import jax_cache_dir, num_step_entries
 from jaxpaged.runner.output import ModelRunnerOutput
 from jaxpaged.runner.worker import build_worker
 from jaxpaged.sampling.logits_adjust import needs_adjustment
@@ -143,9 +144,14 @@ class Engine:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             policy=args.scheduling_policy), self.kv_cache_manager, self.output_processor)
         if not args.enforce_eager:
+            cache_dir = jax_cache_dir()
+            stored = num_step_entries(cache_dir)
             seconds = self.runner.precompile(should_stop=stop_requested_anywhere)
-            logger.info("precompiled %d step shapes in %.1f s", self.runner.num_compilations,
-                        seconds)
+            fresh = num_step_entries(cache_dir) - stored if cache_dir else \
+                self.runner.num_compilations
+            logger.info("precompiled %d step shapes in %.1f s (%d compiled, %d loaded from "
+                        "the compile cache %s)", self.runner.num_compilations, seconds, fresh,
+                        self.runner.num_compilations - fresh, cache_dir or "(off)")
         self.stat_loggers: list[StatLogger] = []
         self._iteration = IterationStats()
         self._reported = (0, 0, 0)   # prefix-cache queries, hits, preemptions already reported

@@ -24,7 +24,8 @@ import numpy as np
 from jaxpaged.constants import NULL_PAGE
 from jaxpaged.engine.scheduler_output import SchedulerOutput
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout
-from jaxpaged.sampling.logits_adjust import LogitsAdjustment, needs_adjustment, pack, row_adjustment
+from jaxpaged.sampling.logits_adjust import (LogitsAdjustment, needs_adjustment, no_adjustment,
+                                             pack, row_adjustment)
 from jaxpaged.sampling.sampler import SamplingMetadata
 
 _SEED_MASK = 0xFFFFFFFFFFFFFFFF
@@ -42,8 +43,11 @@ def _seed_bits(seeds: list[int]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class StepInputs:
-    """Everything the jitted step takes besides the parameters and the KV pool (a pytree;
-    the two flags are static, so each combination compiles its own step).
+    """Everything the jitted step takes besides the parameters and the KV pool (a pytree).
+
+    Every field is data with a shape fixed by the step's bucket, the two flags included
+    (0-d bool arrays the step branches on with ``lax.cond``), so one executable per bucket
+    serves steps with and without logprobs, prompt logprobs and logit adjustments.
 
     Attributes:
         input_ids: [T] int32 token ids (0 for padding).
@@ -52,14 +56,14 @@ class StepInputs:
         attn_metadata: the backend's per-step arrays plus the layout's (``slot_mapping``,
             ``page_table``, ``seq_lens``, ``query_start_loc``, ``positions``).
         sampling: each row's sampling parameters.
-        adjust: per-row logit adjustments, or None when no row has any.
+        adjust: per-row logit adjustments ([B, K] entries; all padding when no row has any).
         prompt_targets: [T] int32, each token's next prompt token, for a step that scores
-            prompt logprobs; else None.
+            prompt logprobs (zeros otherwise).
         prev_token_index: [T] int32; for a token whose id the host does not know yet (async
             scheduling: a decode of the token the previous step samples), that step's
             sampling row; -1 for every other token (its id is in ``input_ids``).
-        with_logprobs: also return the sampled tokens' logprobs.
-        with_prompt_logprobs: also score ``prompt_targets``.
+        with_logprobs: [] bool; also return the sampled tokens' logprobs.
+        with_prompt_logprobs: [] bool; also score ``prompt_targets``.
     """
 
     input_ids: np.ndarray
@@ -67,17 +71,17 @@ class StepInputs:
     logits_indices: np.ndarray
     attn_metadata: dict
     sampling: SamplingMetadata
-    adjust: LogitsAdjustment | None = None
-    prompt_targets: np.ndarray | None = None
-    prev_token_index: np.ndarray | None = None
-    with_logprobs: bool = False
-    with_prompt_logprobs: bool = False
+    adjust: LogitsAdjustment
+    prompt_targets: np.ndarray
+    prev_token_index: np.ndarray
+    with_logprobs: np.ndarray
+    with_prompt_logprobs: np.ndarray
 
 
 jax.tree_util.register_dataclass(
     StepInputs, data_fields=["input_ids", "positions", "logits_indices", "attn_metadata",
-                             "sampling", "adjust", "prompt_targets", "prev_token_index"],
-    meta_fields=["with_logprobs", "with_prompt_logprobs"])
+                             "sampling", "adjust", "prompt_targets", "prev_token_index",
+                             "with_logprobs", "with_prompt_logprobs"], meta_fields=[])
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,8 @@ def attention_metadata(backend: AttentionBackend, layout: BatchLayout) -> dict:
 def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBackend,
                  eos_token_ids: frozenset[int],
                  pad_sizes: Callable[[int, int, int, int, bool], tuple[int, int, int]],
-                 prev_rows: Callable[[], dict[str, int]]) -> PreparedStep:
+                 prev_rows: Callable[[], dict[str, int]], adjust_capacity: int = 16
+                 ) -> PreparedStep:
     """Pad and pack one scheduled step.
 
     Args:
@@ -120,6 +125,8 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
         prev_rows: gives, by sequence id, the sampling row of each sequence in the step
             dispatched before this one (called only when a sequence decodes a token not on
             the host yet, see :attr:`StepInputs.prev_token_index`).
+        adjust_capacity: K and A of the logit adjustments (more only for a row that needs
+            more entries, which makes a new step shape).
 
     Raises:
         ValueError: the step exceeds the largest bucket.
@@ -214,16 +221,17 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
                                  eos_token_ids, req.bad_words_ids)
             per_row[cu_rows[i]:cu_rows[i + 1]] = [adj] * rows[i]
         if any(a is not None for a in per_row):
-            adjust = pack(per_row, b_pad)
+            adjust = pack(per_row, b_pad, adjust_capacity)
+    if adjust is None:
+        adjust = no_adjustment(b_pad, adjust_capacity, adjust_capacity)
 
-    prompt_targets = None
+    prompt_targets = np.zeros(t_pad, np.int32)
     if with_prompt:     # each row's next prompt token (a chunk's last one: the next chunk's)
-        prompt_targets = np.zeros(t_pad, np.int32)
         for i, s in enumerate(seqs):
             following = s.request.all_token_ids[s.start + 1:s.end + 1]
             t = int(cu_tokens[i])
             prompt_targets[t:t + len(following)] = following
     inputs = StepInputs(input_ids, positions, logits_indices, attention_metadata(backend, layout),
-                        sampling, adjust, prompt_targets, prev_token_index, with_logprobs,
-                        with_prompt)
+                        sampling, adjust, prompt_targets, prev_token_index,
+                        np.asarray(with_logprobs), np.asarray(with_prompt))
     return PreparedStep(inputs, layout, cu_rows.tolist())

@@ -5,17 +5,16 @@ cache manager: the page ids and page copies arrive in the ``SchedulerOutput``).
 The jitted step takes the model's parameters, the donated KV pool, one ``StepInputs`` pytree
 (``jaxpaged.runner.input_batch``) and the previous step's sampled ids (for the tokens the host
 does not know yet under async scheduling), and returns a ``SamplerOutput`` (the sampled tokens,
-with their log-probabilities when asked), the updated pool and this step's sampled ids. Arrays are padded to buckets
-so the step compiles a bounded number of times:
+with their log-probabilities when asked), the updated pool and this step's sampled ids. Arrays
+are padded to buckets (``jaxpaged.runner.buckets``) so the step compiles a bounded number of
+times.
 
-- decode-only steps: T = B = a sequence bucket (8, 16, ... up to ``max_num_seqs``);
-- steps with prefill chunks: T = a token bucket (16, 32, ... up to ``max_num_batched_tokens``)
-  and B = the sequence bucket of min(T, ``max_num_seqs``);
-- pages per sequence P: 4, 8, ... up to ``max_model_len / page_size``.
-
-Each (T, B, P, decode-only, logprobs) shape is compiled ahead of time once and kept;
-:meth:`ModelRunner.precompile` compiles every shape a logprob-free run can meet, and
-:attr:`ModelRunner.num_compilations` counts compilations so one during serving is visible.
+Each (T, B, P, decode-only) shape is compiled ahead of time once and kept; logprobs, prompt
+logprobs and logit adjustments are inputs of fixed shapes, not part of the shape.
+:meth:`ModelRunner.precompile` compiles every shape a run can meet
+(:meth:`ModelRunner.step_shapes`), loading it instead when an earlier run left it in the
+executable store or JAX's compilation cache, and :attr:`ModelRunner.num_compilations` counts
+compilations so one during serving is visible.
 """
 
 from __future__ import annotations
@@ -30,39 +29,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm.auto import tqdm
 
 from jaxpaged.constants import NULL_PAGE
 from jaxpaged.distributed.multihost import to_host
 from jaxpaged.runner.kv_scales import KVScales, set_kv_scales
 from jaxpaged.engine.scheduler_output import SchedulerOutput
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, allocate_kv_pool
+from jaxpaged.runner.buckets import ShapeBuckets, bucket_sizes, pick_bucket
+from jaxpaged.runner.executable_store import ExecutableStore, fingerprint
 from jaxpaged.runner.input_batch import PreparedStep, StepInputs, attention_metadata, prepare_step
 from jaxpaged.runner.output import ModelRunnerOutput, TokenLogprob
-from jaxpaged.sampling.sampler import SamplerOutput, SamplingMetadata, sample, token_logprobs
+from jaxpaged.sampling.logits_adjust import no_adjustment
+from jaxpaged.sampling.sampler import SamplerOutput, SamplingMetadata, sample, token_logprobs, when
 
 logger = logging.getLogger(__name__)
-
-
-def bucket_sizes(smallest: int, largest: int) -> list[int]:
-    """Powers of two from ``smallest`` up to (and ending exactly at) ``largest``."""
-    sizes, s = [], smallest
-    while s < largest:
-        sizes.append(s)
-        s *= 2
-    sizes.append(largest)
-    return sizes
-
-
-def pick_bucket(sizes: list[int], n: int) -> int:
-    """The smallest bucket >= n.
-
-    Raises:
-        ValueError: ``n`` exceeds the largest bucket.
-    """
-    for s in sizes:
-        if s >= n:
-            return s
-    raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,11 +54,14 @@ class RunnerLimits:
         max_num_tokens: tokens per step (``max_num_batched_tokens``).
         max_num_seqs: sequences per step.
         max_pages_per_seq: pages of a ``max_model_len`` sequence.
+        max_adjust_entries: logit-adjustment entries (and allowed tokens) per sampling row
+            every step is compiled for (:func:`jaxpaged.sampling.logits_adjust.capacity`).
     """
 
     max_num_tokens: int
     max_num_seqs: int
     max_pages_per_seq: int
+    max_adjust_entries: int = 16
 
 
 class ModelRunner:
@@ -92,19 +76,29 @@ class ModelRunner:
         eos_token_ids: the model's EOS ids (masked before a request's ``min_tokens``).
         replicated: the sharding of every per-step input and output (the whole mesh); the
             parameters and the pool keep the shardings they arrived with.
+        executable_dir: where compiled steps are kept whole across runs
+            (``jaxpaged.runner.executable_store``; None: not kept).
     """
 
     def __init__(self, model: nnx.Module, kv_caches: list[KVPages], backend: AttentionBackend,
                  *, page_size: int, limits: RunnerLimits, eos_token_ids: frozenset[int],
-                 replicated: jax.sharding.Sharding):
+                 replicated: jax.sharding.Sharding, executable_dir: str | None = None):
         self._kv_caches = kv_caches
+        self._store = ExecutableStore(executable_dir)
         self._backend = backend
         self._page_size = page_size
         self._limits = limits
         self._replicated = replicated
-        self._token_buckets = bucket_sizes(16, max(16, limits.max_num_tokens))
-        self._seq_buckets = bucket_sizes(8, max(8, limits.max_num_seqs))
-        self._page_buckets = bucket_sizes(4, max(4, limits.max_pages_per_seq))
+        self._buckets = ShapeBuckets(
+            max_num_tokens=limits.max_num_tokens, max_num_seqs=limits.max_num_seqs,
+            max_pages_per_seq=limits.max_pages_per_seq,
+            page_buckets_by_width=backend.name == "pallas")
+        self._token_buckets = self._buckets.token_buckets
+        self._page_buckets = self._buckets.page_buckets
+        self._pad_sizes = self._buckets.pad_sizes
+        #: Every ``(T, B, P, decode_only)`` a step can be padded to
+        #: (:meth:`ShapeBuckets.step_shapes`).
+        self.step_shapes = self._buckets.step_shapes
         self._executables: dict[tuple, object] = {}
         self._eos_token_ids = eos_token_ids
         self._load(model)
@@ -115,7 +109,7 @@ class ModelRunner:
         self._graphdef = graphdef
         self._executables.clear()
 
-        num_rows = self._seq_buckets[-1]
+        num_rows = self._buckets.seq_buckets[-1]
 
         def step(state, kv_caches, inputs: StepInputs, prev_tokens: jax.Array
                  ) -> tuple[SamplerOutput, list[KVPages], jax.Array]:
@@ -128,12 +122,13 @@ class ModelRunner:
                                       inputs.attn_metadata)
             logits = model.compute_logits(hidden[inputs.logits_indices])
             out = sample(logits, inputs.sampling, inputs.with_logprobs, inputs.adjust)
-            if inputs.with_prompt_logprobs:
-                # Every token's distribution over the next prompt token (a chunk's last
-                # token predicts the first token of the request's next chunk, which is not
-                # among this step's inputs: the host passes every row's target).
-                out = dataclasses.replace(out, prompt_logprobs=token_logprobs(
-                    model.compute_logits(hidden), inputs.prompt_targets))
+            # Every token's distribution over the next prompt token (a chunk's last token
+            # predicts the first token of the request's next chunk, which is not among this
+            # step's inputs: the host passes every row's target); skipped on the device
+            # unless asked.
+            out = dataclasses.replace(out, prompt_logprobs=when(
+                inputs.with_prompt_logprobs,
+                lambda: token_logprobs(model.compute_logits(hidden), inputs.prompt_targets)))
             # The sampled ids padded to the largest row count: the next step's prev_tokens.
             sampled = jnp.pad(out.token_ids, (0, num_rows - out.token_ids.shape[0]))
             return out, kv_caches, sampled
@@ -242,7 +237,8 @@ class ModelRunner:
         self.copy_pages(scheduler_output.page_copies)
         prepared = prepare_step(scheduler_output, page_size=self._page_size,
                                 backend=self._backend, eos_token_ids=self._eos_token_ids,
-                                pad_sizes=self._pad_sizes, prev_rows=self._prev_rows)
+                                pad_sizes=self._pad_sizes, prev_rows=self._prev_rows,
+                                adjust_capacity=self._limits.max_adjust_entries)
         fn = self._executable(prepared.layout, prepared.inputs)
         out, self._kv_caches, self._prev_tokens = fn(self._state, self._kv_caches,
                                                      prepared.inputs, self._prev_tokens)
@@ -252,17 +248,22 @@ class ModelRunner:
         return PendingStep(scheduler_output, prepared, out)
 
     def _executable(self, layout: BatchLayout, inputs: StepInputs):
-        adjust = inputs.adjust
-        key = (layout.positions.shape[0], layout.seq_lens.shape[0], layout.page_table.shape[1],
-               layout.is_decode_only, (inputs.with_logprobs, inputs.with_prompt_logprobs),
-               None if adjust is None else (adjust.ids.shape[1], adjust.allowed_ids.shape[1]))
+        """The compiled step for ``inputs``' shapes (compiled now if new)."""
+        key = _shape_key(layout, inputs)
         fn = self._executables.get(key)
         if fn is None:
             t0 = time.perf_counter()
-            fn = self._step.lower(self._state, self._kv_caches, inputs,
-                                  self._prev_tokens).compile()
+            devices = list(self._replicated.mesh.devices.flat)
+            name = fingerprint(self._graphdef, self._state, self._kv_caches,
+                               ("step", key, self._page_size, repr(self._replicated),
+                                [d.id for d in devices]))
+            fn = self._store.load(name, devices)
+            if fn is None:
+                fn = self._step.lower(self._state, self._kv_caches, inputs,
+                                      self._prev_tokens).compile()
+                self._store.store(name, fn)
             self._executables[key] = fn
-            logger.debug("compiled step %s in %.2fs", key, time.perf_counter() - t0)
+            logger.debug("step %s ready in %.2fs", key, time.perf_counter() - t0)
         return fn
 
     def run_prefill(self, token_ids: list[int]) -> tuple[np.ndarray, list[KVPages]]:
@@ -306,16 +307,6 @@ class ModelRunner:
 
     # ---- shapes ------------------------------------------------------------------------------
 
-    def _pad_sizes(self, num_tokens: int, num_seqs: int, num_rows: int, max_pages: int,
-                   decode_only: bool) -> tuple[int, int, int]:
-        if decode_only:
-            t_pad = b_pad = pick_bucket(self._seq_buckets, num_rows)
-        else:
-            t_pad = pick_bucket(self._token_buckets, num_tokens)
-            b_pad = pick_bucket(self._seq_buckets,
-                                max(num_rows, min(t_pad, self._limits.max_num_seqs)))
-        return t_pad, b_pad, pick_bucket(self._page_buckets, max_pages)
-
     def _dummy_layout(self, t_pad: int, b_pad: int, p_pad: int, decode_only: bool):
         """A layout of the given padded shape whose tokens all write to the null page."""
         n_tokens = 1 if decode_only else 2
@@ -325,13 +316,14 @@ class ModelRunner:
             slot_mapping=np.zeros(t_pad, np.int32),
             page_table=np.zeros((b_pad, p_pad), np.int32), num_seqs=1, num_tokens=n_tokens)
 
-    def _dummy_inputs(self, layout: BatchLayout, with_logprobs: bool = False) -> StepInputs:
+    def _dummy_inputs(self, layout: BatchLayout) -> StepInputs:
         t_pad, b_pad = layout.positions.shape[0], layout.seq_lens.shape[0]
+        k = self._limits.max_adjust_entries
         return StepInputs(np.zeros(t_pad, np.int32), layout.positions, np.zeros(b_pad, np.int32),
                           attention_metadata(self._backend, layout),
-                          SamplingMetadata.from_host([], b_pad),
-                          prev_token_index=np.full(t_pad, -1, np.int32),
-                          with_logprobs=with_logprobs)
+                          SamplingMetadata.from_host([], b_pad), no_adjustment(b_pad, k, k),
+                          np.zeros(t_pad, np.int32), np.full(t_pad, -1, np.int32),
+                          np.asarray(False), np.asarray(False))
 
     def profile_peak_bytes(self) -> int | None:
         """Run the largest prefill step once on dummy data; the device's peak bytes in use
@@ -339,22 +331,31 @@ class ModelRunner:
         t_pad = self._token_buckets[-1]
         _, b_pad, _ = self._pad_sizes(t_pad, 1, 1, 1, False)
         layout = self._dummy_layout(t_pad, b_pad, self._page_buckets[-1], False)
-        inputs = self._dummy_inputs(layout, with_logprobs=True)
+        inputs = self._dummy_inputs(layout)
         out, self._kv_caches, _ = self._executable(layout, inputs)(
             self._state, self._kv_caches, inputs, self._prev_tokens)
         jax.block_until_ready(out)
         stats = jax.local_devices()[0].memory_stats()
         return None if not stats else stats.get("peak_bytes_in_use")
 
-    def precompile(self, should_stop: Callable[[], bool] = lambda: False) -> float:
-        """Compile every step shape a run without logprobs can meet, unless ``should_stop``
-        turns true between two shapes (the rest then compile lazily); returns seconds taken."""
+    def precompile(self, should_stop: Callable[[], bool] = lambda: False,
+                   progress: bool | None = None) -> float:
+        """Compile every step shape a run can meet (:meth:`step_shapes`; logprobs, prompt
+        logprobs and logit adjustments of up to ``max_adjust_entries`` entries a row run in
+        the same executables), unless ``should_stop`` turns true between two shapes (the
+        rest then compile lazily); returns the seconds taken.
+
+        One shape at a time: on the 2-core CPU two compilations on two threads took as long
+        as one after the other (XLA's compile holds the interpreter), so threads would only
+        add contention. ``progress``: show a tqdm bar (None: only on a terminal). With the
+        compilation cache (``jaxpaged.runner.compile_cache``) a shape compiled by an
+        earlier run is loaded instead.
+        """
         t0 = time.perf_counter()
-        shapes = {(b, b, p, True) for b in self._seq_buckets for p in self._page_buckets}
-        for t in self._token_buckets:
-            _, b, _ = self._pad_sizes(t, 1, 1, 1, False)
-            shapes.update((t, b, p, False) for p in self._page_buckets)
-        for shape in sorted(shapes):
+        shapes = self.step_shapes()
+        for shape in tqdm(shapes, desc="Compiling model steps", unit="shape",
+                          disable=None if progress is None else not progress,
+                          leave=False):
             if should_stop():
                 break
             layout = self._dummy_layout(*shape)
@@ -371,9 +372,19 @@ class PendingStep:
     out: SamplerOutput
 
     def result(self) -> ModelRunnerOutput:
-        """Wait for the device and read the step's results back to the host."""
-        return _runner_output(self.scheduler_output, self.prepared,
-                              jax.tree.map(to_host, self.out))
+        """Wait for the device and read the step's results back to the host (logprobs only
+        when the step asked for them)."""
+        inputs = self.prepared.inputs
+        out = dataclasses.replace(
+            self.out, logprobs=self.out.logprobs if inputs.with_logprobs else None,
+            prompt_logprobs=self.out.prompt_logprobs if inputs.with_prompt_logprobs else None)
+        return _runner_output(self.scheduler_output, self.prepared, jax.tree.map(to_host, out))
+
+
+def _shape_key(layout: BatchLayout, inputs: StepInputs) -> tuple:
+    """What selects a step's executable: (T, B, P, decode_only, K, A)."""
+    return (layout.positions.shape[0], layout.seq_lens.shape[0], layout.page_table.shape[1],
+            layout.is_decode_only, inputs.adjust.ids.shape[1], inputs.adjust.allowed_ids.shape[1])
 
 
 def _runner_output(sched: SchedulerOutput, prepared: PreparedStep,

@@ -15,7 +15,6 @@ import logging
 import os
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
 
 from jaxpaged.config import ModelConfig
@@ -27,7 +26,9 @@ from jaxpaged.layers.attention import (allocate_kv_pool, get_attention_backend,
                                        kv_bytes_per_page, resolve_kv_cache_dtype)
 from jaxpaged.layers.attention.tensor_parallel import TensorParallelAttention
 from jaxpaged.models.loader import load_model
+from jaxpaged.runner.compile_cache import configure_compilation_cache, resolve_cache_dir
 from jaxpaged.runner.model_runner import ModelRunner, RunnerLimits
+from jaxpaged.sampling.logits_adjust import capacity as adjust_capacity
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +64,6 @@ def resolve_dtype(name: str, checkpoint_dtype: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
-def enable_compilation_cache(path: str) -> None:
-    """Persist compiled steps under ``path`` so later start-ups load instead of compiling."""
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
 def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
                  eos_token_ids: frozenset[int], tokenizer, devices: list | None = None) -> Worker:
     """Load the model onto its devices and build its one :class:`ModelRunner`.
@@ -88,8 +81,8 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
             :class:`jaxpaged.engine.engine.Engine` documents; ValueError: a pool that does
             not fit the devices or cannot hold one ``max_model_len`` request.
     """
-    if args.compilation_cache_dir:
-        enable_compilation_cache(args.compilation_cache_dir)
+    cache_dir = resolve_cache_dir(args.compilation_cache_dir)
+    configure_compilation_cache(cache_dir)
     tp = TensorParallel.create(args.tensor_parallel_size, cfg, devices)
     kv_heads = tp.physical_config(cfg).num_kv_heads
     dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype)
@@ -113,8 +106,10 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
     runner = ModelRunner(
         model, pool(2, dtype if args.calculate_kv_scales else kv_cache_dtype), backend,
         page_size=page_size, eos_token_ids=eos_token_ids, replicated=tp.replicated,
+        executable_dir=cache_dir and os.path.join(cache_dir, "steps"),
         limits=RunnerLimits(max_num_tokens=args.max_num_batched_tokens,
-                            max_num_seqs=args.max_num_seqs, max_pages_per_seq=pages_per_seq))
+                            max_num_seqs=args.max_num_seqs, max_pages_per_seq=pages_per_seq,
+                            max_adjust_entries=adjust_capacity(cfg.vocab_size, max_model_len)))
     scales = [(1.0, 1.0)] * cfg.num_layers
     if args.calculate_kv_scales:
         scales = calibrate_kv_scales(runner, calibration_token_ids(

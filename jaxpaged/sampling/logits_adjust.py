@@ -16,6 +16,7 @@ scatters them into the [B, V] logits. Order, as vLLM v1's sampler applies them
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -107,8 +108,17 @@ def _bucket(n: int) -> int:
     return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
-def pack(rows: list[RowAdjustment | None], padded: int) -> LogitsAdjustment:
-    """Numpy arrays for ``padded`` rows (entry counts padded to a power of two >= 16)."""
+def capacity(vocab_size: int, max_model_len: int) -> int:
+    """Entries per row (K, and A allowed tokens) that every step is compiled for: the whole
+    vocabulary, or 2 x ``max_model_len`` (rounded up to a power of two) when that is
+    smaller, which holds a repetition penalty over a whole ``max_model_len`` sequence plus
+    as many logit-bias and banned entries. A row needing more makes a new step shape."""
+    return min(_bucket(vocab_size), 2 * _bucket(max_model_len))
+
+
+def pack(rows: list[RowAdjustment | None], padded: int, capacity: int = 16) -> LogitsAdjustment:
+    """Numpy arrays for ``padded`` rows, K and A entries per row: ``capacity`` (a power of
+    two), or the next power of two above it when a row needs more (a new step shape)."""
     entries = []
     for r in rows:
         if r is None:
@@ -116,15 +126,12 @@ def pack(rows: list[RowAdjustment | None], padded: int) -> LogitsAdjustment:
             continue
         tokens = sorted(set(r.pre) | r.repeat | set(r.post))
         entries.append([(t, r.pre.get(t, 0.0), t in r.repeat, r.post.get(t, 0.0)) for t in tokens])
-    k = _bucket(max((len(e) for e in entries), default=0))
-    a = _bucket(max((len(r.allowed) for r in rows if r and r.allowed), default=0))
-    ids = np.full((padded, k), _PAD_ID, np.int32)
-    pre = np.zeros((padded, k), np.float32)
-    repeat = np.zeros((padded, k), bool)
-    post = np.zeros((padded, k), np.float32)
-    penalty = np.ones(padded, np.float32)
-    allowed_ids = np.full((padded, a), _PAD_ID, np.int32)
-    has_allowed = np.zeros(padded, bool)
+    k = max(capacity, _bucket(max((len(e) for e in entries), default=0)))
+    a = max(capacity, _bucket(max((len(r.allowed) for r in rows if r and r.allowed), default=0)))
+    out = no_adjustment(padded, k, a, copy=True)
+    ids, pre, repeat, post, penalty, allowed_ids, has_allowed = (
+        out.ids, out.pre, out.repeat, out.post, out.repetition_penalty, out.allowed_ids,
+        out.has_allowed)
     for i, (r, e) in enumerate(zip(rows, entries)):
         if r is None:
             continue
@@ -134,7 +141,26 @@ def pack(rows: list[RowAdjustment | None], padded: int) -> LogitsAdjustment:
         if r.allowed:
             allowed_ids[i, :len(r.allowed)] = r.allowed
             has_allowed[i] = True
-    return LogitsAdjustment(ids, pre, repeat, post, penalty, allowed_ids, has_allowed)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _empty(padded: int, k: int, a: int) -> LogitsAdjustment:
+    arrays = (np.full((padded, k), _PAD_ID, np.int32), np.zeros((padded, k), np.float32),
+              np.zeros((padded, k), bool), np.zeros((padded, k), np.float32),
+              np.ones(padded, np.float32), np.full((padded, a), _PAD_ID, np.int32),
+              np.zeros(padded, bool))
+    for x in arrays:
+        x.flags.writeable = False
+    return LogitsAdjustment(*arrays)
+
+
+def no_adjustment(padded: int, k: int, a: int, copy: bool = False) -> LogitsAdjustment:
+    """No adjustment for any of ``padded`` rows, as [padded, k] / [padded, a] arrays (a
+    shared read-only set unless ``copy``): what a step without adjustments sends, so that it
+    runs the same executable as one with them."""
+    out = _empty(padded, k, a)
+    return jax.tree.map(np.array, out) if copy else out
 
 
 def apply(logits: jax.Array, adj: LogitsAdjustment) -> jax.Array:
@@ -148,3 +174,10 @@ def apply(logits: jax.Array, adj: LogitsAdjustment) -> jax.Array:
     r = adj.repetition_penalty[:, None]
     logits = jnp.where(repeat, jnp.where(logits > 0, logits / r, logits * r), logits)
     return logits.at[rows, adj.ids].add(adj.post, mode="drop")
+
+
+def apply_if_any(logits: jax.Array, adj: LogitsAdjustment) -> jax.Array:
+    """:func:`apply` when any row of ``adj`` has an entry, else ``logits`` unchanged, decided
+    on the device (``lax.cond``), so one executable serves steps with and without them."""
+    active = jnp.any(adj.ids != _PAD_ID) | jnp.any(adj.has_allowed)
+    return jax.lax.cond(active, apply, lambda x, _: x, logits, adj)

@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.sampling.logits_adjust import LogitsAdjustment
-from jaxpaged.sampling.logits_adjust import apply as apply_adjustment
+from jaxpaged.sampling.logits_adjust import LogitsAdjustment, apply_if_any
 from jaxpaged.sampling_params import MAX_LOGPROBS
 
 
@@ -134,15 +133,29 @@ def processed_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
-def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool = False,
+def when(flag, fn, *args):
+    """``fn(*args)`` where ``flag`` holds. A Python bool decides while tracing (False gives
+    None); a bool array decides on the device (``lax.cond``; False gives zeros of
+    ``fn``'s result shapes), so one executable serves both cases."""
+    if isinstance(flag, bool):
+        return fn(*args) if flag else None
+    shapes = jax.eval_shape(fn, *args)
+    return jax.lax.cond(flag, fn, lambda *_: jax.tree.map(
+        lambda x: jnp.zeros(x.shape, x.dtype), shapes), *args)
+
+
+def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool | jax.Array = False,
            adjust: LogitsAdjustment | None = None) -> SamplerOutput:
     """Draw one token per row.
 
     Args:
         logits: [B, V] float32.
         meta: the rows' sampling parameters.
-        adjust: per-row logit bias, bans, allowed tokens and penalties (None: none).
-        with_logprobs: also return log-probabilities. They are those of the raw model
+        adjust: per-row logit bias, bans, allowed tokens and penalties (None: none; rows
+            without entries are left as they are, and a step with none skips them on the
+            device).
+        with_logprobs: also return log-probabilities (a bool array: decided on the device,
+            zeros where false; see :func:`when`). They are those of the raw model
             distribution, ``log_softmax(logits)`` before temperature, top-k/top-p/min-p and
             adjustments and penalties (vLLM's default ``logprobs_mode="raw_logprobs"``).
 
@@ -150,7 +163,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool = Fals
         A :class:`SamplerOutput`: ``token_ids`` [B] int32 and, with logprobs, the sampled
         tokens' :class:`TokenLogprobs`.
     """
-    adjusted = logits if adjust is None else apply_adjustment(logits, adjust)
+    adjusted = logits if adjust is None else apply_if_any(logits, adjust)
     greedy_tokens = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)
 
     def draw(lo, hi, pos, row):
@@ -164,7 +177,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool = Fals
 
     # An all-greedy step skips the vocabulary sort and the random draws at run time.
     tokens = jax.lax.cond(jnp.all(meta.greedy), lambda: greedy_tokens, with_sampling)
-    return SamplerOutput(tokens, token_logprobs(logits, tokens) if with_logprobs else None)
+    return SamplerOutput(tokens, when(with_logprobs, token_logprobs, logits, tokens))
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:

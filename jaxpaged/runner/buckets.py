@@ -1,0 +1,96 @@
+"""The padded shapes of a model step, so that the step compiles a bounded number of times.
+
+- decode-only steps: T = B = a sequence bucket (8, 16, ... up to ``max_num_seqs``);
+- steps with prefill chunks: T = a token bucket (16, 32, ... up to ``max_num_batched_tokens``)
+  and B = the sequence bucket of min(T, ``max_num_seqs``); a step with more sampling rows
+  than that (``n > 1`` prompts fork their samples from one sequence) takes the first wider
+  token bucket whose B holds them instead of a new (T, B) pair;
+- pages per sequence P: the widest bucket, ``max_model_len / page_size``, alone when the
+  attention backend's work follows the real sequence lengths (``xla``: its chunk loop stops
+  at the longest sequence, so a wider page table costs nothing), else 4, 8, ... up to it
+  (``pallas``: the decode kernel's split-K grid follows the table's width).
+
+:meth:`ShapeBuckets.step_shapes` lists every shape a run can meet, which is what the
+start-up precompiles. (vLLM pads decode batches to its CUDA-graph capture sizes the same way,
+``vllm/config/compilation.py``.)
+"""
+
+from __future__ import annotations
+
+
+def bucket_sizes(smallest: int, largest: int) -> list[int]:
+    """Powers of two from ``smallest`` up to (and ending exactly at) ``largest``."""
+    sizes, s = [], smallest
+    while s < largest:
+        sizes.append(s)
+        s *= 2
+    sizes.append(largest)
+    return sizes
+
+
+def pick_bucket(sizes: list[int], n: int) -> int:
+    """The smallest bucket >= n.
+
+    Raises:
+        ValueError: ``n`` exceeds the largest bucket.
+    """
+    for s in sizes:
+        if s >= n:
+            return s
+    raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
+
+
+class ShapeBuckets:
+    """The token, sequence and page buckets of one runner.
+
+    Args:
+        max_num_tokens: tokens per step (``max_num_batched_tokens``).
+        max_num_seqs: sequences (and sampling rows) per step.
+        max_pages_per_seq: pages of a ``max_model_len`` sequence.
+        page_buckets_by_width: one page bucket per power of two (else the widest only).
+    """
+
+    def __init__(self, *, max_num_tokens: int, max_num_seqs: int, max_pages_per_seq: int,
+                 page_buckets_by_width: bool):
+        self.max_num_seqs = max_num_seqs
+        self.token_buckets = bucket_sizes(16, max(16, max_num_tokens))
+        self.seq_buckets = bucket_sizes(8, max(8, max_num_seqs))
+        self.page_buckets = bucket_sizes(4, max(4, max_pages_per_seq))
+        if not page_buckets_by_width:
+            self.page_buckets = self.page_buckets[-1:]
+
+    def pad_sizes(self, num_tokens: int, num_seqs: int, num_rows: int, max_pages: int,
+                  decode_only: bool) -> tuple[int, int, int]:
+        """(T, B, P) of a step of ``num_tokens`` tokens over ``num_seqs`` sequences with
+        ``num_rows`` sampling rows, its longest page table ``max_pages`` pages.
+
+        Raises:
+            ValueError: the step exceeds the largest buckets.
+        """
+        if decode_only:
+            t_pad = b_pad = pick_bucket(self.seq_buckets, num_rows)
+        else:
+            t_pad = pick_bucket(self.token_buckets, num_tokens)
+            wider = [t for t in self.token_buckets
+                     if t >= t_pad and self.mixed_seq_bucket(t) >= num_rows]
+            t_pad = wider[0] if wider else self.token_buckets[-1]
+            b_pad = pick_bucket(self.seq_buckets, max(num_rows, self.mixed_seq_bucket(t_pad)))
+        return t_pad, b_pad, pick_bucket(self.page_buckets, max_pages)
+
+    def mixed_seq_bucket(self, t_pad: int) -> int:
+        """The sequence bucket of a step with prefill chunks padded to ``t_pad`` tokens."""
+        return pick_bucket(self.seq_buckets, min(t_pad, self.max_num_seqs))
+
+    def step_shapes(self) -> list[tuple[int, int, int, bool]]:
+        """Every ``(T, B, P, decode_only)`` :meth:`pad_sizes` can return: decode steps of
+        each sequence bucket, steps with prefill chunks of each token bucket (with the wider
+        sequence buckets n > 1 prompts can need when the widest token bucket holds fewer
+        than ``max_num_seqs`` rows), each with every page bucket; sorted."""
+        t_max = self.token_buckets[-1]
+        shapes = {(b, b, p, True) for b in self.seq_buckets for p in self.page_buckets}
+        for t in self.token_buckets:
+            seqs = [self.mixed_seq_bucket(t)]
+            if t == t_max:
+                seqs += [b for b in self.seq_buckets if b > seqs[0]]
+            shapes.update((t, b, p, False) for b in seqs for p in self.page_buckets)
+        return sorted(shapes)

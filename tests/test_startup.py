@@ -1,0 +1,141 @@
+"""Start-up: the on-disk compile cache, the precompiled step shapes, and no compilation
+after start-up whatever features a request uses."""
+
+import os
+
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.runner import compile_cache
+from jaxpaged.runner.buckets import ShapeBuckets
+
+LIMITS = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32)
+
+
+def test_cache_dir_default_override_and_off(monkeypatch, tmp_path):
+    monkeypatch.delenv(compile_cache.CACHE_ROOT_ENV, raising=False)
+    monkeypatch.delenv(compile_cache.DISABLE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache.resolve_cache_dir(None) == str(tmp_path / "xdg" / "jaxpaged"
+                                                        / "compile_cache")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert compile_cache.resolve_cache_dir(None) == os.path.expanduser(
+        "~/.cache/jaxpaged/compile_cache")
+    monkeypatch.setenv(compile_cache.CACHE_ROOT_ENV, str(tmp_path / "root"))
+    assert compile_cache.resolve_cache_dir(None) == str(tmp_path / "root" / "compile_cache")
+    assert compile_cache.resolve_cache_dir(str(tmp_path / "mine")) == str(tmp_path / "mine")
+    assert compile_cache.resolve_cache_dir("") is None
+    monkeypatch.setenv(compile_cache.DISABLE_ENV, "1")
+    assert compile_cache.resolve_cache_dir(str(tmp_path / "mine")) is None
+
+
+def test_engine_fills_the_cache_and_a_second_engine_reuses_it(tmp_path):
+    """Every precompiled step lands in the cache directory given (JAX's compile cache and
+    the executable store); a second engine of the same configuration loads them all (the
+    benchmark's start-up figures say so) and runs them; another configuration adds its own
+    entries."""
+    import jax
+
+    from jaxpaged.benchmarks.throughput import start_engine
+    from jaxpaged.engine.arg_utils import EngineArgs
+
+    cache = str(tmp_path / "cache")
+    try:
+        _, cold = start_engine(EngineArgs(compilation_cache_dir=cache, **LIMITS))
+        # decode B 8, mixed T 16 and 32 (B 8)
+        assert (cold["num_step_shapes"], cold["num_compiled"]) == (3, 3)
+        assert compile_cache.num_step_entries(cache) == 3
+        llm, warm = start_engine(EngineArgs(compilation_cache_dir=cache, **LIMITS))
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        eager = LLM(enforce_eager=True, compilation_cache_dir="", **LIMITS)
+        prompts = [[1, 403, 407], [1] + list(range(300, 320))]
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] \
+            == [o.outputs[0].token_ids for o in eager.generate(prompts, greedy, use_tqdm=False)]
+        assert llm.engine.stats().num_compilations == 3
+        assert (warm["num_compiled"], warm["num_loaded_from_cache"]) == (0, 3)
+        assert warm["compile_cache_dir"] == cache
+        # ... whole, from the executable store: nothing was lowered or compiled again.
+        assert len(os.listdir(os.path.join(cache, "steps"))) == 3
+        start_engine(EngineArgs(compilation_cache_dir=cache, dtype="bfloat16", **LIMITS))
+        assert compile_cache.num_step_entries(cache) == 6
+        assert len(os.listdir(os.path.join(cache, "steps"))) == 6
+    finally:    # back to the suite's cache for the tests that follow
+        compile_cache.configure_compilation_cache(compile_cache.resolve_cache_dir(None))
+    assert jax.config.jax_compilation_cache_dir == compile_cache.resolve_cache_dir(None)
+
+
+def test_no_request_feature_compiles_after_start_up():
+    """After ``LLM()`` returns, logprobs, prompt logprobs, every logit adjustment and n > 1
+    run in the precompiled executables, with the features' effects visible."""
+    llm = LLM(**LIMITS)
+    engine = llm.engine
+    compiled = engine.stats().num_compilations
+    assert compiled == len(engine.runner.step_shapes()) == 3
+    prompt = [1, 403, 407, 261, 322]
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    cases = {
+        "logprobs": SamplingParams(logprobs=3, **greedy),
+        "prompt_logprobs": SamplingParams(prompt_logprobs=2, **greedy),
+        "logit_bias": SamplingParams(logit_bias={77: 100.0}, **greedy),
+        "allowed": SamplingParams(allowed_token_ids=[40, 41], **greedy),
+        "penalties": SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0,
+                                    presence_penalty=1.0, **greedy),
+        "bad_words_min_tokens": SamplingParams(bad_words=["the"], min_tokens=3, **greedy),
+        "n": SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=6, ignore_eos=True),
+    }
+    outs = dict(zip(cases, llm.generate([prompt] * len(cases), list(cases.values()),
+                                        use_tqdm=False)))
+    assert engine.stats().num_compilations == compiled
+    lp = outs["logprobs"].outputs[0]
+    assert len(lp.logprobs) == 6 and all(len(d) >= 3 for d in lp.logprobs)
+    # Greedy: the sampled token is the raw distribution's best (rank 1).
+    assert all(d[t].rank == 1 for d, t in zip(lp.logprobs, lp.token_ids))
+    plp = outs["prompt_logprobs"].prompt_logprobs
+    assert plp[0] is None and len(plp) == len(prompt)
+    assert all(prompt[i] in plp[i] for i in range(1, len(prompt)))
+    assert outs["logit_bias"].outputs[0].token_ids == [77] * 6
+    assert set(outs["allowed"].outputs[0].token_ids) <= {40, 41}
+    assert len(outs["n"].outputs) == 3
+    plain = llm.generate([prompt], SamplingParams(**greedy), use_tqdm=False)[0]
+    assert outs["penalties"].outputs[0].token_ids != plain.outputs[0].token_ids
+    assert engine.stats().num_compilations == compiled
+
+
+def test_mixed_step_with_more_rows_than_its_token_bucket_reuses_a_precompiled_shape():
+    """n > 1 on a short prompt samples more rows than a 16-token step has sequences: the
+    step takes a wider token bucket, one of the shapes the precompile makes."""
+    llm = LLM(enforce_eager=True, max_num_seqs=32, max_model_len=64, max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    assert runner._pad_sizes(10, 1, 20, 1, False) == (32, 32, 4)
+    assert runner._pad_sizes(10, 1, 2, 1, False) == (16, 16, 4)
+    outs = llm.generate([[1, 403, 407]], SamplingParams(n=20, seed=1, max_tokens=3),
+                        use_tqdm=False)
+    assert len(outs[0].outputs) == 20
+    assert {key[:4] for key in runner._executables} <= set(runner.step_shapes())
+
+
+def test_page_buckets_follow_the_backend():
+    """xla: one page bucket, the widest (its work follows the real lengths); pallas keeps
+    one per power of two (its decode grid follows the page table's width)."""
+    for backend, want in (("xla", [16]), ("pallas", [4, 8, 16])):
+        llm = LLM(enforce_eager=True, attention_backend=backend, max_num_seqs=4,
+                  max_model_len=256, max_num_batched_tokens=32)
+        assert llm.engine.runner._page_buckets == want
+
+
+@pytest.mark.parametrize("tokens, seqs, pages", [(64, 32, 4), (16, 64, 8), (2048, 256, 32)])
+@pytest.mark.parametrize("by_width", [False, True])
+def test_every_padded_shape_is_one_the_precompile_makes(tokens, seqs, pages, by_width):
+    """Whatever a step holds (up to the limits), its padded shape is in ``step_shapes``,
+    including mixed steps with up to ``max_num_seqs`` sampling rows when the widest token
+    bucket is narrower than that (16 tokens, 64 sequences)."""
+    b = ShapeBuckets(max_num_tokens=tokens, max_num_seqs=seqs, max_pages_per_seq=pages,
+                     page_buckets_by_width=by_width)
+    shapes = set(b.step_shapes())
+    met = {(*b.pad_sizes(rows, rows, rows, p, True), True) for rows in range(1, seqs + 1)
+           for p in range(1, pages + 1)}
+    met |= {(*b.pad_sizes(t, 1, rows, p, False), False) for t in range(2, tokens + 1, 7)
+            for rows in range(1, seqs + 1, 5) for p in (1, pages)}
+    assert met <= shapes
+    with pytest.raises(ValueError):
+        b.pad_sizes(tokens + 1, 1, 1, 1, False)
