@@ -14,7 +14,8 @@ attention backend. Two steps are built on the host the way the model runner pads
 Each step is one jitted function shaped like the runner's step (forward, ``lm_head`` on the
 sampling rows, :func:`jaxpaged.sampling.sampler.sample`, all greedy). It is timed (best and
 median of ``--repeats`` calls) and traced; every XLA:CPU thunk's self time (its time minus
-the thunks nested in it, e.g. a ``while`` loop's body) is attributed to a phase from the
+the thunks nested in it, e.g. a ``while`` loop's body; the least over ``--trace-steps``
+steps) is attributed to a phase from the
 source line of its HLO instruction (the compiled module's stack frames: ``q_proj``,
 ``gate_proj``, attention, KV write, ``lm_head``, sampling, ...). Thunks run on several
 threads at once, so phase shares are of the summed thread time; the step's wall time is
@@ -31,6 +32,7 @@ Prints one JSON line with everything at the end.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import glob
 import json
@@ -226,33 +228,42 @@ def instruction_phases(hlo: str) -> dict[str, str]:
 
 
 _CONTAINERS = ("ThunkExecutor::Execute",)
-_SKIP = ("ThreadpoolListener", "end: ", "SlinkyThreadPool::Await",
-         "ThunkExecutor::Execute (wait for completion)")
+_WAIT = "ThunkExecutor::Execute (wait for completion)"
+_SKIP = ("ThreadpoolListener", "end: ", "SlinkyThreadPool::Await", _WAIT)
 
 
 def thunk_self_times(xplane: str) -> dict[str, float]:
-    """Summed self time (seconds) of every thunk name over all XLA threads of a trace."""
+    """Self time (seconds) of every thunk name in one step, summed over all XLA threads, as
+    the least over the traced steps (a step is one ``ThunkExecutor::Execute (wait for
+    completion)`` window): on a shared machine a preempted thread inflates whichever thunk
+    it was running, the least of several steps filters that out."""
     from jax.profiler import ProfileData
-    totals = collections.Counter()
-    for plane in ProfileData.from_file(xplane).planes:
-        for line in plane.lines:
-            if "XLA" not in line.name:
-                continue
-            evs = sorted((e for e in line.events if not e.name.startswith(_SKIP)),
-                         key=lambda e: (e.start_ns, -e.duration_ns))
-            stack = []          # [name, end_ns, child_ns]
-            def pop():
-                name, _, dur, child = stack.pop()
-                totals[name] += (dur - child) / 1e9
-                if stack:
-                    stack[-1][3] += dur
-            for e in evs:
-                while stack and e.start_ns >= stack[-1][1]:
-                    pop()
-                stack.append([e.name, e.start_ns + e.duration_ns, e.duration_ns, 0])
-            while stack:
+    lines = [line for plane in ProfileData.from_file(xplane).planes for line in plane.lines
+             if "XLA" in line.name]
+    windows = sorted((e.start_ns, e.start_ns + e.duration_ns) for line in lines
+                     for e in line.events if e.name == _WAIT)
+    totals = collections.defaultdict(collections.Counter)     # step -> name -> seconds
+    for line in lines:
+        evs = sorted((e for e in line.events if not e.name.startswith(_SKIP)),
+                     key=lambda e: (e.start_ns, -e.duration_ns))
+        stack = []          # [name, end_ns, duration_ns, children_ns, step]
+
+        def pop():
+            name, _, dur, child, step = stack.pop()
+            totals[step][name] += (dur - child) / 1e9
+            if stack:
+                stack[-1][3] += dur
+
+        for e in evs:
+            while stack and e.start_ns >= stack[-1][1]:
                 pop()
-    return dict(totals)
+            step = bisect.bisect_right([w[0] for w in windows], e.start_ns) - 1
+            stack.append([e.name, e.start_ns + e.duration_ns, e.duration_ns, 0, step])
+        while stack:
+            pop()
+    steps = [totals[i] for i in range(len(windows))] or [collections.Counter()]
+    names = set().union(*steps)
+    return {n: min(t.get(n, 0.0) for t in steps) for n in names}
 
 
 def profile_step(kind: str, model_dir: str, repeats: int, trace_steps: int) -> dict:
@@ -279,14 +290,14 @@ def profile_step(kind: str, model_dir: str, repeats: int, trace_steps: int) -> d
     by_phase = collections.Counter()
     for name, secs in selfs.items():
         phase = phases.get(name, "executor" if name.startswith(_CONTAINERS) else "other")
-        by_phase[phase] += secs / trace_steps
+        by_phase[phase] += secs
     total = sum(by_phase.values())
     matmuls = {name: round(matmul_gflops(m, k, n, max(3, repeats // 2)), 1)
                for name, m, k, n in shapes}
     return {"kind": kind, "best_ms": best * 1e3, "median_ms": median * 1e3,
             "thread_ms": {k: round(v * 1e3, 2) for k, v in by_phase.most_common()},
             "thread_share": {k: round(v / total, 4) for k, v in by_phase.most_common()},
-            "top_thunks_ms": {k: round(v * 1e3 / trace_steps, 2) for k, v in
+            "top_thunks_ms": {k: round(v * 1e3, 2) for k, v in
                               collections.Counter(selfs).most_common(12)},
             "matmul_gflops": matmuls}
 
@@ -343,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", nargs="+", default=["decode", "prefill"],
                    choices=["decode", "prefill"])
     p.add_argument("--repeats", type=int, default=8)
-    p.add_argument("--trace-steps", type=int, default=3)
+    p.add_argument("--trace-steps", type=int, default=4)
     p.add_argument("--compare-options", action="store_true",
                    help="time the compile-option sets of OPTION_SETS against the defaults")
     p.add_argument("--rounds", type=int, default=2)
