@@ -232,16 +232,18 @@ _WAIT = "ThunkExecutor::Execute (wait for completion)"
 _SKIP = ("ThreadpoolListener", "end: ", "SlinkyThreadPool::Await", _WAIT)
 
 
-def thunk_self_times(xplane: str) -> dict[str, float]:
+def thunk_self_times(xplane: str, num_steps: int) -> dict[str, float]:
     """Self time (seconds) of every thunk name in one step, summed over all XLA threads, as
-    the least over the traced steps (a step is one ``ThunkExecutor::Execute (wait for
-    completion)`` window): on a shared machine a preempted thread inflates whichever thunk
-    it was running, the least of several steps filters that out."""
+    the least over the traced steps (a step ends with its ``ThunkExecutor::Execute (wait
+    for completion)``): on a shared machine a preempted thread inflates whichever thunk
+    it was running, the least of several steps filters that out. Without such waits: the
+    mean over ``num_steps`` steps."""
     from jax.profiler import ProfileData
     lines = [line for plane in ProfileData.from_file(xplane).planes for line in plane.lines
              if "XLA" in line.name]
-    windows = sorted((e.start_ns, e.start_ns + e.duration_ns) for line in lines
-                     for e in line.events if e.name == _WAIT)
+    # A step ends with its wait, which spans the step when the caller thread runs no thunk.
+    ends = sorted(e.start_ns + e.duration_ns for line in lines for e in line.events
+                  if e.name == _WAIT)
     totals = collections.defaultdict(collections.Counter)     # step -> name -> seconds
     for line in lines:
         evs = sorted((e for e in line.events if not e.name.startswith(_SKIP)),
@@ -257,11 +259,13 @@ def thunk_self_times(xplane: str) -> dict[str, float]:
         for e in evs:
             while stack and e.start_ns >= stack[-1][1]:
                 pop()
-            step = bisect.bisect_right([w[0] for w in windows], e.start_ns) - 1
+            step = bisect.bisect_left(ends, e.start_ns)
             stack.append([e.name, e.start_ns + e.duration_ns, e.duration_ns, 0, step])
         while stack:
             pop()
-    steps = [totals[i] for i in range(len(windows))] or [collections.Counter()]
+    steps = [totals[i] for i in range(len(ends)) if totals[i]]
+    if not steps:
+        return {n: t / num_steps for n, t in sum(totals.values(), collections.Counter()).items()}
     names = set().union(*steps)
     return {n: min(t.get(n, 0.0) for t in steps) for n in names}
 
@@ -286,7 +290,7 @@ def profile_step(kind: str, model_dir: str, repeats: int, trace_steps: int) -> d
             run()
         jax.profiler.stop_trace()
         xplane = sorted(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True))[-1]
-        selfs = thunk_self_times(xplane)
+        selfs = thunk_self_times(xplane, trace_steps)
     by_phase = collections.Counter()
     for name, secs in selfs.items():
         phase = phases.get(name, "executor" if name.startswith(_CONTAINERS) else "other")
