@@ -110,3 +110,28 @@ def test_seeded_outputs_alone_in_a_mixed_batch_of_32_and_under_preemption():
     outs = small.generate(mixed, params, use_tqdm=False)
     assert small.engine.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs[:4]] == alone
+
+
+@pytest.mark.parametrize("case", ["ties", "nan", "neg_inf", "random"])
+def test_argmax_first_matches_jnp_argmax(case):
+    from jaxpaged.sampling.sampler import argmax_first
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(8, 1000)).astype(np.float32)
+    if case == "ties":          # the largest value at two places: the first one wins
+        logits[:, 7] = logits[:, 900] = 10.0
+        logits[3, 2] = 10.0
+    elif case == "nan":         # NaN counts as the largest, first NaN wins
+        logits[0, 500] = logits[0, 20] = np.nan
+        logits[5, 999] = np.nan
+    elif case == "neg_inf":     # every logit banned
+        logits[2] = -np.inf
+    got = np.asarray(jax.jit(argmax_first)(jnp.asarray(logits)))
+    want = np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1))
+    assert got.dtype == np.int32
+    assert got.tolist() == want.tolist()
+    if case == "ties":
+        assert got[3] == 2 and got[0] == 7
+    if case == "nan":
+        assert got[0] == 20 and got[5] == 999
+    if case == "neg_inf":
+        assert got[2] == 0

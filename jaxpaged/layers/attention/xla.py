@@ -12,9 +12,12 @@ per query block, and the padding of the page-table bucket costs nothing. Chunk b
 sit at fixed token positions, so a sequence's result does not depend on what else is in the
 batch.
 
-The chunk is small on purpose: on XLA:CPU the chunk's K/V gather is materialized, and two
-pages (32 keys at page size 16) keep it in cache; on W1 (``docs/benchmarks.md``) a decode
-step of 64 sequences took 440 ms with 8-page chunks and 310 ms with 2-page chunks. Decode
+The chunk is small on purpose: on XLA:CPU the chunk's K/V gather is materialized, and a
+few pages keep it in cache; on W1 (``docs/benchmarks.md``) a decode step of 64 sequences
+took 440 ms with 8-page chunks and 310 ms with 2-page chunks (jaxlib 0.11). Under jaxlib
+0.12, which hands the chunk's multiply-and-reduce to YNNPACK, 4-page chunks in 8 runs
+measured 0.947x and 0.948x the step time of 2-page chunks in 4 runs (two interleaved rounds,
+"W1 step profile (CPU)"); 8-page chunks were slower again (1.13x, 1.64x). Decode
 blocks (one query row) compute their scores and weighted values as multiply-and-reduce
 instead of matrix-vector products, which XLA:CPU runs one small dot at a time.
 
@@ -40,11 +43,11 @@ from jaxpaged.layers.attention.query_blocks import QueryBlockBackend
 from pallas_kernels.kv_quant import check_pool_dtypes
 from pallas_kernels.reference import MASK_VALUE, write_kv_reference
 
-#: Pages per iteration of the chunk loop (32 keys at the default page size of 16).
-PAGES_PER_CHUNK = 2
+#: Pages per iteration of the chunk loop (64 keys at the default page size of 16).
+PAGES_PER_CHUNK = 4
 
 #: Runs of query blocks with their own loop trip count.
-NUM_GROUPS = 4
+NUM_GROUPS = 8
 
 
 def paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
