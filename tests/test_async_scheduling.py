@@ -5,6 +5,7 @@ logprobs, delta outputs and prefix-cache hits on the bundled model; under preemp
 final outputs; an aborted request gets no output after the abort."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -142,3 +143,48 @@ def test_abort_after_the_last_step_drops_its_output_but_counts_the_real_finish()
     assert [o for o in async_outputs if o[0] == "one"] == []
     assert async_outputs == sync_outputs[1:]       # "other": every output the same
     assert sync_finished == async_finished == ["length", "length"]
+
+
+def test_a_step_failing_on_the_device_fails_it_and_the_step_after_it():
+    """Async scheduling: when a dispatched step's result raises (the device failed), its
+    requests and those of the step dispatched after it (which read its tokens) end with
+    ``"error"``; the pages are freed and a later request runs as on a fresh engine."""
+    engine = Engine(EngineArgs(enforce_eager=True))
+    assert engine.args.async_scheduling        # the default
+    real, calls = engine.runner.dispatch, []
+
+    def dispatch(scheduler_output):
+        pending = real(scheduler_output)
+        calls.append([s.request.request_id for s in scheduler_output.scheduled])
+        if len(calls) != 3:
+            return pending
+
+        def result():
+            pending.result()
+            raise RuntimeError("device lost")
+        return SimpleNamespace(result=result)
+
+    engine.runner.dispatch = dispatch
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    engine.add_request("a", "Once upon a time", greedy)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = outputs[-1]
+    assert (final.request_id, final.outputs[0].finish_reason) == ("a", "error")
+    assert "RuntimeError: device lost" in final.error
+    assert len(final.outputs[0].token_ids) == 2     # steps 1 and 2 applied, 3 and 4 failed
+    assert len(calls) == 4
+    kv = engine.kv_cache_manager
+    assert kv.num_free_pages == kv.num_usable_pages
+    engine.add_request("b", "Once upon a time", greedy)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    reference = Engine(EngineArgs(enforce_eager=True, async_scheduling=False))
+    reference.add_request("b", "Once upon a time", greedy)
+    expected = []
+    while reference.has_unfinished_requests():
+        expected += reference.step()
+    assert outputs[-1].outputs[0].token_ids == expected[-1].outputs[0].token_ids
+    assert len(outputs[-1].outputs[0].token_ids) == 8

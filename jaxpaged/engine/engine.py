@@ -13,9 +13,11 @@ dispatch. The device side is assembled once by
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,10 +37,9 @@ from jaxpaged.engine.kv_cache_manager import KVCacheManager
 from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.scheduler_output import SchedulerOutput
-from jaxpaged.metrics.stats import (EngineStats, IterationStats, SchedulerStats, StatLogger,
-                                    finished_request_stats)
+from jaxpaged.metrics.recorder import StatsRecorder
+from jaxpaged.metrics.stats import EngineStats, StatLogger
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.runner.compile_cache import jax_cache_dir, num_step_entries
 from jaxpaged.runner.output import ModelRunnerOutput
 from jaxpaged.runner.worker import build_worker
 from jaxpaged.sampling.logits_adjust import needs_adjustment
@@ -48,16 +49,18 @@ from jaxpaged.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _InFlight:
     """A dispatched step: its plan, a call that waits for and returns its
-    ``ModelRunnerOutput``, when it was dispatched (``time.monotonic()`` seconds), and whether
-    it samples a parallel-sampling prompt (the next step must wait for its fork)."""
+    ``ModelRunnerOutput``, when it was dispatched (``time.monotonic()`` seconds), whether it
+    samples a parallel-sampling prompt (the next step must wait for its fork), and whether
+    it was failed already (with the step before it)."""
 
     scheduler_output: SchedulerOutput
     result: Callable[[], ModelRunnerOutput]
     scheduled_at: float
     forks: bool
+    failed: bool = False
 
 
 class Engine:
@@ -132,11 +135,6 @@ class Engine:
         self.kv_bytes_per_page = worker.kv_bytes_per_page
         num_pages, page_size = worker.num_pages, args.block_size
         self.kv_cache_manager = KVCacheManager(num_pages, page_size, args.enable_prefix_caching)
-        logger.info("KV cache: %d pages of %d tokens in %s, %d bytes per page (%.1f MiB in "
-                    "all); maximum concurrency for %d-token requests: %.2fx", num_pages,
-                    page_size, self.kv_cache_dtype.name, self.kv_bytes_per_page,
-                    num_pages * self.kv_bytes_per_page / 2**20, self.max_model_len,
-                    (num_pages - 1) / -(-self.max_model_len // page_size))
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len,
@@ -144,17 +142,9 @@ class Engine:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             policy=args.scheduling_policy), self.kv_cache_manager, self.output_processor)
         if not args.enforce_eager:
-            cache_dir = jax_cache_dir()
-            stored = num_step_entries(cache_dir)
-            seconds = self.runner.precompile(should_stop=stop_requested_anywhere)
-            fresh = num_step_entries(cache_dir) - stored if cache_dir else \
-                self.runner.num_compilations
-            logger.info("precompiled %d step shapes in %.1f s (%d compiled, %d loaded from "
-                        "the compile cache %s)", self.runner.num_compilations, seconds, fresh,
-                        self.runner.num_compilations - fresh, cache_dir or "(off)")
-        self.stat_loggers: list[StatLogger] = []
-        self._iteration = IterationStats()
-        self._reported = (0, 0, 0)   # prefix-cache queries, hits, preemptions already reported
+            self.runner.precompile(should_stop=stop_requested_anywhere)
+        self._stats = StatsRecorder()
+        self.stat_loggers: list[StatLogger] = self._stats.loggers
         self._arrivals = 0
         self._num_steps = 0
         #: Async scheduling: the dispatched step whose results are not applied yet, and
@@ -165,11 +155,6 @@ class Engine:
         self._early_outputs: list[RequestOutput] = []
         self.fault_injector: Callable[[int, list[str]], None] | None = None
         self._seed_rng = seed_rng or np.random.default_rng(args.seed)
-        logger.info("model %s (%s, %d layers), dtype %s, quantization %s (weights %.1f MiB), "
-                    "max_model_len %d, attention %s, tensor parallel %d", args.model,
-                    cfg.architecture, cfg.num_layers, np.dtype(self.dtype).name,
-                    cfg.quantization, self.runner.weight_bytes / 2**20, self.max_model_len,
-                    self.runner.backend.name, worker.tensor_parallel_size)
         self._heap = CompileAwareHeapFreezer()    # start-up's objects out of the GC's reach
         self._heap.update(self.runner.num_compilations)
 
@@ -228,8 +213,7 @@ class Engine:
             for seq in group.seqs:
                 if not seq.request.is_finished:
                     self.scheduler.finish_request(seq.request, "abort")
-            self._iteration.finished_requests.append(
-                finished_request_stats(group, time.monotonic(), "abort"))
+            self._stats.note_finished(group, time.monotonic(), "abort")
             aborted = True
         if aborted:
             self.record_stats()
@@ -294,7 +278,7 @@ class Engine:
                                f"({len(self.scheduler.waiting)} waiting, {self.stats()})")
         if previous is not None:
             outputs += self._finish(previous, scheduler_output, current)
-        if current is not None:
+        if current is not None and not current.failed:
             if self._async_scheduling:
                 self._in_flight = current
             else:
@@ -328,34 +312,21 @@ class Engine:
             if self.args.num_processes > 1:
                 raise
             outputs = self._fail_step(step.scheduler_output, e)
-            if next_step is not None:
-                self._in_flight = None
-                try:
+            if next_step is not None:    # it read this step's tokens
+                next_step.failed = True
+                with contextlib.suppress(Exception):
                     next_step.result()
-                except Exception:   # noqa: S110 - it fails as the step it followed did
-                    pass
                 outputs += self._fail_step(next_step.scheduler_output, e)
             return outputs
         scheduled = step.scheduler_output.scheduled
-        self._note_scheduled(step.scheduler_output, step.scheduled_at)
-        self._iteration.num_generation_tokens += sum(
+        self._stats.note_scheduled(self.output_processor.groups,
+                                   step.scheduler_output.scheduled_new_reqs, step.scheduled_at)
+        self._stats.iteration.num_generation_tokens += sum(
             len(tokens) for s, tokens in zip(scheduled, runner_output.sampled_token_ids)
             if not s.request.is_finished)
         groups = self.scheduler.update_from_output(step.scheduler_output, runner_output)
-        preempted: dict[str, int] | None = None
-        if next_output is not None and next_output.preempted:
-            preempted = {}
-            for req in next_output.preempted:
-                preempted[req.group_id] = preempted.get(req.group_id, 0) + 1
-        return self._outputs(groups, preempted)
-
-    def _note_scheduled(self, scheduler_output: SchedulerOutput, now: float) -> None:
-        """Queue time: when each request first left the waiting queue (in a step that ran)."""
-        groups = self.output_processor.groups
-        for req in scheduler_output.scheduled_new_reqs:
-            group = groups[req.group_id]
-            if group.first_scheduled_time is None:
-                group.first_scheduled_time = now
+        return self._outputs(groups, None if next_output is None else Counter(
+            req.group_id for req in next_output.preempted))
 
     def _outputs(self, groups: list[RequestGroup],
                  preempted: dict[str, int] | None = None) -> list[RequestOutput]:
@@ -363,7 +334,7 @@ class Engine:
         ``preempted``: preemptions since, by request id, left out of the counts reported."""
         outputs, now = [], time.monotonic()
         for group in groups:
-            self._note_tokens(group, now)
+            self._stats.note_tokens(group, now)
             since = preempted.get(group.request_id) if preempted else None
             out = self.output_processor.make_output(group, None if since is None else sum(
                 seq.request.num_preemptions for seq in group.seqs) - since)
@@ -399,36 +370,12 @@ class Engine:
     def _retire(self, group: RequestGroup, now: float, reason: str) -> None:
         """Forget a finished request and record its statistics."""
         self.output_processor.remove_request(group.request_id)
-        self._iteration.finished_requests.append(finished_request_stats(group, now, reason))
-
-    def _note_tokens(self, group: RequestGroup, now: float) -> None:
-        """Time-to-first-token or inter-token latency of a request that got tokens now."""
-        it = self._iteration
-        if group.first_token_time is None:
-            group.first_token_time = now
-            it.time_to_first_tokens.append(now - group.arrival_time)
-            it.num_prompt_tokens += group.seqs[0].request.num_prompt_tokens
-        else:
-            it.inter_token_latencies.append(now - group.last_token_time)
-        group.last_token_time = now
+        self._stats.note_finished(group, now, reason)
 
     def record_stats(self) -> None:
         """Hand the scheduler snapshot and the events since the last call to the loggers
         (the engine calls it after every step and abort)."""
-        kv, sched = self.kv_cache_manager, self.scheduler
-        totals = (kv.stats.queries, kv.stats.hits, sched.num_preemptions)
-        queries, hits, preemptions = (a - b for a, b in zip(totals, self._reported))
-        self._reported = totals
-        iteration, self._iteration = self._iteration, IterationStats()
-        if not self.stat_loggers:
-            return
-        snapshot = SchedulerStats(
-            num_running_reqs=len({r.group_id for r in sched.running}),
-            num_waiting_reqs=len({r.group_id for r in sched.waiting}),
-            kv_cache_usage=1.0 - kv.num_free_pages / kv.num_usable_pages,
-            prefix_cache_queries=queries, prefix_cache_hits=hits, num_preemptions=preemptions)
-        for stat_logger in self.stat_loggers:
-            stat_logger.record(snapshot, iteration)
+        self._stats.record(self.scheduler, self.kv_cache_manager)
 
     # ---- stats ----------------------------------------------------------------------------
 

@@ -28,15 +28,10 @@ class SequenceState:
     """Output-side state of one sequence: its text, logprobs, and how much of them earlier
     delta outputs carried.
 
-    Attributes:
-        pending: detokenizer work queued until the next output (token ids to add, None for a
-            flush), or None when the sequence detokenizes at once (see
-            :attr:`OutputProcessor.defer_detokenization`).
     """
 
     request: Request
     detokenizer: IncrementalDetokenizer
-    pending: list[int | None] | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     sent_chars: int = 0
@@ -83,9 +78,6 @@ class OutputProcessor:
     Attributes:
         groups: every unfinished request's :class:`RequestGroup`, by request id.
         seqs: every unfinished sequence's :class:`SequenceState`, by sequence id.
-        defer_detokenization: queue the detokenizer's work of sequences without stop strings
-            (whose text cannot change a stop decision) until their next output, so it can run
-            while the device computes (``--async-scheduling``); the text is the same.
     """
 
     def __init__(self, tokenizer, eos_token_ids: frozenset[int], max_model_len: int):
@@ -98,7 +90,6 @@ class OutputProcessor:
         self._token_texts: dict[int, str] = {}
         self.groups: dict[str, RequestGroup] = {}
         self.seqs: dict[str, SequenceState] = {}
-        self.defer_detokenization = False
 
     def token_text(self, token: int) -> str:
         """A token's text as it reads inside a text (``" there"`` for SentencePiece's
@@ -127,8 +118,7 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
                                        p.stop_strings, p.include_stop_str_in_output,
                                        p.spaces_between_special_tokens)
-        state = SequenceState(req, detok,
-                              [] if self.defer_detokenization and not p.stop_strings else None)
+        state = SequenceState(req, detok)
         if p.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self.groups[req.group_id].seqs.append(state)
@@ -168,27 +158,21 @@ class OutputProcessor:
             state.cumulative_logprob += lp
         stop = None
         if num_output < p.min_tokens:
-            _add_text(state, token)
+            state.detokenizer.add_token(token, check_stop=False)
         elif not p.ignore_eos and token in self.eos_token_ids:
             stop = ("stop", None)
         elif p.stop_token_ids and token in p.stop_token_ids:
             stop = ("stop", token)
             if p.include_stop_str_in_output:
-                _add_text(state, token)
-        elif state.pending is None:    # detokenize now (or queue it), looking for stops
+                state.detokenizer.add_token(token, check_stop=False)
+        else:
             matched = state.detokenizer.add_token(token)
             if matched is not None:
                 stop = ("stop", matched)
-        else:
-            state.pending.append(token)
         if stop is None and (num_output >= req.max_tokens or num_ids >= self.max_model_len):
             stop = ("length", None)
         if stop is not None and not isinstance(stop[1], str):
-            # a stop string cut the text: nothing to release
-            if state.pending is None:
-                state.detokenizer.flush()
-            else:
-                state.pending.append(None)
+            state.detokenizer.flush()    # (a stop string cut the text: nothing to release)
         return stop
 
     def add_prompt_logprobs(self, request_id: str, start: int,
@@ -230,8 +214,6 @@ class OutputProcessor:
         delta = kind is RequestOutputKind.DELTA
         outs = []
         for s in seqs:
-            if s.pending:
-                _drain(s)
             req = s.request
             reason = req.finish_reason
             text = s.detokenizer.visible_text(reason is not None)
@@ -259,23 +241,3 @@ class OutputProcessor:
         return RequestOutput(group.request_id, first.prompt, first.prompt_token_ids,
                              group.prompt_logprobs, outs, finished,
                              first.num_cached_tokens or 0, num_preemptions, group.error)
-
-
-def _add_text(state: SequenceState, token: int) -> None:
-    """Detokenize ``token`` without looking for stop strings (before ``min_tokens``, or a
-    stop token kept in the text), now or queued."""
-    if state.pending is None:
-        state.detokenizer.add_token(token, check_stop=False)
-    else:
-        state.pending.append(token)
-
-
-def _drain(state: SequenceState) -> None:
-    """Run a sequence's queued detokenizer work, in order."""
-    detok = state.detokenizer
-    for token in state.pending:
-        if token is None:
-            detok.flush()
-        else:
-            detok.add_token(token, check_stop=False)
-    state.pending.clear()

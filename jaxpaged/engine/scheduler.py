@@ -311,11 +311,12 @@ class Scheduler:
 
     def fail_step(self, scheduler_output: SchedulerOutput) -> list[RequestGroup]:
         """Finish with ``"error"`` every request that a failed step ran (all its sequences),
-        after dropping from the prefix cache the pages the step was to fill; returns them."""
+        after dropping from the prefix cache the pages the step was to fill; returns them.
+        Sequences finished since it was scheduled (async scheduling) are left alone."""
         op = self.output_processor
-        groups = {s.request.group_id: op.groups[s.request.group_id]
-                  for s in scheduler_output.scheduled}
-        for s in scheduler_output.scheduled:    # the step did not (fully) write these pages
+        live = [s for s in scheduler_output.scheduled if not s.request.is_finished]
+        groups = {s.request.group_id: op.groups[s.request.group_id] for s in live}
+        for s in live:    # the step did not (fully) write these pages
             self.kv.uncache_from(s.request.request_id, s.start)
         for group in groups.values():
             for seq in group.seqs:

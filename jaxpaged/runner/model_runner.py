@@ -37,9 +37,11 @@ from jaxpaged.runner.kv_scales import KVScales, set_kv_scales
 from jaxpaged.engine.scheduler_output import SchedulerOutput
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, allocate_kv_pool
 from jaxpaged.runner.buckets import ShapeBuckets, bucket_sizes, pick_bucket
+from jaxpaged.runner.compile_cache import jax_cache_dir, num_step_entries
 from jaxpaged.runner.executable_store import ExecutableStore, fingerprint
 from jaxpaged.runner.input_batch import PreparedStep, StepInputs, attention_metadata, prepare_step
-from jaxpaged.runner.output import ModelRunnerOutput, TokenLogprob
+from jaxpaged.runner.output import ModelRunnerOutput
+from jaxpaged.runner.read_output import read_output
 from jaxpaged.sampling.logits_adjust import no_adjustment
 from jaxpaged.sampling.sampler import SamplerOutput, SamplingMetadata, sample, token_logprobs, when
 
@@ -352,15 +354,20 @@ class ModelRunner:
         earlier run is loaded instead.
         """
         t0 = time.perf_counter()
-        shapes = self.step_shapes()
-        for shape in tqdm(shapes, desc="Compiling model steps", unit="shape",
-                          disable=None if progress is None else not progress,
-                          leave=False):
+        cache_dir = jax_cache_dir()
+        stored = num_step_entries(cache_dir)
+        for shape in tqdm(self.step_shapes(), desc="Compiling model steps", unit="shape",
+                          disable=None if progress is None else not progress, leave=False):
             if should_stop():
                 break
             layout = self._dummy_layout(*shape)
             self._executable(layout, self._dummy_inputs(layout))
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        fresh = num_step_entries(cache_dir) - stored if cache_dir else self.num_compilations
+        logger.info("precompiled %d step shapes in %.1f s (%d compiled, %d loaded from the "
+                    "compile cache %s)", self.num_compilations, seconds, fresh,
+                    self.num_compilations - fresh, cache_dir or "(off)")
+        return seconds
 
 
 @dataclass(frozen=True)
@@ -378,43 +385,10 @@ class PendingStep:
         out = dataclasses.replace(
             self.out, logprobs=self.out.logprobs if inputs.with_logprobs else None,
             prompt_logprobs=self.out.prompt_logprobs if inputs.with_prompt_logprobs else None)
-        return _runner_output(self.scheduler_output, self.prepared, jax.tree.map(to_host, out))
+        return read_output(self.scheduler_output, self.prepared, jax.tree.map(to_host, out))
 
 
 def _shape_key(layout: BatchLayout, inputs: StepInputs) -> tuple:
     """What selects a step's executable: (T, B, P, decode_only, K, A)."""
     return (layout.positions.shape[0], layout.seq_lens.shape[0], layout.page_table.shape[1],
             layout.is_decode_only, inputs.adjust.ids.shape[1], inputs.adjust.allowed_ids.shape[1])
-
-
-def _runner_output(sched: SchedulerOutput, prepared: PreparedStep,
-                   out: SamplerOutput) -> ModelRunnerOutput:
-    """The step's host results, per scheduled sequence (see :class:`ModelRunnerOutput`)."""
-    tokens = out.token_ids.tolist()
-    starts = prepared.row_starts
-    sampled = [tokens[starts[i]:starts[i] + s.num_samples] if s.samples else []
-               for i, s in enumerate(sched.scheduled)]
-    logprobs = None
-    if out.logprobs is not None:
-        lp = out.logprobs
-        logprobs = [[(float(lp.logprobs[r]), int(lp.ranks[r]), lp.top_ids[r].tolist(),
-                      lp.top_logprobs[r].tolist())
-                     for r in range(starts[i], starts[i] + s.num_samples)]
-                    for i, s in enumerate(sched.scheduled)]
-    prompt = None
-    if any(s.request.params.prompt_logprobs is not None for s in sched.scheduled):
-        prompt = [_prompt_logprobs(s, out.prompt_logprobs, int(q))
-                  for s, q in zip(sched.scheduled, prepared.layout.query_start_loc)]
-    return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs,
-                             prompt_logprobs=prompt)
-
-
-def _prompt_logprobs(s, scored, first_token: int) -> list[TokenLogprob] | None:
-    """The prompt logprobs chunk ``s`` computed: one entry per position ``p`` of it that
-    predicts a prompt token (``p + 1 <`` prompt length; none for a one-token prompt)."""
-    if s.request.params.prompt_logprobs is None:
-        return None
-    end = min(s.end, s.request.num_prompt_tokens - 1)
-    return [(float(scored.logprobs[t]), int(scored.ranks[t]), scored.top_ids[t].tolist(),
-             scored.top_logprobs[t].tolist())
-            for t in range(first_token, first_token + max(end - s.start, 0))]

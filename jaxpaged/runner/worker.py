@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.tensor_parallel import TensorParallel
@@ -137,6 +138,15 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
             f"request of max_model_len={max_model_len} tokens; give more KV memory or lower "
             "max_model_len")
     runner.set_kv_pool(pool(num_pages))
+    logger.info("KV cache: %d pages of %d tokens in %s, %d bytes per page (%.1f MiB in all); "
+                "maximum concurrency for %d-token requests: %.2fx", num_pages, page_size,
+                np.dtype(kv_cache_dtype).name, bytes_per_page,
+                num_pages * bytes_per_page / 2**20, max_model_len,
+                (num_pages - 1) / pages_per_seq)
+    logger.info("model %s (%s, %d layers), dtype %s, quantization %s (weights %.1f MiB), "
+                "max_model_len %d, attention %s, tensor parallel %d", args.model,
+                cfg.architecture, cfg.num_layers, np.dtype(dtype).name, cfg.quantization,
+                runner.weight_bytes / 2**20, max_model_len, runner.backend.name, tp.size)
     return Worker(runner=runner, dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_scales=scales,
                   num_pages=num_pages, kv_bytes_per_page=bytes_per_page,
                   tensor_parallel_size=tp.size)
