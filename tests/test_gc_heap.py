@@ -17,8 +17,8 @@ def test_freezer_freezes_when_the_compile_count_moves_and_collects_first():
     assert freezer.update(0) is True          # the first call always freezes
     frozen = gc.get_freeze_count()
     kept = [[i] for i in range(100)]          # 100 tracked lists made after the freeze
-    assert freezer.update(0) is False         # same count: nothing frozen
-    assert gc.get_freeze_count() == frozen
+    assert freezer.update(0) is False         # same count: nothing frozen (frozen objects
+    assert gc.get_freeze_count() <= frozen    # of earlier tests' threads may die meanwhile)
     cycle = _Node()
     cycle.self = cycle
     dead = weakref.ref(cycle)
@@ -43,4 +43,4 @@ def test_engine_freezes_after_start_up_and_after_a_step_that_compiled():
     frozen, compilations = gc.get_freeze_count(), runner.num_compilations
     llm.generate(["Once upon a time"], SamplingParams(max_tokens=4, temperature=0))
     assert runner.num_compilations == compilations            # the same shapes again
-    assert gc.get_freeze_count() == frozen                    # no compile, no freeze
+    assert gc.get_freeze_count() <= frozen     # no compile, no freeze (frozen objects may die)

@@ -100,7 +100,7 @@ def pages(**kw) -> int:
 
 
 def test_fp8_doubles_the_pages_of_a_bfloat16_model_in_the_same_budget(caplog):
-    with caplog.at_level(logging.INFO, logger="jaxpaged.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="jaxpaged.runner.worker"):
         fp8 = pages(dtype="bfloat16", kv_cache_dtype="fp8")
     assert "KV cache: 600 pages of 16 tokens in float8_e4m3fn, 5120 bytes per page (2.9 MiB" \
         in caplog.text

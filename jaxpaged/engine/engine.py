@@ -279,9 +279,10 @@ class Engine:
         if previous is not None:
             outputs += self._finish(previous, scheduler_output, current)
         if current is not None and not current.failed:
-            if self._async_scheduling:
+            if self._async_scheduling and any(not s.request.is_finished
+                                              for s in current.scheduler_output.scheduled):
                 self._in_flight = current
-            else:
+            else:   # (async: all its requests finished meanwhile; none is left in flight)
                 outputs += self._finish(current)
         return outputs
 
