@@ -261,9 +261,8 @@ class ModelRunner:
                                 [d.id for d in devices]))
             fn = self._store.load(name, devices)
             if fn is None:
-                fn = self._step.lower(self._state, self._kv_caches, inputs,
-                                      self._prev_tokens).compile()
-                self._store.store(name, fn)
+                fn = self._store.compile(name, lambda: self._step.lower(
+                    self._state, self._kv_caches, inputs, self._prev_tokens))
             self._executables[key] = fn
             logger.debug("step %s ready in %.2fs", key, time.perf_counter() - t0)
         return fn
