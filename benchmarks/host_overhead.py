@@ -238,7 +238,7 @@ def main(args: argparse.Namespace) -> dict:
     path = args.detok_tokenizer or (LLAMA2_TOKENIZER if os.path.isdir(LLAMA2_TOKENIZER)
                                     else engine_args.model)
     tok = load_tokenizer(path)
-    per_token = {str(n): detok_per_token_us(tok, n) for n in sorted(set(args.detok_lengths))}
+    per_token = {str(n): detok_per_token_us(tok, n, seed=n) for n in sorted(set(args.detok_lengths))}
     result["detokenize"] = {"tokenizer": os.path.relpath(path, ROOT), "vocab_size": len(tok),
                             "per_token": per_token,
                             "ratio": per_token[str(max(args.detok_lengths))]["mean_us"]

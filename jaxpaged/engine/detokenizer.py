@@ -16,8 +16,9 @@ window per token, vLLM's prefix/read-offset algorithm (``detokenize_incrementall
 second-to-last point where the text was complete (no trailing U+FFFD, no open byte run), and
 the new text is the window's decode minus the decode of its already-emitted part. That part's
 decode is kept from the token before, where it is usually one token's lone decode, cached per
-tokenizer: a token costs one backend decode, and its cost does not grow with the output. The window is decoded by the Rust backend directly,
-without ``transformers``' ``decode`` wrapper. Where the window's decode does not start with
+tokenizer, and the usual window (the token before and the new one) is looked up in a cache of
+id-pair decodes first: a token costs at most one backend decode, and its cost does not grow
+with the output. The window is decoded by the Rust backend directly, without ``transformers``' ``decode`` wrapper. Where the window's decode does not start with
 the text already emitted for it (a decoder that rewrites earlier text), that token falls back
 to decoding the whole output, which is what every token of a slow tokenizer does. The text
 is kept as a list of per-token pieces, joined when read, and stop strings are searched for in
@@ -41,6 +42,9 @@ if TYPE_CHECKING:
 #: Prompt tokens decoded before the generated ones as context (vLLM's initial offset).
 INITIAL_OFFSET = 5
 
+#: Most id-pair decodes kept per tokenizer and ``skip_special_tokens`` value.
+PAIR_CACHE_SIZE = 1 << 16
+
 _REPLACEMENT = "\ufffd"
 _BYTE_TOKEN = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 #: ``tokenizers`` decoders (and the pattern types in their reprs) whose output for a token
@@ -54,11 +58,15 @@ _LOCAL_DECODER_PARTS = frozenset({"Sequence", "ByteLevel", "Metaspace", "Replace
 class _TokenizerTables:
     """What the detokenizer derives from one tokenizer once: the ids of its byte-fallback
     pieces, of its special tokens, and their union (frozensets of ids); its
-    :func:`fast_backend`; and, for the fast path, each token's lone decode as it is first
-    needed, one dict per ``skip_special_tokens`` value (a decode of one id depends on
-    nothing else)."""
+    :func:`fast_backend`; and, for the fast path, the decodes of single ids and of id pairs
+    (the usual decode window: the token before and the new one) as they are first needed,
+    one dict per ``skip_special_tokens`` value (a fast backend's decode depends on nothing
+    but the ids), the pairs' keyed ``first << 32 | second`` and emptied when they reach
+    :data:`PAIR_CACHE_SIZE` entries. Generated text repeats its bigrams, so most windows
+    are found there and skip the backend."""
 
-    __slots__ = ("byte_ids", "special", "byte_or_special", "backend", "single_texts")
+    __slots__ = ("byte_ids", "special", "byte_or_special", "backend", "single_texts",
+                 "pair_texts")
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         self.byte_ids = frozenset(i for piece, i in tokenizer.get_vocab().items()
@@ -68,6 +76,7 @@ class _TokenizerTables:
         self.byte_or_special = self.byte_ids | self.special
         self.backend = fast_backend(tokenizer)
         self.single_texts: tuple[dict[int, str], dict[int, str]] = ({}, {})
+        self.pair_texts: tuple[dict[int, str], dict[int, str]] = ({}, {})
 
 
 #: Each live tokenizer's tables, keyed weakly: an entry goes with its tokenizer, so it keeps
@@ -131,6 +140,7 @@ class IncrementalDetokenizer:
         tables = _tables_of(tokenizer)
         self._backend = tables.backend
         self._single_texts = tables.single_texts[skip_special_tokens]
+        self._pair_texts = tables.pair_texts[skip_special_tokens]
         self._ids = list(prompt_token_ids[-INITIAL_OFFSET:])   # context, then generated ids
         self._num_context = len(self._ids)
         self._context_text = self._decode(self._ids)
@@ -188,9 +198,13 @@ class IncrementalDetokenizer:
         """The text so far: stop strings applied, trailing partial characters held back.
         Pieces are appended per token and joined here, so that a token costs the same
         however long the text is."""
-        if len(self._pieces) > 1:
-            self._pieces[:] = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
+        pieces = self._pieces
+        if len(pieces) > 1:
+            text = "".join(pieces)
+            pieces.clear()
+            pieces.append(text)
+            return text
+        return pieces[0] if pieces else ""
 
     def visible_text(self, finished: bool) -> str:
         """The text to report: while generation goes on, the last ``len(longest stop) - 1``
@@ -211,7 +225,17 @@ class IncrementalDetokenizer:
         base = self._read_chars
         if self._windowed and self._num_chars >= base:
             prefix_text = self._prefix_text
-            window = self._decode(self._ids[self._prefix:end])
+            start = self._prefix
+            if end - start == 2:    # the usual window: the token before and the new one
+                ids = self._ids
+                key = ids[start] << 32 | ids[start + 1]
+                window = self._pair_texts.get(key)
+                if window is None:
+                    if len(self._pair_texts) >= PAIR_CACHE_SIZE:
+                        self._pair_texts.clear()
+                    window = self._pair_texts[key] = self._decode(ids[start:end])
+            else:
+                window = self._decode(self._ids[start:end])
             if window.startswith(prefix_text):
                 tail = window[len(prefix_text):]
                 if final:

@@ -294,8 +294,7 @@ class Engine:
                 s.request.group_id for s in scheduler_output.scheduled)))
         scheduled_at = time.monotonic()
         pending = self.runner.dispatch(scheduler_output)
-        return _InFlight(scheduler_output, pending.result, scheduled_at,
-                         any(s.num_samples > 1 for s in scheduler_output.scheduled))
+        return _InFlight(scheduler_output, pending.result, scheduled_at, scheduler_output.forks)
 
     def _finish(self, step: _InFlight, next_output: SchedulerOutput | None = None,
                 next_step: _InFlight | None = None) -> list[RequestOutput]:
@@ -319,13 +318,12 @@ class Engine:
                     next_step.result()
                 outputs += self._fail_step(next_step.scheduler_output, e)
             return outputs
-        scheduled = step.scheduler_output.scheduled
         self._stats.note_scheduled(self.output_processor.groups,
                                    step.scheduler_output.scheduled_new_reqs, step.scheduled_at)
-        self._stats.iteration.num_generation_tokens += sum(
-            len(tokens) for s, tokens in zip(scheduled, runner_output.sampled_token_ids)
-            if not s.request.is_finished)
+        generated = self.scheduler.num_generation_tokens
         groups = self.scheduler.update_from_output(step.scheduler_output, runner_output)
+        self._stats.iteration.num_generation_tokens += \
+            self.scheduler.num_generation_tokens - generated
         return self._outputs(groups, None if next_output is None else Counter(
             req.group_id for req in next_output.preempted))
 

@@ -79,6 +79,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        #: Sampled tokens applied to unfinished sequences since start-up.
+        self.num_generation_tokens = 0
 
     def _queue_key(self, req: Request):
         return (req.priority, req.arrival) if self.config.policy == "priority" else (req.arrival,)
@@ -166,12 +168,15 @@ class Scheduler:
             budget -= num_new
             i += 1
         admitted = [] if preempted else self._admit_waiting(scheduled, budget)
+        forks = False
         for s in scheduled:
             req = s.request
             req.num_computed_tokens = s.start + s.num_new_tokens
             if s.samples:
                 req.num_output_placeholders += 1
-        return SchedulerOutput(scheduled, preempted, admitted, self.kv.take_pending_copies())
+                forks = forks or s.num_samples > 1
+        return SchedulerOutput(scheduled, preempted, admitted, self.kv.take_pending_copies(),
+                               forks)
 
     def _can_run_ahead(self, req: Request) -> bool:
         """Whether a sequence whose last sampled token(s) are not known yet can be scheduled
@@ -259,12 +264,15 @@ class Scheduler:
             The requests that got tokens (or prompt logprobs) this step, in batch order.
         """
         op = self.output_processor
+        append, finish = op.append_token, self.finish_request
         touched: dict[str, None] = {}
         logprobs, prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
+        finished = RequestStatus.FINISHED
+        num_generated = 0
         for i, (s, tokens) in enumerate(zip(scheduler_output.scheduled,
                                             runner_output.sampled_token_ids, strict=True)):
             req = s.request
-            if req.status is RequestStatus.FINISHED:
+            if req.status is finished:
                 continue
             if prompt_logprobs is not None and prompt_logprobs[i] is not None:
                 op.add_prompt_logprobs(req.group_id, s.start, prompt_logprobs[i])
@@ -272,14 +280,20 @@ class Scheduler:
                 continue
             if req.num_output_placeholders:
                 req.num_output_placeholders -= 1
-            seqs = [req] if len(tokens) == 1 else [req] + self._fork(req, len(tokens) - 1)
-            for j, seq in enumerate(seqs):
-                stop = op.append_token(seq, tokens[j],
-                                       None if logprobs is None else logprobs[i][j])
+            num_generated += len(tokens)
+            if len(tokens) == 1:     # the common case
+                stop = append(req, tokens[0], None if logprobs is None else logprobs[i][0])
                 if stop is not None:
-                    self.finish_request(seq, *stop)
+                    finish(req, *stop)
+            else:
+                for j, seq in enumerate([req] + self._fork(req, len(tokens) - 1)):
+                    stop = append(seq, tokens[j], None if logprobs is None else logprobs[i][j])
+                    if stop is not None:
+                        finish(seq, *stop)
             touched[req.group_id] = None
-        return [op.groups[g] for g in touched]
+        self.num_generation_tokens += num_generated
+        groups = op.groups
+        return [groups[g] for g in touched]
 
     def _fork(self, leader: Request, count: int) -> list[Request]:
         """Split a parallel-sampling request after its prompt into ``count`` more sequences

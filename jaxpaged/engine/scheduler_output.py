@@ -56,12 +56,15 @@ class SchedulerOutput:
         scheduled_new_reqs: sequences that left the waiting queue this step (vLLM's name).
         page_copies: ``(source page, destination page)`` pairs the device must copy before
             the step (copy-on-write of pages shared with another sequence).
+        forks: a parallel-sampling prompt draws its ``n`` first tokens in this step (it is
+            forked when they arrive, so the next step must wait for them).
     """
 
     scheduled: list[ScheduledRequest]
     preempted: list[Request] = field(default_factory=list)
     scheduled_new_reqs: list[Request] = field(default_factory=list)
     page_copies: list[tuple[int, int]] = field(default_factory=list)
+    forks: bool = False
 
     @property
     def num_tokens(self) -> int:
