@@ -30,7 +30,7 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2   #: nothing until the request finishes
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingParams:
     """Decoding parameters of one request.
 

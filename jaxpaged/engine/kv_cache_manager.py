@@ -39,7 +39,7 @@ def hash_page(parent_hash: bytes | None, token_ids: tuple[int, ...], extra_keys:
     return hashlib.sha256(pickle.dumps((parent_hash, token_ids, extra_keys), protocol=5)).digest()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Page:
     page_id: int
     ref_cnt: int = 0
@@ -59,7 +59,7 @@ class PrefixCacheStats:
     evictions: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Table:
     pages: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)   # hashes of the request's full pages
@@ -233,9 +233,10 @@ class KVCacheManager:
         first = num_computed_tokens // s      # the first page the write touches
         if grow <= 0 and (first >= num_pages or (first == num_pages - 1
                                                  and self._pages[pages[first]].ref_cnt == 1)):
-            # A decode inside its last page, held by this request alone: the common case.
+            # A decode inside its last page, held by this request alone: the common case
+            # (here num_tokens // s <= num_pages).
             if (self.enable_prefix_caching and token_ids is not None
-                    and min(num_tokens // s, num_pages) > table.num_cached_pages):
+                    and num_tokens // s > table.num_cached_pages):
                 self._register_full_pages(table, token_ids, num_tokens, extra_keys)
             return True
         shared = [i for i in range(first, num_pages) if self._pages[pages[i]].ref_cnt > 1]

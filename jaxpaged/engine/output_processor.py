@@ -22,8 +22,13 @@ from jaxpaged.sampling_params import RequestOutputKind
 #: Why a sequence stops: (``finish_reason``, ``stop_reason``), vLLM's meanings.
 Stop = tuple[str, int | str | None]
 
+# Enum members read once per token below: a module global costs ~10 ns, ``Enum.MEMBER``
+# ~130 ns on CPython 3.12 (the enum class's attribute lookup).
+_FINISHED = RequestStatus.FINISHED
+_FINAL_ONLY, _DELTA = RequestOutputKind.FINAL_ONLY, RequestOutputKind.DELTA
 
-@dataclass
+
+@dataclass(slots=True)
 class SequenceState:
     """Output-side state of one sequence: its text, logprobs, and how much of them earlier
     delta outputs carried.
@@ -39,7 +44,7 @@ class SequenceState:
     sent_final: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestGroup:
     """The sequences of one user request (one unless ``n > 1``), its prompt logprobs, its
     timestamps (``time.monotonic()`` seconds; None until the event happens), and why it
@@ -62,7 +67,7 @@ class RequestGroup:
         seqs = self.seqs
         if len(seqs) == 1:    # the common case, without a generator
             req = seqs[0].request
-            return req.status is RequestStatus.FINISHED and req.params.n == 1
+            return req.status is _FINISHED and req.params.n == 1
         return len(seqs) == seqs[0].request.params.n and all(
             s.request.is_finished for s in seqs)
 
@@ -207,11 +212,11 @@ class OutputProcessor:
         first = seqs[0].request
         kind = first.params.output_kind
         finished = group.finished
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+        if kind is _FINAL_ONLY and not finished:
             return None
         if len(seqs) > 1:
             seqs = sorted(seqs, key=lambda s: s.request.index)
-        delta = kind is RequestOutputKind.DELTA
+        delta = kind is _DELTA
         outs = []
         for s in seqs:
             req = s.request

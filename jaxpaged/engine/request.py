@@ -19,7 +19,11 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(eq=False)
+#: (Read per token: a module global is cheaper than ``RequestStatus.FINISHED`` on 3.12.)
+_FINISHED = RequestStatus.FINISHED
+
+
+@dataclass(eq=False, slots=True)
 class Request:
     """One sequence: its tokens, progress and finish state.
 
@@ -106,7 +110,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.status is _FINISHED
 
     def fork(self, index: int) -> Request:
         """Sequence ``index`` of this parallel-sampling request, forked after the prompt: the

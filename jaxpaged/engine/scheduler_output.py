@@ -46,7 +46,7 @@ class ScheduledRequest:
         return self.start + self.num_new_tokens
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     """One step's plan, in batch order.
 

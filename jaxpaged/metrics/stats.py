@@ -53,7 +53,7 @@ class FinishedRequestStats:
     num_generation_tokens: int
 
 
-@dataclass
+@dataclass(slots=True)
 class IterationStats:
     """Events since the previous report.
 

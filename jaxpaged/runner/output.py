@@ -14,7 +14,7 @@ from dataclasses import dataclass
 TokenLogprob = tuple[float, int, list[int], list[float]]
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ModelRunnerOutput:
     """The result of ``ModelRunner.execute(scheduler_output)``.
 
