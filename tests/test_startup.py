@@ -143,3 +143,29 @@ def test_every_padded_shape_is_one_the_precompile_makes(tokens, seqs, pages, by_
     assert met <= shapes
     with pytest.raises(ValueError):
         b.pad_sizes(tokens + 1, 1, 1, 1, False)
+
+
+def test_store_keeps_only_executables_compiled_afresh(tmp_path):
+    """A step that JAX's persistent cache served is not stored (jax 0.12's XLA:CPU
+    executables loaded from that cache serialize without their kernels, and fail when a
+    later start-up runs them); one compiled afresh is, and loads back and runs."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.runner.executable_store import ExecutableStore
+
+    cache = str(tmp_path / "cache")
+    store = ExecutableStore(str(tmp_path / "steps"))
+    f = jax.jit(lambda x: jnp.sin(x) * 3.0 + x[::-1])
+    x = jnp.arange(8, dtype=jnp.float32)
+    try:
+        compile_cache.configure_compilation_cache(cache)
+        store.compile("fresh", lambda: f.lower(x))
+        assert os.listdir(tmp_path / "steps") == ["fresh.pkl"]
+        jax.clear_caches()    # (else the in-memory cache serves the same executable)
+        served = store.compile("served", lambda: f.lower(x))    # a JAX cache hit now
+        assert os.listdir(tmp_path / "steps") == ["fresh.pkl"]
+        loaded = store.load("fresh", jax.devices()[:1])
+        assert jnp.array_equal(loaded(x), f(x)) and jnp.array_equal(served(x), f(x))
+    finally:
+        compile_cache.configure_compilation_cache(compile_cache.resolve_cache_dir(None))

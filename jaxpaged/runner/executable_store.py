@@ -12,6 +12,12 @@ the parameters and the KV pool, the step's padded shape, the source of ``jaxpage
 devices. Any change to one of them misses, and the step is lowered and compiled again (and
 JAX's cache may still serve the compile).
 
+A step that JAX's persistent cache served is not stored: jax 0.12's XLA:CPU executable, once
+loaded from that cache, serializes without its compiled kernels, and a later start-up that loads
+such an entry fails at run time (``NOT_FOUND: Function wrapped_broadcast not found``). Only
+steps compiled afresh in this process are stored (:meth:`ExecutableStore.compile`); a shape
+that the JAX cache keeps serving pays tracing and lowering at each start-up instead.
+
 The directory is trusted like JAX's: entries are pickles, so whoever can write to it can make
 this process run code; it is created private to the user. Multi-process jobs do not use it.
 """
@@ -24,12 +30,30 @@ import logging
 import os
 import pickle
 import re
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
 logger = logging.getLogger(__name__)
 
 _PACKAGES = ("jaxpaged", "pallas_kernels")
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_cache_hits = 0
+
+
+def _count_cache_hits(event: str, **_kwargs) -> None:
+    global _cache_hits
+    if event == _CACHE_HIT_EVENT:
+        _cache_hits += 1
+
+
+jax.monitoring.register_event_listener(_count_cache_hits)
+
+
+def persistent_cache_hits() -> int:
+    """Executables JAX's persistent compilation cache served in this process so far."""
+    return _cache_hits
 
 
 @functools.lru_cache(maxsize=1)
@@ -93,8 +117,21 @@ class ExecutableStore:
             logger.warning("ignoring stored step %s: %s", name, e)
             return None
 
+    def compile(self, name: str, lower: Callable[[], Any]):
+        """Compile ``lower()`` (a ``jax.stages.Lowered``) and store it as ``name``, unless
+        JAX's persistent cache served it (see the module docstring). Returns the compiled
+        executable."""
+        hits = persistent_cache_hits()
+        compiled = lower().compile()
+        if persistent_cache_hits() == hits:
+            self.store(name, compiled)
+        else:
+            logger.debug("step %s came from JAX's compilation cache: not stored", name)
+        return compiled
+
     def store(self, name: str, compiled) -> None:
-        """Save ``compiled`` as ``name`` (atomically: written aside, then renamed)."""
+        """Save ``compiled`` (compiled afresh in this process) as ``name`` (atomically:
+        written aside, then renamed)."""
         if self.directory is None:
             return
         from jax.experimental import serialize_executable

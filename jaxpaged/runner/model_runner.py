@@ -238,8 +238,7 @@ class ModelRunner:
                                 [d.id for d in devices]))
             fn = self._store.load(name, devices)
             if fn is None:
-                fn = program.lower(*args).compile()
-                self._store.store(name, fn)
+                fn = self._store.compile(name, lambda: program.lower(*args))
             self._executables[key] = fn
             logger.debug("%s ready in %.2fs", key, time.perf_counter() - t0)
         return fn
