@@ -37,7 +37,8 @@ from jaxpaged.distributed.multihost import to_host
 from jaxpaged.runner.kv_scales import KVScales, set_kv_scales
 from jaxpaged.engine.scheduler_output import SchedulerOutput
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, allocate_kv_pool
-from jaxpaged.runner.buckets import ShapeBuckets, bucket_sizes, pick_bucket
+from jaxpaged.runner.buckets import (ShapeBuckets, bucket_sizes, padding_budget_tokens,
+                                     pick_bucket)
 from jaxpaged.runner.compile_cache import jax_cache_dir, num_step_entries
 from jaxpaged.runner.executable_store import ExecutableStore, fingerprint
 from jaxpaged.runner.input_batch import PreparedStep, StepInputs, attention_metadata, prepare_step
@@ -96,7 +97,9 @@ class ModelRunner:
         self._buckets = ShapeBuckets(
             max_num_tokens=limits.max_num_tokens, max_num_seqs=limits.max_num_seqs,
             max_pages_per_seq=limits.max_pages_per_seq,
-            page_buckets_by_width=backend.name == "pallas")
+            page_buckets_by_width=backend.name == "pallas",
+            max_padding=padding_budget_tokens(
+                sum(x.size for x in jax.tree.leaves(nnx.state(model)))))
         self._token_buckets = self._buckets.token_buckets
         self._page_buckets = self._buckets.page_buckets
         self._pad_sizes = self._buckets.pad_sizes
