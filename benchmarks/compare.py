@@ -13,12 +13,15 @@ Each row's ratio is jaxpaged's output tokens/s over the row's. Model FLOPs utili
 reported against a float32 matmul peak measured in the same run.
 
 Usage: ``python -m jaxpaged.benchmarks.compare --hf-python /path/to/python [--output-dir DIR]``
-(``--small`` runs a seconds-long version on the bundled model, for CI).
+(``--small`` runs a seconds-long version on the bundled model, for CI; ``--startup`` adds
+the start-up figures: a cold start on an empty compile cache, a timed run on it without a
+warm-up, and a warm start on the cache it left).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -35,8 +38,9 @@ from jaxpaged.benchmarks.baselines.checkpoint import write_random_checkpoint
 from jaxpaged.benchmarks.datasets import ROOT, SampleRequest, load_w1, random_requests, w1_requests
 from jaxpaged.benchmarks.plots import plot_throughput_by_engine, plot_throughput_vs_max_num_seqs
 from jaxpaged.benchmarks.results import plot_next_to, write_outputs
-from jaxpaged.benchmarks.throughput import measure, run_requests, shifted
+from jaxpaged.benchmarks.throughput import measure, run_requests, shifted, start_engine
 from jaxpaged.config import ModelConfig
+from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.distributed.tensor_parallel import request_host_devices
 
 
@@ -89,6 +93,22 @@ def contiguous_static(model: str, requests: list[SampleRequest], slots: int, max
             "requests_per_second": len(requests) / elapsed}
 
 
+def startup_figures(engine_args: EngineArgs, requests: list[SampleRequest]) -> dict:
+    """Start-up of ``engine_args`` with the precompile on: ``cold`` (an empty compile cache),
+    then a run of ``requests`` without a warm-up pass on that engine
+    (``num_compilations_during_run``: 0 when the precompile covered every shape it met,
+    ``elapsed_time``), then ``warm`` (a second start on the cache the first left); each
+    start as :func:`jaxpaged.benchmarks.throughput.start_engine` reports it."""
+    with tempfile.TemporaryDirectory() as cache:
+        args = dataclasses.replace(engine_args, enforce_eager=False, compilation_cache_dir=cache)
+        llm, cold = start_engine(args)
+        run = measure(llm, requests, warmup=False)
+        del llm
+        _, warm = start_engine(args)
+    return {"cold": cold, "warm": warm, "elapsed_time": run["elapsed_time"],
+            "num_compilations_during_run": run["num_compilations_during_run"]}
+
+
 def transformers_row(python: str, model: str, requests: list[SampleRequest], batch: int,
                      work: str) -> dict:
     """Run the transformers baseline in ``python`` (a subprocess with torch)."""
@@ -125,6 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "device each); adds a tp=1 row for comparison")
     p.add_argument("--small", action="store_true",
                    help="a seconds-long version on the bundled model (CI)")
+    p.add_argument("--startup", action="store_true",
+                   help="also measure the jaxpaged row's start-up with the precompile on: "
+                        "cold, warm, and compilations during a timed run")
     args = p.parse_args(argv)
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
     request_host_devices(tp * dp)      # before anything starts JAX
@@ -158,6 +181,10 @@ def main(argv: list[str] | None = None) -> dict:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enforce_eager=True, tensor_parallel_size=tp,
                                   data_parallel_size=dp))
+    startup = None
+    if args.startup:
+        startup = startup_figures(EngineArgs(model=model, max_num_seqs=args.max_num_seqs // dp,
+                                             **engine), requests)
     if args.hf_python:
         for b in (int(x) for x in args.hf_batch_sizes.split(",")):
             rows.append(transformers_row(args.hf_python, model, requests, b, args.work_dir))
@@ -176,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
               "num_requests": len(requests), "matmul_peak_gflops": peak / 1e9,
               "model_tflops": flops / 1e12, "roofline_seconds": flops / peak,
               "kv_slots_for_contiguous": slots, "tensor_parallel_size": tp,
-              "data_parallel_size": dp, "rows": rows,
+              "data_parallel_size": dp, "rows": rows, "startup": startup,
               "max_num_seqs_sweep": [{"max_num_seqs": n, "output_tokens_per_second": v}
                                      for n, v in sorted(sweep)]}
     print(f"{'engine':<28}{'time (s)':>10}{'out tok/s':>12}{'jaxpaged x':>12}{'MFU':>8}")
@@ -186,6 +213,12 @@ def main(argv: list[str] | None = None) -> dict:
               f"{100 * row['mfu']:>7.1f}%")
     print(f"float32 matmul peak {peak / 1e9:.1f} GFLOP/s; workload {flops / 1e12:.2f} TFLOP; "
           f"roofline {flops / peak:.1f} s")
+    if startup:
+        cold, warm = startup["cold"], startup["warm"]
+        print(f"Start-up: cold {cold['startup_time']:.1f} s ({cold['num_compiled']} compiled), "
+              f"warm {warm['startup_time']:.1f} s ({warm['num_loaded_from_cache']} loaded); "
+              f"compilations during the timed run: {startup['num_compilations_during_run']} "
+              f"(run {startup['elapsed_time']:.2f} s without a warm-up)")
     out = os.path.join(args.output_dir, f"compare-{result['workload']}.json")
     write_outputs(result, out)
     plot_next_to(out, lambda path: plot_throughput_by_engine(

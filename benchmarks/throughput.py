@@ -89,7 +89,8 @@ def measure(llm: LLM, requests: list[SampleRequest], warmup: bool = True) -> dic
 
 def start_engine(engine_args: EngineArgs) -> tuple[LLM, dict]:
     """``LLM(**engine_args)`` and its start-up figures: ``startup_time`` (seconds until it
-    returned), ``num_step_shapes`` (compiled steps it holds then), ``num_compiled`` (those
+    returned), ``num_step_shapes`` (compiled step programs it holds then: forward shapes and
+    sampler row buckets, ``jaxpaged.runner.step_programs``), ``num_compiled`` (those
     compiled afresh: new entries in the compile cache, or every shape with the cache off)
     and ``num_loaded_from_cache`` (the rest), ``compile_cache_dir`` (None: off)."""
     cache_dir = resolve_cache_dir(engine_args.compilation_cache_dir)
@@ -113,7 +114,7 @@ def main(args: argparse.Namespace) -> dict:
               "dataset": args.dataset_name, "startup": startup,
               **measure(llm, requests, not args.no_warmup)}
     print(f"Start-up: {startup['startup_time']:.1f} s ({startup['num_step_shapes']} step "
-          f"shapes: {startup['num_compiled']} compiled, {startup['num_loaded_from_cache']} "
+          f"programs: {startup['num_compiled']} compiled, {startup['num_loaded_from_cache']} "
           f"loaded from the compile cache {startup['compile_cache_dir'] or '(off)'}); "
           f"compilations during the timed run: {result['num_compilations_during_run']}")
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "

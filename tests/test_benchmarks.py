@@ -124,7 +124,7 @@ def test_sharegpt_file(tmp_path):
 
 
 @pytest.mark.parametrize("flags, ours, others", [
-    ([], "jaxpaged", {"contiguous-static-8"}),
+    (["--startup"], "jaxpaged", {"contiguous-static-8"}),
     (["--data-parallel-size", "2"], "jaxpaged dp=2", {"jaxpaged tp=1", "contiguous-static-8"}),
 ])
 def test_compare_small(tmp_path, flags, ours, others):
@@ -140,6 +140,14 @@ def test_compare_small(tmp_path, flags, ours, others):
         assert 0 < row["mfu"] < 1
     assert result["matmul_peak_gflops"] > 0 and result["roofline_seconds"] > 0
     assert json.loads((tmp_path / "compare-small.json").read_text())["rows"][0]["backend"] == ours
+    if "--startup" in flags:
+        # The bundled model at 64 sequences and 2048 tokens: forward {decode 8, 64; mixed 16,
+        # 2048} and samplers {8, 64}, compiled cold, all loaded warm, none during the run.
+        startup = result["startup"]
+        assert (startup["cold"]["num_compiled"], startup["cold"]["num_step_shapes"]) == (6, 6)
+        assert (startup["warm"]["num_compiled"], startup["warm"]["num_loaded_from_cache"]) \
+            == (0, 6)
+        assert startup["num_compilations_during_run"] == 0
 
 
 # ---- benchmarks/gpu_check.sh (a 15-minute GPU slot: <= 6 minutes, <= 8 files in $OUT) ------

@@ -7,7 +7,8 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.runner import compile_cache
-from jaxpaged.runner.buckets import ShapeBuckets
+from jaxpaged.runner import buckets
+from jaxpaged.runner.buckets import ShapeBuckets, bucket_sizes, padding_budget_tokens
 
 LIMITS = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32)
 
@@ -42,23 +43,25 @@ def test_engine_fills_the_cache_and_a_second_engine_reuses_it(tmp_path):
     cache = str(tmp_path / "cache")
     try:
         _, cold = start_engine(EngineArgs(compilation_cache_dir=cache, **LIMITS))
-        # decode B 8, mixed T 16 and 32 (B 8)
-        assert (cold["num_step_shapes"], cold["num_compiled"]) == (3, 3)
-        assert compile_cache.num_step_entries(cache) == 3
+        # forward: decode B 8, mixed T 16 and 32 (B 8); one sampler for the row bucket 8
+        assert (cold["num_step_shapes"], cold["num_compiled"]) == (4, 4)
+        assert compile_cache.num_step_entries(cache) == 4
         llm, warm = start_engine(EngineArgs(compilation_cache_dir=cache, **LIMITS))
         greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         eager = LLM(enforce_eager=True, compilation_cache_dir="", **LIMITS)
         prompts = [[1, 403, 407], [1] + list(range(300, 320))]
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] \
             == [o.outputs[0].token_ids for o in eager.generate(prompts, greedy, use_tqdm=False)]
-        assert llm.engine.stats().num_compilations == 3
-        assert (warm["num_compiled"], warm["num_loaded_from_cache"]) == (0, 3)
+        assert llm.engine.stats().num_compilations == 4
+        assert (warm["num_compiled"], warm["num_loaded_from_cache"]) == (0, 4)
         assert warm["compile_cache_dir"] == cache
         # ... whole, from the executable store: nothing was lowered or compiled again.
-        assert len(os.listdir(os.path.join(cache, "steps"))) == 3
+        assert len(os.listdir(os.path.join(cache, "steps"))) == 4
         start_engine(EngineArgs(compilation_cache_dir=cache, dtype="bfloat16", **LIMITS))
-        assert compile_cache.num_step_entries(cache) == 6
-        assert len(os.listdir(os.path.join(cache, "steps"))) == 6
+        # Three new forward programs; the sampler, on float32 logits either way, is the same
+        # program, which JAX's cache serves (and the store keeps only fresh compilations).
+        assert compile_cache.num_step_entries(cache) == 7
+        assert len(os.listdir(os.path.join(cache, "steps"))) == 7
     finally:    # back to the suite's cache for the tests that follow
         compile_cache.configure_compilation_cache(compile_cache.resolve_cache_dir(None))
     assert jax.config.jax_compilation_cache_dir == compile_cache.resolve_cache_dir(None)
@@ -70,7 +73,8 @@ def test_no_request_feature_compiles_after_start_up():
     llm = LLM(**LIMITS)
     engine = llm.engine
     compiled = engine.stats().num_compilations
-    assert compiled == len(engine.runner.step_shapes()) == 3
+    assert len(engine.runner.step_shapes()) == 3
+    assert compiled == 4        # the three forward shapes and the sampler of rows 8
     prompt = [1, 403, 407, 261, 322]
     greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
     cases = {
@@ -101,9 +105,12 @@ def test_no_request_feature_compiles_after_start_up():
     assert engine.stats().num_compilations == compiled
 
 
-def test_mixed_step_with_more_rows_than_its_token_bucket_reuses_a_precompiled_shape():
+def test_mixed_step_with_more_rows_than_its_token_bucket_reuses_a_precompiled_shape(
+        monkeypatch):
     """n > 1 on a short prompt samples more rows than a 16-token step has sequences: the
-    step takes a wider token bucket, one of the shapes the precompile makes."""
+    step takes a wider token bucket, one of the shapes the precompile makes (ladders of
+    every power of two, as a large model has)."""
+    monkeypatch.setattr(buckets, "PADDING_BUDGET_FLOPS", 0)
     llm = LLM(enforce_eager=True, max_num_seqs=32, max_model_len=64, max_num_batched_tokens=64)
     runner = llm.engine.runner
     assert runner._pad_sizes(10, 1, 20, 1, False) == (32, 32, 4)
@@ -111,7 +118,8 @@ def test_mixed_step_with_more_rows_than_its_token_bucket_reuses_a_precompiled_sh
     outs = llm.generate([[1, 403, 407]], SamplingParams(n=20, seed=1, max_tokens=3),
                         use_tqdm=False)
     assert len(outs[0].outputs) == 20
-    assert {key[:4] for key in runner._executables} <= set(runner.step_shapes())
+    assert {key[1:] for key in runner._executables if key[0] == "forward"} \
+        <= set(runner.step_shapes())
 
 
 def test_page_buckets_follow_the_backend():
@@ -123,14 +131,30 @@ def test_page_buckets_follow_the_backend():
         assert llm.engine.runner._page_buckets == want
 
 
+def test_ladders_skip_buckets_only_where_padding_is_cheap():
+    """The bundled model (0.26 M parameters) pads within the budget from the smallest bucket
+    to the largest; W1's 110 M-parameter model keeps every power of two."""
+    bundled = LLM(enforce_eager=True).engine.runner
+    assert bundled._buckets.seq_buckets == [8, 256]
+    assert bundled._token_buckets == [16, 2048]
+    assert bundled.step_shapes() == [(8, 8, 32, True), (16, 256, 32, False),
+                                     (256, 256, 32, True), (2048, 256, 32, False)]
+    assert padding_budget_tokens(110_000_000) == 9
+    assert bucket_sizes(16, 2048, 9) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert bucket_sizes(16, 2048, 100) == [16, 64, 128, 256, 512, 1024, 2048]
+    assert bucket_sizes(8, 100, 1000) == [8, 100]
+
+
 @pytest.mark.parametrize("tokens, seqs, pages", [(64, 32, 4), (16, 64, 8), (2048, 256, 32)])
 @pytest.mark.parametrize("by_width", [False, True])
-def test_every_padded_shape_is_one_the_precompile_makes(tokens, seqs, pages, by_width):
+@pytest.mark.parametrize("max_padding", [0, 100])
+def test_every_padded_shape_is_one_the_precompile_makes(tokens, seqs, pages, by_width,
+                                                        max_padding):
     """Whatever a step holds (up to the limits), its padded shape is in ``step_shapes``,
     including mixed steps with up to ``max_num_seqs`` sampling rows when the widest token
     bucket is narrower than that (16 tokens, 64 sequences)."""
     b = ShapeBuckets(max_num_tokens=tokens, max_num_seqs=seqs, max_pages_per_seq=pages,
-                     page_buckets_by_width=by_width)
+                     page_buckets_by_width=by_width, max_padding=max_padding)
     shapes = set(b.step_shapes())
     met = {(*b.pad_sizes(rows, rows, rows, p, True), True) for rows in range(1, seqs + 1)
            for p in range(1, pages + 1)}

@@ -81,12 +81,13 @@ def configure_compilation_cache(path: str | None) -> None:
 
 
 def num_step_entries(path: str | None) -> int:
-    """Compiled model steps stored under ``path`` (JAX names them ``jit_step-<key>-cache``);
-    0 for None or a missing directory. Entries added across a start-up = steps compiled
-    afresh, the rest of its shapes were loaded."""
+    """Compiled model-step programs stored under ``path`` (JAX names them
+    ``jit_forward-<key>-cache`` and ``jit_sample_rows-<key>-cache``,
+    ``jaxpaged.runner.step_programs``); 0 for None or a missing directory. Entries added
+    across a start-up = programs compiled afresh, the rest were loaded."""
     if path is None or not os.path.isdir(path):
         return 0
-    return sum(name.startswith("jit_step-") for name in os.listdir(path))
+    return sum(name.startswith(("jit_forward-", "jit_sample_rows-")) for name in os.listdir(path))
 
 
 def jax_cache_dir() -> str | None:

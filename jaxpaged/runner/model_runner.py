@@ -2,19 +2,21 @@
 -> a `ModelRunnerOutput` (vLLM V1's ``execute_model`` contract; the runner never calls the KV
 cache manager: the page ids and page copies arrive in the ``SchedulerOutput``).
 
-The jitted step takes the model's parameters, the donated KV pool, one ``StepInputs`` pytree
+A step is two jitted programs (``jaxpaged.runner.step_programs``) dispatched back to back:
+the forward takes the model's parameters, the donated KV pool, the step's inputs
 (``jaxpaged.runner.input_batch``) and the previous step's sampled ids (for the tokens the host
-does not know yet under async scheduling), and returns a ``SamplerOutput`` (the sampled tokens,
-with their log-probabilities when asked), the updated pool and this step's sampled ids. Arrays
-are padded to buckets (``jaxpaged.runner.buckets``) so the step compiles a bounded number of
-times.
+does not know yet under async scheduling) and returns the sampling rows' logits (and prompt
+logprobs when asked) and the updated pool; the sampler turns the logits into a
+``SamplerOutput`` (the sampled tokens, with their log-probabilities when asked) and this
+step's sampled ids. Arrays are padded to buckets (``jaxpaged.runner.buckets``) so the
+programs compile a bounded number of times.
 
-Each (T, B, P, decode-only) shape is compiled ahead of time once and kept; logprobs, prompt
-logprobs and logit adjustments are inputs of fixed shapes, not part of the shape.
-:meth:`ModelRunner.precompile` compiles every shape a run can meet
-(:meth:`ModelRunner.step_shapes`), loading it instead when an earlier run left it in the
-executable store or JAX's compilation cache, and :attr:`ModelRunner.num_compilations` counts
-compilations so one during serving is visible.
+Each (T, B, P, decode-only) forward shape and each row bucket B of the sampler is compiled
+ahead of time once and kept; logprobs, prompt logprobs and logit adjustments are inputs of
+fixed shapes, not part of the shape. :meth:`ModelRunner.precompile` compiles every shape a
+run can meet (:meth:`ModelRunner.step_shapes`), loading it instead when an earlier run left
+it in the executable store or JAX's compilation cache, and
+:attr:`ModelRunner.num_compilations` counts compilations so one during serving is visible.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
@@ -36,14 +37,16 @@ from jaxpaged.distributed.multihost import to_host
 from jaxpaged.runner.kv_scales import KVScales, set_kv_scales
 from jaxpaged.engine.scheduler_output import SchedulerOutput
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, allocate_kv_pool
-from jaxpaged.runner.buckets import ShapeBuckets, bucket_sizes, pick_bucket
+from jaxpaged.runner.buckets import (ShapeBuckets, bucket_sizes, padding_budget_tokens,
+                                     pick_bucket)
 from jaxpaged.runner.compile_cache import jax_cache_dir, num_step_entries
 from jaxpaged.runner.executable_store import ExecutableStore, fingerprint
 from jaxpaged.runner.input_batch import PreparedStep, StepInputs, attention_metadata, prepare_step
 from jaxpaged.runner.output import ModelRunnerOutput
 from jaxpaged.runner.read_output import read_output
+from jaxpaged.runner.step_programs import build_programs, forward_inputs, sample_inputs
 from jaxpaged.sampling.logits_adjust import no_adjustment
-from jaxpaged.sampling.sampler import SamplerOutput, SamplingMetadata, sample, token_logprobs, when
+from jaxpaged.sampling.sampler import SamplerOutput, SamplingMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +97,9 @@ class ModelRunner:
         self._buckets = ShapeBuckets(
             max_num_tokens=limits.max_num_tokens, max_num_seqs=limits.max_num_seqs,
             max_pages_per_seq=limits.max_pages_per_seq,
-            page_buckets_by_width=backend.name == "pallas")
+            page_buckets_by_width=backend.name == "pallas",
+            max_padding=padding_budget_tokens(
+                sum(x.size for x in jax.tree.leaves(nnx.state(model)))))
         self._token_buckets = self._buckets.token_buckets
         self._page_buckets = self._buckets.page_buckets
         self._pad_sizes = self._buckets.pad_sizes
@@ -112,52 +117,11 @@ class ModelRunner:
         self._executables.clear()
 
         num_rows = self._buckets.seq_buckets[-1]
-
-        def step(state, kv_caches, inputs: StepInputs, prev_tokens: jax.Array
-                 ) -> tuple[SamplerOutput, list[KVPages], jax.Array]:
-            input_ids = inputs.input_ids
-            if inputs.prev_token_index is not None:   # ids sampled by the step before
-                input_ids = jnp.where(inputs.prev_token_index >= 0,
-                                      prev_tokens[inputs.prev_token_index], input_ids)
-            model = nnx.merge(graphdef, state)
-            hidden, kv_caches = model(input_ids, inputs.positions, kv_caches,
-                                      inputs.attn_metadata)
-            logits = model.compute_logits(hidden[inputs.logits_indices])
-            out = sample(logits, inputs.sampling, inputs.with_logprobs, inputs.adjust)
-            # Every token's distribution over the next prompt token (a chunk's last token
-            # predicts the first token of the request's next chunk, which is not among this
-            # step's inputs: the host passes every row's target); skipped on the device
-            # unless asked.
-            out = dataclasses.replace(out, prompt_logprobs=when(
-                inputs.with_prompt_logprobs,
-                lambda: token_logprobs(model.compute_logits(hidden), inputs.prompt_targets)))
-            # The sampled ids padded to the largest row count: the next step's prev_tokens.
-            sampled = jnp.pad(out.token_ids, (0, num_rows - out.token_ids.shape[0]))
-            return out, kv_caches, sampled
-
-        state_sharding = jax.tree.map(lambda a: a.sharding, self._state)
-        kv_sharding = jax.tree.map(lambda a: a.sharding, self._kv_caches)
-        rep = self._replicated
-        self._step = jax.jit(step, donate_argnums=(1,),
-                             in_shardings=(state_sharding, kv_sharding, rep, rep),
-                             out_shardings=(rep, kv_sharding, rep))
-        self._prev_tokens = jax.device_put(np.zeros(num_rows, np.int32), rep)
+        self._programs = build_programs(
+            graphdef, jax.tree.map(lambda a: a.sharding, self._state),
+            jax.tree.map(lambda a: a.sharding, self._kv_caches), self._replicated, num_rows)
+        self._prev_tokens = jax.device_put(np.zeros(num_rows, np.int32), self._replicated)
         self._prev_rows: Callable[[], dict[str, int]] = dict
-
-        def copy_pages(kv_caches, src, dst):
-            return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv_caches]
-
-        self._copy_pages = jax.jit(copy_pages, donate_argnums=(0,),
-                                   in_shardings=(kv_sharding, rep, rep), out_shardings=kv_sharding)
-
-        def prefill(state, kv_caches, input_ids, positions, attn_metadata):
-            model = nnx.merge(graphdef, state)
-            hidden, kv_caches = model(input_ids, positions, kv_caches, attn_metadata)
-            return model.compute_logits(hidden), kv_caches
-
-        # A scratch pool of any page count has the serving pool's per-array shardings.
-        self._prefill = jax.jit(prefill, in_shardings=(state_sharding, kv_sharding, rep, rep, rep),
-                                out_shardings=(rep, kv_sharding))
 
     def set_kv_scales(self, scales: KVScales) -> None:
         """Give layer i's attention ``scales[i]`` (after a calibration,
@@ -184,7 +148,8 @@ class ModelRunner:
 
     @property
     def num_compilations(self) -> int:
-        """Step shapes compiled so far (a rise while serving means a recompilation)."""
+        """Executables compiled (or loaded) so far, forward shapes and sampler row buckets
+        together (a rise while serving means a recompilation)."""
         return len(self._executables)
 
     @property
@@ -209,7 +174,7 @@ class ModelRunner:
         src = np.full(n, NULL_PAGE, np.int32)
         dst = np.full(n, NULL_PAGE, np.int32)
         src[:len(copies)], dst[:len(copies)] = zip(*copies)
-        self._kv_caches = self._copy_pages(self._kv_caches, src, dst)
+        self._kv_caches = self._programs.copy_pages(self._kv_caches, src, dst)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: the step's page copies, then the forward pass and sampling.
@@ -241,30 +206,44 @@ class ModelRunner:
                                 backend=self._backend, eos_token_ids=self._eos_token_ids,
                                 pad_sizes=self._pad_sizes, prev_rows=self._prev_rows,
                                 adjust_capacity=self._limits.max_adjust_entries)
-        fn = self._executable(prepared.layout, prepared.inputs)
-        out, self._kv_caches, self._prev_tokens = fn(self._state, self._kv_caches,
-                                                     prepared.inputs, self._prev_tokens)
+        forward, sampler = self._executables_for(prepared.layout, prepared.inputs)
+        logits, prompt, self._kv_caches = forward(
+            self._state, self._kv_caches, forward_inputs(prepared.inputs), self._prev_tokens)
+        out, self._prev_tokens = sampler(logits, sample_inputs(prepared.inputs))
+        out = dataclasses.replace(out, prompt_logprobs=prompt)
         scheduled, starts = scheduler_output.scheduled, prepared.row_starts
         self._prev_rows = lambda: {s.request.request_id: starts[i]
                                    for i, s in enumerate(scheduled) if s.samples}
         return PendingStep(scheduler_output, prepared, out)
 
-    def _executable(self, layout: BatchLayout, inputs: StepInputs):
-        """The compiled step for ``inputs``' shapes (compiled now if new)."""
-        key = _shape_key(layout, inputs)
+    def _executables_for(self, layout: BatchLayout, inputs: StepInputs) -> tuple:
+        """The compiled forward and sample programs for ``inputs``' shapes (compiled now,
+        or loaded from the executable store, if new)."""
+        forward = self._compiled(
+            ("forward", *_shape_key(layout)), self._programs.forward, self._state,
+            self._kv_caches, forward_inputs(inputs), self._prev_tokens)
+        logits = forward.out_info[0]
+        logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=self._replicated)
+        sampler = self._compiled(
+            ("sample", logits.shape[0], inputs.adjust.ids.shape[1],
+             inputs.adjust.allowed_ids.shape[1]), self._programs.sample, logits,
+            sample_inputs(inputs))
+        return forward, sampler
+
+    def _compiled(self, key: tuple, program, *args):
+        """``program`` compiled for ``args`` (kept under ``key``)."""
         fn = self._executables.get(key)
         if fn is None:
             t0 = time.perf_counter()
             devices = list(self._replicated.mesh.devices.flat)
             name = fingerprint(self._graphdef, self._state, self._kv_caches,
-                               ("step", key, self._page_size, repr(self._replicated),
+                               (key, self._page_size, repr(self._replicated),
                                 [d.id for d in devices]))
             fn = self._store.load(name, devices)
             if fn is None:
-                fn = self._store.compile(name, lambda: self._step.lower(
-                    self._state, self._kv_caches, inputs, self._prev_tokens))
+                fn = self._store.compile(name, lambda: program.lower(*args))
             self._executables[key] = fn
-            logger.debug("step %s ready in %.2fs", key, time.perf_counter() - t0)
+            logger.debug("%s ready in %.2fs", key, time.perf_counter() - t0)
         return fn
 
     def run_prefill(self, token_ids: list[int]) -> tuple[np.ndarray, list[KVPages]]:
@@ -302,7 +281,7 @@ class ModelRunner:
             query_start_loc=np.array([0, t], np.int32), seq_lens=np.array([t], np.int32),
             positions=positions, slot_mapping=pages[positions // page_size] * page_size
             + positions % page_size, page_table=pages[None], num_seqs=1, num_tokens=t)
-        logits, pool = self._prefill(self._state, pool, np.asarray(token_ids, np.int32),
+        logits, pool = self._programs.prefill(self._state, pool, np.asarray(token_ids, np.int32),
                                      positions, attention_metadata(self._backend, layout))
         return to_host(logits), pool
 
@@ -333,22 +312,25 @@ class ModelRunner:
         _, b_pad, _ = self._pad_sizes(t_pad, 1, 1, 1, False)
         layout = self._dummy_layout(t_pad, b_pad, self._page_buckets[-1], False)
         inputs = self._dummy_inputs(layout)
-        out, self._kv_caches, _ = self._executable(layout, inputs)(
-            self._state, self._kv_caches, inputs, self._prev_tokens)
-        jax.block_until_ready(out)
+        forward, sampler = self._executables_for(layout, inputs)
+        logits, _, self._kv_caches = forward(self._state, self._kv_caches,
+                                             forward_inputs(inputs), self._prev_tokens)
+        jax.block_until_ready(sampler(logits, sample_inputs(inputs)))
         stats = jax.local_devices()[0].memory_stats()
         return None if not stats else stats.get("peak_bytes_in_use")
 
     def precompile(self, should_stop: Callable[[], bool] = lambda: False,
                    progress: bool | None = None) -> float:
-        """Compile every step shape a run can meet (:meth:`step_shapes`; logprobs, prompt
-        logprobs and logit adjustments of up to ``max_adjust_entries`` entries a row run in
-        the same executables), unless ``should_stop`` turns true between two shapes (the
-        rest then compile lazily); returns the seconds taken.
+        """Compile every step shape a run can meet (:meth:`step_shapes`: each one's forward,
+        and the sampler of each row bucket once; logprobs, prompt logprobs and logit
+        adjustments of up to ``max_adjust_entries`` entries a row run in the same
+        executables), unless ``should_stop`` turns true between two shapes (the rest then
+        compile lazily); returns the seconds taken.
 
         One shape at a time: on the 2-core CPU two compilations on two threads took as long
-        as one after the other (XLA's compile holds the interpreter), so threads would only
-        add contention. ``progress``: show a tqdm bar (None: only on a terminal). With the
+        as one after the other (measured again with jaxlib 0.12.0.1: 8.5 CPU seconds either
+        way, no overlap), so threads would only add contention. ``progress``: show a tqdm
+        bar (None: only on a terminal). With the
         compilation cache (``jaxpaged.runner.compile_cache``) a shape compiled by an
         earlier run is loaded instead.
         """
@@ -360,10 +342,10 @@ class ModelRunner:
             if should_stop():
                 break
             layout = self._dummy_layout(*shape)
-            self._executable(layout, self._dummy_inputs(layout))
+            self._executables_for(layout, self._dummy_inputs(layout))
         seconds = time.perf_counter() - t0
         fresh = num_step_entries(cache_dir) - stored if cache_dir else self.num_compilations
-        logger.info("precompiled %d step shapes in %.1f s (%d compiled, %d loaded from the "
+        logger.info("precompiled %d executables in %.1f s (%d compiled, %d loaded from the "
                     "compile cache %s)", self.num_compilations, seconds, fresh,
                     self.num_compilations - fresh, cache_dir or "(off)")
         return seconds
@@ -387,7 +369,7 @@ class PendingStep:
         return read_output(self.scheduler_output, self.prepared, jax.tree.map(to_host, out))
 
 
-def _shape_key(layout: BatchLayout, inputs: StepInputs) -> tuple:
-    """What selects a step's executable: (T, B, P, decode_only, K, A)."""
+def _shape_key(layout: BatchLayout) -> tuple:
+    """What selects a step's forward executable: (T, B, P, decode_only)."""
     return (layout.positions.shape[0], layout.seq_lens.shape[0], layout.page_table.shape[1],
-            layout.is_decode_only, inputs.adjust.ids.shape[1], inputs.adjust.allowed_ids.shape[1])
+            layout.is_decode_only)

@@ -1,0 +1,115 @@
+"""The jitted programs a :class:`~jaxpaged.runner.model_runner.ModelRunner` runs.
+
+A step is two programs dispatched back to back (JAX queues the second behind the first, so
+the host does not wait in between):
+
+- ``forward``, one executable per ``(T, B, P, decode_only)`` bucket: the model over the
+  step's tokens (the KV pool donated and updated in place), the logits of each sampling row
+  ``[B, V]`` and, when asked, every token's prompt log-probabilities;
+- ``sample``, one executable per row bucket ``B`` (and adjustment capacity): the sampler
+  and the sampled tokens' log-probabilities over those logits.
+
+Splitting them lets every forward bucket of the same row count share one compiled sampler:
+on the 2-core CPU the sampler (sort, top-k, the random draws, penalties, logprobs) is about
+a third of a bundled-model step's XLA compile (1.3 of 4.0 CPU seconds for T = B = 16,
+jaxlib 0.12.0.1), and the bundled model's 14 step shapes have 6 row buckets. vLLM keeps the
+sampler outside the captured model graph the same way (``vllm/v1/worker/gpu_model_runner.py``
+runs ``self.sampler`` after the model's forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpaged.layers.attention.base import KVPages
+from jaxpaged.runner.input_batch import StepInputs
+from jaxpaged.sampling.sampler import SamplerOutput, sample, token_logprobs, when
+
+
+def forward_inputs(inputs: StepInputs) -> dict:
+    """The fields of ``inputs`` the forward program reads (the rest feed the sampler)."""
+    return {"input_ids": inputs.input_ids, "positions": inputs.positions,
+            "logits_indices": inputs.logits_indices, "attn_metadata": inputs.attn_metadata,
+            "prompt_targets": inputs.prompt_targets,
+            "prev_token_index": inputs.prev_token_index,
+            "with_prompt_logprobs": inputs.with_prompt_logprobs}
+
+
+def sample_inputs(inputs: StepInputs) -> dict:
+    """The fields of ``inputs`` the sample program reads."""
+    return {"sampling": inputs.sampling, "adjust": inputs.adjust,
+            "with_logprobs": inputs.with_logprobs}
+
+
+@dataclass(frozen=True)
+class StepPrograms:
+    """The runner's jitted functions (not yet compiled for any shape).
+
+    Attributes:
+        forward: ``(state, kv_caches, forward_inputs, prev_tokens) -> (logits [B, V]
+            float32, prompt TokenLogprobs of [T] rows (zeros unless asked), kv_caches)``;
+            ``prev_tokens`` [R] int32 are the previous step's sampled ids (R the largest
+            row bucket), read for the tokens the host does not know yet.
+        sample: ``(logits, sample_inputs) -> (SamplerOutput without prompt logprobs,
+            token ids padded to [R])``, the second the next step's ``prev_tokens``.
+        copy_pages: ``(kv_caches, src [n], dst [n]) -> kv_caches`` with whole pages copied.
+        prefill: ``(state, kv_caches, input_ids, positions, attn_metadata) -> (logits [T, V],
+            kv_caches)``, a whole-prompt prefill outside the serving path.
+    """
+
+    forward: jax.stages.Wrapped
+    sample: jax.stages.Wrapped
+    copy_pages: jax.stages.Wrapped
+    prefill: jax.stages.Wrapped
+
+
+def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
+                   replicated: jax.sharding.Sharding, num_rows: int) -> StepPrograms:
+    """Jit the runner's programs for a model split into ``graphdef`` and a state of
+    ``state_sharding``, a KV pool of ``kv_sharding``, per-step inputs and outputs
+    ``replicated`` and ``num_rows`` rows in the largest bucket."""
+
+    def forward(state, kv_caches: list[KVPages], inputs: dict, prev_tokens: jax.Array):
+        input_ids = inputs["input_ids"]
+        index = inputs["prev_token_index"]
+        input_ids = jnp.where(index >= 0, prev_tokens[index], input_ids)
+        model = nnx.merge(graphdef, state)
+        hidden, kv_caches = model(input_ids, inputs["positions"], kv_caches,
+                                  inputs["attn_metadata"])
+        logits = model.compute_logits(hidden[inputs["logits_indices"]])
+        # Every token's distribution over the next prompt token (a chunk's last token
+        # predicts the first token of the request's next chunk, which is not among this
+        # step's inputs: the host passes every row's target); skipped on the device
+        # unless asked.
+        prompt = when(inputs["with_prompt_logprobs"], lambda: token_logprobs(
+            model.compute_logits(hidden), inputs["prompt_targets"]))
+        return logits, prompt, kv_caches
+
+    def sample_rows(logits: jax.Array, inputs: dict) -> tuple[SamplerOutput, jax.Array]:
+        out = sample(logits, inputs["sampling"], inputs["with_logprobs"], inputs["adjust"])
+        # The sampled ids padded to the largest row count: the next step's prev_tokens.
+        return out, jnp.pad(out.token_ids, (0, num_rows - out.token_ids.shape[0]))
+
+    def copy_pages(kv_caches, src, dst):
+        return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv_caches]
+
+    def prefill(state, kv_caches, input_ids, positions, attn_metadata):
+        model = nnx.merge(graphdef, state)
+        hidden, kv_caches = model(input_ids, positions, kv_caches, attn_metadata)
+        return model.compute_logits(hidden), kv_caches
+
+    rep = replicated
+    return StepPrograms(
+        forward=jax.jit(forward, donate_argnums=(1,),
+                        in_shardings=(state_sharding, kv_sharding, rep, rep),
+                        out_shardings=(rep, rep, kv_sharding)),
+        sample=jax.jit(sample_rows, in_shardings=(rep, rep), out_shardings=(rep, rep)),
+        copy_pages=jax.jit(copy_pages, donate_argnums=(0,),
+                           in_shardings=(kv_sharding, rep, rep), out_shardings=kv_sharding),
+        # A scratch pool of any page count has the serving pool's per-array shardings.
+        prefill=jax.jit(prefill, in_shardings=(state_sharding, kv_sharding, rep, rep, rep),
+                        out_shardings=(rep, kv_sharding)))
