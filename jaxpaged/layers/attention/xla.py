@@ -99,8 +99,8 @@ def _attend_run(q, k_pages, v_pages, pages, block_positions, scale, v_scale, sli
     def body(c, carry):
         m, l, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(pages, c * PAGES_PER_CHUNK, PAGES_PER_CHUNK, axis=1)
-        kc = k_pages[ids].reshape(nb, chunk, num_kv_heads, head_dim).astype(q.dtype)
-        vc = v_pages[ids].reshape(nb, chunk, num_kv_heads, head_dim).astype(q.dtype)
+        kc = gather_pages(k_pages, ids).reshape(nb, chunk, num_kv_heads, head_dim).astype(q.dtype)
+        vc = gather_pages(v_pages, ids).reshape(nb, chunk, num_kv_heads, head_dim).astype(q.dtype)
         key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
         s = products.scores(qb, kc) * scale
         if soft_cap is not None:
@@ -132,6 +132,20 @@ def _attend_run(q, k_pages, v_pages, pages, block_positions, scale, v_scale, sli
     if v_scale != 1.0:
         out = out * v_scale
     return products.to_blocks(out).astype(q.dtype)
+
+
+def gather_pages(pages: jax.Array, ids: jax.Array) -> jax.Array:
+    """``pages[ids]`` gathered as whole rows: pages [num_pages, page_size, KVH, D], ids [...]
+    int32 -> [..., page_size, KVH, D], the same values.
+
+    The pool is viewed as [num_pages, page_size * KVH * D] (a free reshape) so each index
+    selects one contiguous row. XLA:CPU's gather loop then copies a page per index instead of
+    walking the [page_size, KVH, D] slice element by element: one layer of W1's 64-sequence
+    decode step attended 0.80-0.84x the time of ``pages[ids]`` (``docs/benchmarks.md``,
+    "Decode attention on XLA:CPU").
+    """
+    rows = pages.reshape(pages.shape[0], -1)[ids]
+    return rows.reshape(ids.shape + pages.shape[1:])
 
 
 class _MatmulProducts:
