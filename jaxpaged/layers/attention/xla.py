@@ -93,7 +93,8 @@ def _attend_run(q, k_pages, v_pages, pages, block_positions, scale, v_scale, sli
     _, page_size, num_kv_heads, _ = k_pages.shape
     group = num_heads // num_kv_heads
     chunk = PAGES_PER_CHUNK * page_size
-    products = _DecodeProducts if block_q == 1 else _MatmulProducts
+    products = _MatmulProducts if block_q > 1 else (
+        _DecodeProducts if q.dtype == jnp.float32 else _DecodeDotProducts)
     qb = q.reshape(nb, block_q, num_kv_heads, group, head_dim)
 
     def body(c, carry):
@@ -208,6 +209,24 @@ class _DecodeProducts:
     def to_blocks(out):
         nb, num_kv_heads, group, head_dim = out.shape
         return out.reshape(nb, 1, num_kv_heads * group, head_dim)
+
+
+class _DecodeDotProducts(_DecodeProducts):
+    """Decode blocks in a 16-bit dtype: the same products as batched dots of the stored
+    dtype with float32 results (the weights rounded to that dtype for the values, as
+    :class:`_MatmulProducts` and the Pallas kernels do). XLA:CPU's YNNPACK runs bf16 dots
+    natively where the CPU has AVX512-BF16, without widening the chunk: one W1 decode layer
+    in bfloat16 took 0.6-0.8x the multiply-and-reduce form's time (``docs/benchmarks.md``,
+    "Decode attention on XLA:CPU"); in float32 the dots were slower (1.1x)."""
+
+    @staticmethod
+    def scores(qb, kc):                                     # -> [NB, L, KVH, G]
+        return jnp.einsum("nhgd,nlhd->nlhg", qb[:, 0], kc, preferred_element_type=jnp.float32)
+
+    @staticmethod
+    def weighted_values(p, vc):                             # -> [NB, KVH, G, D]
+        return jnp.einsum("nlhg,nlhd->nhgd", p.astype(vc.dtype), vc,
+                          preferred_element_type=jnp.float32)
 
 
 def _precision(x):
