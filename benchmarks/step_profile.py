@@ -309,52 +309,6 @@ def profile_step(kind: str, model_dir: str, repeats: int, trace_steps: int,
             "matmul_gflops": matmuls}
 
 
-#: Compile-option sets ``--compare-options`` times against the defaults (XLA:CPU in jaxlib
-#: 0.12 sends dots, elementwise ops and reductions to YNNPACK by default).
-OPTION_SETS = {
-    "ynn dot only": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
-    "ynn individual dots": {"xla_cpu_experimental_ynn_fusion_type":
-                            "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"},
-    "no ynn (eigen dots)": {"xla_cpu_experimental_ynn_fusion_type": ""},
-    "onednn dots": {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_use_onednn": True,
-                    "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
-    "vector width 512": {"xla_cpu_prefer_vector_width": 512},
-}
-
-
-def compare_options(kind: str, model_dir: str, sets: dict[str, dict], repeats: int,
-                    rounds: int) -> dict:
-    """Best and median step time of ``kind`` compiled with each option set, calls interleaved
-    (defaults, set 1, set 2, ..., repeated), per round; ratios are to the defaults."""
-    import jax
-    lowered, state, kv, args, _, _ = build_step(kind, model_dir, compile_=False)
-    fns = {"defaults": lowered.compile()}
-    for name, opts in sets.items():
-        fns[name] = lowered.compile(compiler_options=opts)
-    holder = {"kv": kv}
-
-    def call(fn):
-        t0 = time.perf_counter()
-        tok, holder["kv"] = fn(state, holder["kv"], *args)
-        jax.block_until_ready(tok)
-        return time.perf_counter() - t0, np.asarray(tok)
-
-    ref = {name: call(fn)[1] for name, fn in fns.items()}
-    out = []
-    for _ in range(rounds):
-        times = collections.defaultdict(list)
-        for _ in range(repeats):
-            for name, fn in fns.items():
-                times[name].append(call(fn)[0])
-        base = min(times["defaults"])
-        out.append({name: {"best_ms": round(min(t) * 1e3, 2),
-                           "median_ms": round(float(np.median(t)) * 1e3, 2),
-                           "ratio": round(min(t) / base, 3),
-                           "same_tokens": bool((ref[name] == ref["defaults"]).all())}
-                    for name, t in times.items()})
-    return {"kind": kind, "rounds": out}
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=os.path.join(ROOT, "configs", "models", "stories110m-shape"))
@@ -372,6 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
               "dtype": args.dtype}
     if args.compare_options:
         for kind in args.steps:
+            from jaxpaged.benchmarks.step_compare import OPTION_SETS, compare_options
             result[kind] = compare_options(kind, args.model, OPTION_SETS, args.repeats,
                                            args.rounds)
             print(json.dumps({kind: result[kind]}), flush=True)

@@ -17,9 +17,12 @@ few pages keep it in cache; on W1 (``docs/benchmarks.md``) a decode step of 64 s
 took 440 ms with 8-page chunks and 310 ms with 2-page chunks (jaxlib 0.11). Under jaxlib
 0.12, which hands the chunk's multiply-and-reduce to YNNPACK, 4-page chunks in 8 runs
 measured 0.947x and 0.948x the step time of 2-page chunks in 4 runs (two interleaved rounds,
-"W1 step profile (CPU)"); 8-page chunks were slower again (1.13x, 1.64x). Decode
-blocks (one query row) compute their scores and weighted values as multiply-and-reduce
-instead of matrix-vector products, which XLA:CPU runs one small dot at a time.
+"W1 step profile (CPU)"); 8-page chunks were slower again (1.13x, 1.64x), and a whole
+run per iteration far slower (a 64-block run: 2.2x). Pages are gathered as whole rows of a
+flat view of the pool (:func:`gather_pages`). Float32 decode blocks (one query row) compute
+their scores and weighted values as multiply-and-reduce instead of matrix-vector products,
+which XLA:CPU runs one small dot at a time; bfloat16 decode blocks use bf16 dots, which
+YNNPACK runs natively (:class:`_DecodeDotProducts`).
 
 An fp8 pool (``pallas_kernels.kv_quant``) is read the way the Pallas kernel reads it: each
 gathered chunk is converted to q's dtype (exact from e4m3), ``k_scale`` is folded into the
