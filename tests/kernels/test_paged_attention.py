@@ -231,4 +231,5 @@ def test_gather_pages_as_rows_equals_indexing(dtype):
     ids = jnp.asarray(rng.integers(0, 11, (5, 4)), jnp.int32)
     out = jax.jit(gather_pages)(pages, ids)
     assert out.shape == (5, 4, 16, 3, 8) and out.dtype == dtype
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(pages[ids], np.float32))
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(pages[ids], np.float32))

@@ -18,11 +18,11 @@ took 440 ms with 8-page chunks and 310 ms with 2-page chunks (jaxlib 0.11). Unde
 0.12, which hands the chunk's multiply-and-reduce to YNNPACK, 4-page chunks in 8 runs
 measured 0.947x and 0.948x the step time of 2-page chunks in 4 runs (two interleaved rounds,
 "W1 step profile (CPU)"); 8-page chunks were slower again (1.13x, 1.64x), and a whole
-run per iteration far slower (a 64-block run: 2.2x). Pages are gathered as whole rows of a
-flat view of the pool (:func:`gather_pages`). Float32 decode blocks (one query row) compute
-their scores and weighted values as multiply-and-reduce instead of matrix-vector products,
-which XLA:CPU runs one small dot at a time; bfloat16 decode blocks use bf16 dots, which
-YNNPACK runs natively (:class:`_DecodeDotProducts`).
+run per iteration far slower (a 64-block run: 2.2x). Decode blocks gather their pages as
+whole rows of a flat view of the pool (:func:`gather_pages`). Float32 decode blocks (one
+query row) compute their scores and weighted values as multiply-and-reduce instead of
+matrix-vector products, which XLA:CPU runs one small dot at a time; bfloat16 decode blocks
+use bf16 dots, which YNNPACK runs natively (:class:`_DecodeDotProducts`).
 
 An fp8 pool (``pallas_kernels.kv_quant``) is read the way the Pallas kernel reads it: each
 gathered chunk is converted to q's dtype (exact from e4m3), ``k_scale`` is folded into the
@@ -103,8 +103,9 @@ def _attend_run(q, k_pages, v_pages, pages, block_positions, scale, v_scale, sli
     def body(c, carry):
         m, l, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(pages, c * PAGES_PER_CHUNK, PAGES_PER_CHUNK, axis=1)
-        kc = gather_pages(k_pages, ids).reshape(nb, chunk, num_kv_heads, head_dim).astype(q.dtype)
-        vc = gather_pages(v_pages, ids).reshape(nb, chunk, num_kv_heads, head_dim).astype(q.dtype)
+        kc = products.gather(k_pages, ids).reshape(nb, chunk, num_kv_heads, head_dim)
+        vc = products.gather(v_pages, ids).reshape(nb, chunk, num_kv_heads, head_dim)
+        kc, vc = kc.astype(q.dtype), vc.astype(q.dtype)
         key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
         s = products.scores(qb, kc) * scale
         if soft_cap is not None:
@@ -159,6 +160,10 @@ class _MatmulProducts:
     KEY_AXIS = -1
 
     @staticmethod
+    def gather(pages, ids):      # rows (gather_pages) measured 1.13x / 1.03x on W1 prefill
+        return pages[ids]
+
+    @staticmethod
     def row_shape(nb, block_q, num_kv_heads, group):
         return nb, num_kv_heads, group, block_q
 
@@ -190,6 +195,7 @@ class _DecodeProducts:
     of 64 W1 sequences: 5.8 ms against 11.9 ms per layer per device)."""
 
     KEY_AXIS = 1
+    gather = staticmethod(gather_pages)
 
     @staticmethod
     def row_shape(nb, block_q, num_kv_heads, group):
