@@ -108,9 +108,10 @@ def w1_layout(kind: str):
     return layout, logits_indices, next_page
 
 
-def build_step(kind: str, model_dir: str, compile_: bool = True):
-    """(compiled step, its argument tuple, [(name, m, k, n)] matmul shapes) for ``kind``;
-    the step returns (token ids [64] int32, KV pool)."""
+def build_step(kind: str, model_dir: str, compile_: bool = True, dtype: str = "float32"):
+    """(compiled step, its argument tuple, [(name, m, k, n)] matmul shapes) for ``kind``,
+    weights and KV pool in ``dtype`` (``--dtype``); the step returns (token ids [64] int32,
+    KV pool)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -123,11 +124,12 @@ def build_step(kind: str, model_dir: str, compile_: bool = True):
 
     cfg = ModelConfig.from_pretrained(model_dir)
     backend = get_attention_backend("xla")
-    model = load_model(model_dir, cfg, dtype=jnp.float32, backend=backend, load_format="dummy")
+    model = load_model(model_dir, cfg, dtype=jnp.dtype(dtype), backend=backend,
+                       load_format="dummy")
     graphdef, state = nnx.split(model)
     layout, logits_indices, num_pages = w1_layout(kind)
     kv = allocate_kv_pool(cfg.num_layers, num_pages, PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim,
-                          jnp.float32)
+                          jnp.dtype(dtype))
 
     def step(state, kv, input_ids, positions, metadata, logits_indices, sampling):
         m = nnx.merge(graphdef, state)
@@ -270,10 +272,11 @@ def thunk_self_times(xplane: str, num_steps: int) -> dict[str, float]:
     return {n: min(t.get(n, 0.0) for t in steps) for n in names}
 
 
-def profile_step(kind: str, model_dir: str, repeats: int, trace_steps: int) -> dict:
+def profile_step(kind: str, model_dir: str, repeats: int, trace_steps: int,
+                 dtype: str = "float32") -> dict:
     """Time, trace and attribute one step of ``kind`` (see the module docstring)."""
     import jax
-    fn, state, kv, args, shapes, cfg = build_step(kind, model_dir)
+    fn, state, kv, args, shapes, cfg = build_step(kind, model_dir, dtype=dtype)
     holder = {"kv": kv}
 
     def run():
@@ -306,52 +309,6 @@ def profile_step(kind: str, model_dir: str, repeats: int, trace_steps: int) -> d
             "matmul_gflops": matmuls}
 
 
-#: Compile-option sets ``--compare-options`` times against the defaults (XLA:CPU in jaxlib
-#: 0.12 sends dots, elementwise ops and reductions to YNNPACK by default).
-OPTION_SETS = {
-    "ynn dot only": {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
-    "ynn individual dots": {"xla_cpu_experimental_ynn_fusion_type":
-                            "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"},
-    "no ynn (eigen dots)": {"xla_cpu_experimental_ynn_fusion_type": ""},
-    "onednn dots": {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_use_onednn": True,
-                    "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"},
-    "vector width 512": {"xla_cpu_prefer_vector_width": 512},
-}
-
-
-def compare_options(kind: str, model_dir: str, sets: dict[str, dict], repeats: int,
-                    rounds: int) -> dict:
-    """Best and median step time of ``kind`` compiled with each option set, calls interleaved
-    (defaults, set 1, set 2, ..., repeated), per round; ratios are to the defaults."""
-    import jax
-    lowered, state, kv, args, _, _ = build_step(kind, model_dir, compile_=False)
-    fns = {"defaults": lowered.compile()}
-    for name, opts in sets.items():
-        fns[name] = lowered.compile(compiler_options=opts)
-    holder = {"kv": kv}
-
-    def call(fn):
-        t0 = time.perf_counter()
-        tok, holder["kv"] = fn(state, holder["kv"], *args)
-        jax.block_until_ready(tok)
-        return time.perf_counter() - t0, np.asarray(tok)
-
-    ref = {name: call(fn)[1] for name, fn in fns.items()}
-    out = []
-    for _ in range(rounds):
-        times = collections.defaultdict(list)
-        for _ in range(repeats):
-            for name, fn in fns.items():
-                times[name].append(call(fn)[0])
-        base = min(times["defaults"])
-        out.append({name: {"best_ms": round(min(t) * 1e3, 2),
-                           "median_ms": round(float(np.median(t)) * 1e3, 2),
-                           "ratio": round(min(t) / base, 3),
-                           "same_tokens": bool((ref[name] == ref["defaults"]).all())}
-                    for name, t in times.items()})
-    return {"kind": kind, "rounds": out}
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=os.path.join(ROOT, "configs", "models", "stories110m-shape"))
@@ -362,16 +319,21 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compare-options", action="store_true",
                    help="time the compile-option sets of OPTION_SETS against the defaults")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights and KV pool dtype of the profiled steps")
     args = p.parse_args(argv)
-    result = {"cpu": cpu_model(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    result = {"cpu": cpu_model(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "dtype": args.dtype}
     if args.compare_options:
         for kind in args.steps:
+            from jaxpaged.benchmarks.step_compare import OPTION_SETS, compare_options
             result[kind] = compare_options(kind, args.model, OPTION_SETS, args.repeats,
                                            args.rounds)
             print(json.dumps({kind: result[kind]}), flush=True)
     else:
         for kind in args.steps:
-            result[kind] = profile_step(kind, args.model, args.repeats, args.trace_steps)
+            result[kind] = profile_step(kind, args.model, args.repeats, args.trace_steps,
+                                        args.dtype)
         # After the steps, best of several: one slow call on a shared machine says nothing.
         result["peak_gflops"] = round(matmul_gflops(4096, 4096, 4096, 8), 1)
     print(json.dumps(result))

@@ -17,9 +17,12 @@ few pages keep it in cache; on W1 (``docs/benchmarks.md``) a decode step of 64 s
 took 440 ms with 8-page chunks and 310 ms with 2-page chunks (jaxlib 0.11). Under jaxlib
 0.12, which hands the chunk's multiply-and-reduce to YNNPACK, 4-page chunks in 8 runs
 measured 0.947x and 0.948x the step time of 2-page chunks in 4 runs (two interleaved rounds,
-"W1 step profile (CPU)"); 8-page chunks were slower again (1.13x, 1.64x). Decode
-blocks (one query row) compute their scores and weighted values as multiply-and-reduce
-instead of matrix-vector products, which XLA:CPU runs one small dot at a time.
+"W1 step profile (CPU)"); 8-page chunks were slower again (1.13x, 1.64x), and a whole
+run per iteration far slower (a 64-block run: 2.2x). Decode blocks gather their pages as
+whole rows of a flat view of the pool (:func:`gather_pages`). Float32 decode blocks (one
+query row) compute their scores and weighted values as multiply-and-reduce instead of
+matrix-vector products, which XLA:CPU runs one small dot at a time; bfloat16 decode blocks
+use bf16 dots, which YNNPACK runs natively (:class:`_DecodeDotProducts`).
 
 An fp8 pool (``pallas_kernels.kv_quant``) is read the way the Pallas kernel reads it: each
 gathered chunk is converted to q's dtype (exact from e4m3), ``k_scale`` is folded into the
@@ -93,14 +96,16 @@ def _attend_run(q, k_pages, v_pages, pages, block_positions, scale, v_scale, sli
     _, page_size, num_kv_heads, _ = k_pages.shape
     group = num_heads // num_kv_heads
     chunk = PAGES_PER_CHUNK * page_size
-    products = _DecodeProducts if block_q == 1 else _MatmulProducts
+    products = _MatmulProducts if block_q > 1 else (
+        _DecodeProducts if q.dtype == jnp.float32 else _DecodeDotProducts)
     qb = q.reshape(nb, block_q, num_kv_heads, group, head_dim)
 
     def body(c, carry):
         m, l, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(pages, c * PAGES_PER_CHUNK, PAGES_PER_CHUNK, axis=1)
-        kc = k_pages[ids].reshape(nb, chunk, num_kv_heads, head_dim).astype(q.dtype)
-        vc = v_pages[ids].reshape(nb, chunk, num_kv_heads, head_dim).astype(q.dtype)
+        kc = products.gather(k_pages, ids).reshape(nb, chunk, num_kv_heads, head_dim)
+        vc = products.gather(v_pages, ids).reshape(nb, chunk, num_kv_heads, head_dim)
+        kc, vc = kc.astype(q.dtype), vc.astype(q.dtype)
         key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
         s = products.scores(qb, kc) * scale
         if soft_cap is not None:
@@ -134,11 +139,29 @@ def _attend_run(q, k_pages, v_pages, pages, block_positions, scale, v_scale, sli
     return products.to_blocks(out).astype(q.dtype)
 
 
+def gather_pages(pages: jax.Array, ids: jax.Array) -> jax.Array:
+    """``pages[ids]`` gathered as whole rows: pages [num_pages, page_size, KVH, D], ids [...]
+    int32 -> [..., page_size, KVH, D], the same values.
+
+    The pool is viewed as [num_pages, page_size * KVH * D] (a free reshape) so each index
+    selects one contiguous row. XLA:CPU's gather loop then copies a page per index instead of
+    walking the [page_size, KVH, D] slice element by element: one layer of W1's 64-sequence
+    decode step attended 0.80-0.84x the time of ``pages[ids]`` (``docs/benchmarks.md``,
+    "Decode attention on XLA:CPU").
+    """
+    rows = pages.reshape(pages.shape[0], -1)[ids]
+    return rows.reshape(ids.shape + pages.shape[1:])
+
+
 class _MatmulProducts:
     """Prefill blocks (Bq = 16): scores and values as batched matmuls, rows laid out
     [NB, KVH, G, Bq] (the dot's own output order, so nothing is transposed per chunk)."""
 
     KEY_AXIS = -1
+
+    @staticmethod
+    def gather(pages, ids):      # rows (gather_pages) measured 1.13x / 1.03x on W1 prefill
+        return pages[ids]
 
     @staticmethod
     def row_shape(nb, block_q, num_kv_heads, group):
@@ -172,6 +195,7 @@ class _DecodeProducts:
     of 64 W1 sequences: 5.8 ms against 11.9 ms per layer per device)."""
 
     KEY_AXIS = 1
+    gather = staticmethod(gather_pages)
 
     @staticmethod
     def row_shape(nb, block_q, num_kv_heads, group):
@@ -194,6 +218,24 @@ class _DecodeProducts:
     def to_blocks(out):
         nb, num_kv_heads, group, head_dim = out.shape
         return out.reshape(nb, 1, num_kv_heads * group, head_dim)
+
+
+class _DecodeDotProducts(_DecodeProducts):
+    """Decode blocks in a 16-bit dtype: the same products as batched dots of the stored
+    dtype with float32 results (the weights rounded to that dtype for the values, as
+    :class:`_MatmulProducts` and the Pallas kernels do). XLA:CPU's YNNPACK runs bf16 dots
+    natively where the CPU has AVX512-BF16, without widening the chunk: one W1 decode layer
+    in bfloat16 took 0.6-0.8x the multiply-and-reduce form's time (``docs/benchmarks.md``,
+    "Decode attention on XLA:CPU"); in float32 the dots were slower (1.1x)."""
+
+    @staticmethod
+    def scores(qb, kc):                                     # -> [NB, L, KVH, G]
+        return jnp.einsum("nhgd,nlhd->nlhg", qb[:, 0], kc, preferred_element_type=jnp.float32)
+
+    @staticmethod
+    def weighted_values(p, vc):                             # -> [NB, KVH, G, D]
+        return jnp.einsum("nlhg,nlhd->nhgd", p.astype(vc.dtype), vc,
+                          preferred_element_type=jnp.float32)
 
 
 def _precision(x):
