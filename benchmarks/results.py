@@ -38,3 +38,23 @@ def plot_next_to(json_path: str, draw) -> str | None:
         print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
         return None
     return draw(os.path.splitext(json_path)[0] + ".png")
+
+
+
+def cpu_model() -> str:
+    """The host CPU as ``/proc/cpuinfo`` names it, with what a VM's masked name hides: e.g.
+    ``AMD EPYC (family 25 model 17, 2 cores, avx512f avx512_bf16)`` (cores: those this
+    process may use; the flags: AVX-512, BF16 and AMX ones present). 'unknown' elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read().split("\n\n")[0]
+    except OSError:
+        return "unknown"
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = [f for f in fields.get("flags", "").split()
+             if f in ("avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")]
+    cores = len(os.sched_getaffinity(0))
+    return (f"{fields.get('model name', 'unknown')} (family {fields.get('cpu family', '?')} "
+            f"model {fields.get('model', '?')}, {cores} cores"
+            + (f", {' '.join(flags)}" if flags else "") + ")")

@@ -44,6 +44,7 @@ import time
 import numpy as np
 
 from jaxpaged.benchmarks.datasets import ROOT, w1_requests
+from jaxpaged.benchmarks.results import cpu_model
 
 PAGE_SIZE = 16
 MAX_MODEL_LEN = 1024
@@ -376,18 +377,6 @@ def main(argv: list[str] | None = None) -> dict:
         result["peak_gflops"] = round(matmul_gflops(4096, 4096, 4096, 8), 1)
     print(json.dumps(result))
     return result
-
-
-def cpu_model() -> str:
-    """The first ``model name`` of /proc/cpuinfo ('unknown' elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

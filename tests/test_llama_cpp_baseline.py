@@ -103,3 +103,22 @@ def test_slot_context():
     reqs = [SampleRequest([1] * n, n, 128) for n in (32, 129)]
     assert slot_context(reqs, 16) == 16 * 512        # 129 + 128 = 257 -> 512
     assert slot_context(reqs[:1], 4) == 4 * 256
+
+
+def test_compare_runs_one_llama_row_per_gguf(fake_binary, tmp_path):
+    from jaxpaged.benchmarks import compare
+
+    binary, log = fake_binary
+    result = compare.main(["--small", "--rows", "llama.cpp", "--llama-server", binary,
+                           "--gguf", "/m/w1-f32.gguf", "--gguf", "/m/w1-f16.gguf",
+                           "--output-dir", str(tmp_path), "--work-dir", str(tmp_path / "w")])
+    assert [r["backend"] for r in result["rows"]] == ["llama.cpp w1-f32.gguf",
+                                                      "llama.cpp w1-f16.gguf"]
+    for row in result["rows"]:
+        assert row["ratio_jaxpaged_over_this"] is None          # no jaxpaged row this run
+        assert row["total_output_tokens"] == 8 * 8 and 0 < row["mfu"] < 1
+    starts = [e for e in events(log) if "argv" in e]
+    assert [s["argv"][s["argv"].index("--model") + 1] for s in starts] == [
+        "/m/w1-f32.gguf", "/m/w1-f16.gguf"]
+    assert all(gone(s["pid"]) for s in starts)
+    assert result["cpu"] == compare.cpu_model()
