@@ -28,11 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,7 @@ from jaxpaged.benchmarks.baselines.checkpoint import write_random_checkpoint
 from jaxpaged.benchmarks.baselines.llama_cpp import llama_cpp_row
 from jaxpaged.benchmarks.datasets import ROOT, SampleRequest, load_w1, random_requests, w1_requests
 from jaxpaged.benchmarks.plots import plot_throughput_by_engine, plot_throughput_vs_max_num_seqs
-from jaxpaged.benchmarks.results import cpu_model, plot_next_to, write_outputs
+from jaxpaged.benchmarks.results import machine, plot_next_to, write_outputs
 from jaxpaged.benchmarks.throughput import measure, run_requests, shifted
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.tensor_parallel import request_host_devices
@@ -135,6 +135,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--llama-parallel", type=int, default=16,
                    help="llama-server slots, and requests in flight")
     p.add_argument("--llama-threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--llama-server-args", default="",
+                   help="more llama-server flags, one string (e.g. '--cache-type-k f32 "
+                        "--cache-type-v f32'; its default KV cache type is f16)")
     p.add_argument("--output-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "jaxpaged-w1"))
     p.add_argument("--max-num-seqs", type=int, default=64,
@@ -233,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.llama_server and "llama.cpp" in args.rows:
         for gguf in args.gguf:
             rows.append(llama_cpp_row(args.llama_server, gguf, requests, args.work_dir,
-                                      args.llama_parallel, args.llama_threads))
+                                      args.llama_parallel, args.llama_threads,
+                                      shlex.split(args.llama_server_args)))
     peak = matmul_peak_flops(512 if args.small else 2048)
     flops = model_flops(cfg, requests)
     ours = rows[0]["output_tokens_per_second"] if "jaxpaged" in args.rows else None
@@ -242,10 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
                                            else ours / row["output_tokens_per_second"])
         row["mfu"] = flops / row["elapsed_time"] / peak
     result = {"workload": "small" if args.small else "W1", "model": model,
-              "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "cpu": cpu_model(), "cpu_count": os.cpu_count(),
-              "load_average_before_after": [load_before, os.getloadavg()[0]],
-              "num_requests": len(requests), "matmul_peak_gflops": peak / 1e9,
+              **machine(load_before), "num_requests": len(requests),
+              "matmul_peak_gflops": peak / 1e9,
               "model_tflops": flops / 1e12, "roofline_seconds": flops / peak,
               "tensor_parallel_size": tp, "data_parallel_size": dp, "rows": rows,
               "max_num_seqs_sweep": [{"max_num_seqs": n, "output_tokens_per_second": v}

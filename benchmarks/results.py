@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from datetime import datetime, timezone
 
 import numpy as np
 
@@ -58,3 +59,12 @@ def cpu_model() -> str:
     return (f"{fields.get('model name', 'unknown')} (family {fields.get('cpu family', '?')} "
             f"model {fields.get('model', '?')}, {cores} cores"
             + (f", {' '.join(flags)}" if flags else "") + ")")
+
+
+def machine(load_before: float) -> dict:
+    """Where and when a benchmark ran: ``date`` (UTC), ``cpu`` (:func:`cpu_model`) and the
+    1-minute load average at its start (``load_before``, from ``os.getloadavg()``) and now;
+    on a shared machine the load says how far its figures can be trusted."""
+    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "cpu": cpu_model(), "load_average_before_after": [round(load_before, 2),
+                                                              round(os.getloadavg()[0], 2)]}

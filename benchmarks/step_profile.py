@@ -44,7 +44,7 @@ import time
 import numpy as np
 
 from jaxpaged.benchmarks.datasets import ROOT, w1_requests
-from jaxpaged.benchmarks.results import cpu_model
+from jaxpaged.benchmarks.results import machine, write_outputs
 
 PAGE_SIZE = 16
 MAX_MODEL_LEN = 1024
@@ -363,8 +363,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--compare-options", action="store_true",
                    help="time the compile-option sets of OPTION_SETS against the defaults")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--output-json", help="also write the result here")
     args = p.parse_args(argv)
-    result = {"cpu": cpu_model(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    load_before = os.getloadavg()[0]
+    result = {"xla_flags": os.environ.get("XLA_FLAGS", "")}
     if args.compare_options:
         for kind in args.steps:
             result[kind] = compare_options(kind, args.model, OPTION_SETS, args.repeats,
@@ -375,7 +377,8 @@ def main(argv: list[str] | None = None) -> dict:
             result[kind] = profile_step(kind, args.model, args.repeats, args.trace_steps)
         # After the steps, best of several: one slow call on a shared machine says nothing.
         result["peak_gflops"] = round(matmul_gflops(4096, 4096, 4096, 8), 1)
-    print(json.dumps(result))
+    result.update(machine(load_before))
+    write_outputs(result, args.output_json)
     return result
 
 

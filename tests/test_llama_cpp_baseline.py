@@ -13,6 +13,7 @@ import pytest
 from jaxpaged.benchmarks.baselines.llama_cpp import (LlamaServer, free_port, llama_cpp_row,
                                                      server_command, slot_context)
 from jaxpaged.benchmarks.datasets import SampleRequest, random_requests
+from jaxpaged.benchmarks.results import cpu_model
 
 FAKE = Path(__file__).parent / "helpers" / "fake_llama_server.py"
 
@@ -111,6 +112,7 @@ def test_compare_runs_one_llama_row_per_gguf(fake_binary, tmp_path):
     binary, log = fake_binary
     result = compare.main(["--small", "--rows", "llama.cpp", "--llama-server", binary,
                            "--gguf", "/m/w1-f32.gguf", "--gguf", "/m/w1-f16.gguf",
+                           "--llama-server-args", "--cache-type-k f32",
                            "--output-dir", str(tmp_path), "--work-dir", str(tmp_path / "w")])
     assert [r["backend"] for r in result["rows"]] == ["llama.cpp w1-f32.gguf",
                                                       "llama.cpp w1-f16.gguf"]
@@ -120,5 +122,5 @@ def test_compare_runs_one_llama_row_per_gguf(fake_binary, tmp_path):
     starts = [e for e in events(log) if "argv" in e]
     assert [s["argv"][s["argv"].index("--model") + 1] for s in starts] == [
         "/m/w1-f32.gguf", "/m/w1-f16.gguf"]
-    assert all(gone(s["pid"]) for s in starts)
-    assert result["cpu"] == compare.cpu_model()
+    assert all(gone(s["pid"]) and s["argv"][-2:] == ["--cache-type-k", "f32"] for s in starts)
+    assert result["cpu"] == cpu_model() and len(result["load_average_before_after"]) == 2

@@ -150,8 +150,10 @@ def server_version(binary: str) -> str:
 
 
 def llama_cpp_row(binary: str, gguf: str, requests, work: str, parallel: int = 16,
-                  threads: int = 2, stop_timeout_s: float = 10.0) -> dict:
-    """The ``llama.cpp <gguf file name>`` row: W1's requests through ``llama-server``.
+                  threads: int = 2, extra_args: list[str] = (),
+                  stop_timeout_s: float = 10.0) -> dict:
+    """The ``llama.cpp <gguf file name>`` row: W1's requests through ``llama-server``
+    (``extra_args`` appended to :func:`server_command`'s).
 
     Returns:
         the row dict: ``elapsed_time`` (s, the timed pass only: no start-up, no warm-up),
@@ -160,7 +162,7 @@ def llama_cpp_row(binary: str, gguf: str, requests, work: str, parallel: int = 1
     """
     name = os.path.basename(gguf)
     command = server_command(binary, gguf, free_port(), parallel,
-                             slot_context(requests, parallel), threads)
+                             slot_context(requests, parallel), threads) + list(extra_args)
     t0 = time.perf_counter()
     with LlamaServer(command, os.path.join(work, f"llama-server-{name}.log"),
                      stop_timeout_s=stop_timeout_s) as server:
