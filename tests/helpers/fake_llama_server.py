@@ -58,6 +58,10 @@ class Handler(BaseHTTPRequestHandler):
                          "tokens_evaluated": len(body["prompt"]), "stop_type": "limit"})
 
 
+class Server(ThreadingHTTPServer):
+    request_queue_size = 64          # the default listen backlog of 5 resets 16 connects
+
+
 def main() -> None:
     if "--version" in sys.argv:
         print("version: 1 (fake)")
@@ -66,7 +70,7 @@ def main() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     args = sys.argv[1:]
     log({"argv": args, "pid": os.getpid()})
-    server = ThreadingHTTPServer((args[args.index("--host") + 1],
+    server = Server((args[args.index("--host") + 1],
                                   int(args[args.index("--port") + 1])), Handler)
     server.serve_forever()
 
