@@ -90,7 +90,7 @@ def plot_step_phases(result: dict, path: str) -> str:
     ax.set_xlabel("% of the step's thread time")
     ax.set_title("W1 step time by phase (" + ", ".join(
         f"{k} {result[k]['best_ms']:.0f} ms" for k in kinds) + " best)")
-    ax.legend(ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    ax.legend(ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.55))
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
