@@ -78,7 +78,7 @@ def plot_step_phases(result: dict, path: str) -> str:
     phases = list(result[kinds[0]]["thread_share"])
     for k in kinds[1:]:
         phases += [p for p in result[k]["thread_share"] if p not in phases]
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.8 * len(kinds)))
+    fig, ax = plt.subplots(figsize=(9, 2.6))
     left = [0.0] * len(kinds)
     colors = plt.get_cmap("tab20").colors
     for i, phase in enumerate(phases):
@@ -90,7 +90,7 @@ def plot_step_phases(result: dict, path: str) -> str:
     ax.set_xlabel("% of the step's thread time")
     ax.set_title("W1 step time by phase (" + ", ".join(
         f"{k} {result[k]['best_ms']:.0f} ms" for k in kinds) + " best)")
-    ax.legend(ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.55))
+    ax.legend(ncol=2, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
