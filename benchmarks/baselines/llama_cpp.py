@@ -143,10 +143,9 @@ class LlamaServer:
 
 
 def server_version(binary: str) -> str:
-    """The last line of ``llama-server --version`` ("" when it prints nothing)."""
+    """``llama-server --version``'s lines joined by "; " ("" when it prints nothing)."""
     out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
-    lines = (out.stdout + out.stderr).strip().splitlines()
-    return lines[-1].strip() if lines else ""
+    return "; ".join(line.strip() for line in (out.stdout + out.stderr).strip().splitlines())
 
 
 def llama_cpp_row(binary: str, gguf: str, requests, work: str, parallel: int = 16,
