@@ -8,11 +8,18 @@ Rows (all on the same random-weight checkpoint, written once as a Hugging Face d
     before the next starts (no paging, no continuous batching);
   * ``transformers-static-16`` / ``-1``: Hugging Face ``generate`` with static batches of 16
     (left padding) and of 1 (``benchmarks/baselines/hf_transformers.py``, run with
-    ``--hf-python``, a Python that has torch).
+    ``--hf-python``, a Python that has torch);
+  * ``llama.cpp FILE.gguf``: llama.cpp's ``llama-server`` (``--llama-server BIN --gguf FILE``,
+    repeatable: e.g. an F32 and an F16 GGUF of the same checkpoint) with ``--parallel 16
+    --cont-batching`` on 127.0.0.1, 16 requests in flight
+    (``benchmarks/baselines/llama_cpp.py``; docs/benchmarks.md says how to build it and
+    convert the checkpoint).
+``--rows`` picks the rows to run (all by default; the contiguous row needs the jaxpaged one).
 Each row's ratio is jaxpaged's output tokens/s over the row's. Model FLOPs utilisation is
 reported against a float32 matmul peak measured in the same run.
 
-Usage: ``python -m jaxpaged.benchmarks.compare --hf-python /path/to/python [--output-dir DIR]``
+Usage: ``python -m jaxpaged.benchmarks.compare --hf-python /path/to/python [--llama-server BIN
+--gguf F32.gguf --gguf F16.gguf] [--output-dir DIR]``
 (``--small`` runs a seconds-long version on the bundled model, for CI; ``--startup`` adds
 the start-up figures: a cold start on an empty compile cache, a timed run on it without a
 warm-up, and a warm start on the cache it left).
@@ -24,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -35,9 +43,10 @@ import numpy as np
 
 from jaxpaged import LLM
 from jaxpaged.benchmarks.baselines.checkpoint import write_random_checkpoint
+from jaxpaged.benchmarks.baselines.llama_cpp import llama_cpp_row
 from jaxpaged.benchmarks.datasets import ROOT, SampleRequest, load_w1, random_requests, w1_requests
 from jaxpaged.benchmarks.plots import plot_throughput_by_engine, plot_throughput_vs_max_num_seqs
-from jaxpaged.benchmarks.results import plot_next_to, write_outputs
+from jaxpaged.benchmarks.results import machine, plot_next_to, write_outputs
 from jaxpaged.benchmarks.throughput import measure, run_requests, shifted, start_engine
 from jaxpaged.config import ModelConfig
 from jaxpaged.engine.arg_utils import EngineArgs
@@ -124,12 +133,31 @@ def transformers_row(python: str, model: str, requests: list[SampleRequest], bat
         return json.load(f)
 
 
-def main(argv: list[str] | None = None) -> dict:
+#: The row groups ``--rows`` can pick.
+ROWS = ("jaxpaged", "contiguous", "transformers", "llama.cpp")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (see the module docstring)."""
     p = argparse.ArgumentParser(description="W1: jaxpaged vs baselines, side by side")
+    p.add_argument("--rows", default=",".join(ROWS),
+                   help=f"comma-separated row groups to run, of {','.join(ROWS)}; "
+                        "transformers needs --hf-python, llama.cpp --llama-server and --gguf")
     p.add_argument("--hf-python", default=os.environ.get("JAXPAGED_HF_PYTHON"),
                    help="a Python with torch + transformers for the transformers rows "
                         "(skipped if unset)")
     p.add_argument("--hf-batch-sizes", default="16,1")
+    p.add_argument("--llama-server", help="a llama.cpp llama-server binary for the llama.cpp "
+                                          "rows (skipped if unset)")
+    p.add_argument("--gguf", action="append", default=[],
+                   help="a GGUF conversion of the W1 checkpoint (in --work-dir/checkpoint); "
+                        "repeat for more rows (e.g. F32 and F16)")
+    p.add_argument("--llama-parallel", type=int, default=16,
+                   help="llama-server slots, and requests in flight")
+    p.add_argument("--llama-threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--llama-server-args", default="",
+                   help="more llama-server flags, one string (e.g. '--cache-type-k f32 "
+                        "--cache-type-v f32'; its default KV cache type is f16)")
     p.add_argument("--output-dir", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "jaxpaged-w1"))
     p.add_argument("--max-num-seqs", type=int, default=64,
@@ -149,8 +177,70 @@ def main(argv: list[str] | None = None) -> dict:
                    help="also measure the jaxpaged row's start-up with the precompile on: "
                         "cold, warm, and compilations during a timed run")
     args = p.parse_args(argv)
+    args.rows = [r for r in args.rows.split(",") if r]
+    if set(args.rows) - set(ROWS):
+        p.error(f"--rows: unknown {sorted(set(args.rows) - set(ROWS))}; known: {ROWS}")
+    if "contiguous" in args.rows and "jaxpaged" not in args.rows:
+        p.error("--rows: the contiguous row takes its KV budget from the jaxpaged row")
+    if args.gguf and not args.llama_server:
+        p.error("--gguf needs --llama-server")
+    return args
+
+
+def jaxpaged_rows(args: argparse.Namespace, model: str, requests: list[SampleRequest],
+                  engine: dict, max_len: int, page: int) -> tuple[list[dict], list]:
+    """(jaxpaged rows, the ``--max-num-seqs`` sweep points): the engine as configured, its
+    tp=1 twin when tp or dp > 1, and the contiguous static-batch row in its KV budget."""
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    llm = LLM(model=model, max_num_seqs=args.max_num_seqs // dp, **engine)
+    label = "jaxpaged" + (f" tp={tp}" if tp > 1 else "") + (f" dp={dp}" if dp > 1 else "")
+    rows = [{"backend": label, **measure(llm, requests)}]
+    slots = max(dp, llm.engine.stats().num_pages // -(-max_len // page))
+    del llm
+    if tp * dp > 1:
+        llm = LLM(model=model, max_num_seqs=args.max_num_seqs,
+                  **{**engine, "tensor_parallel_size": 1, "data_parallel_size": 1})
+        rows.append({"backend": "jaxpaged tp=1", **measure(llm, requests)})
+        del llm
+    if "contiguous" in args.rows:
+        rows.append(contiguous_static(model, requests, min(slots, len(requests)), max_len, page,
+                                      max_num_batched_tokens=args.max_num_batched_tokens,
+                                      enforce_eager=True, tensor_parallel_size=tp,
+                                      data_parallel_size=dp))
+        rows[-1]["kv_slots"] = slots
+    sweep = [(args.max_num_seqs, rows[0]["output_tokens_per_second"])]
+    for n in (int(x) for x in args.sweep_max_num_seqs.split(",") if x):
+        if n != args.max_num_seqs:
+            sweep.append((n, measure(LLM(model=model, max_num_seqs=n // dp, **engine),
+                                     requests)["output_tokens_per_second"]))
+    return rows, sweep
+
+
+def print_table(result: dict) -> None:
+    """The rows as a fixed-width table, then the peak and roofline line."""
+    print(f"{'engine':<28}{'time (s)':>10}{'out tok/s':>12}{'jaxpaged x':>12}{'MFU':>8}")
+    for row in result["rows"]:
+        ratio = row["ratio_jaxpaged_over_this"]
+        print(f"{row['backend']:<28}{row['elapsed_time']:>10.2f}"
+              f"{row['output_tokens_per_second']:>12.1f}"
+              f"{'-' if ratio is None else f'{ratio:.2f}':>12}{100 * row['mfu']:>7.1f}%")
+    print(f"float32 matmul peak {result['matmul_peak_gflops']:.1f} GFLOP/s; workload "
+          f"{result['model_tflops']:.2f} TFLOP; roofline {result['roofline_seconds']:.1f} s; "
+          f"CPU {result['cpu']}")
+    startup = result.get("startup")
+    if startup:
+        cold, warm = startup["cold"], startup["warm"]
+        print(f"Start-up: cold {cold['startup_time']:.1f} s ({cold['num_compiled']} compiled), "
+              f"warm {warm['startup_time']:.1f} s ({warm['num_loaded_from_cache']} loaded); "
+              f"compilations during the timed run: {startup['num_compilations_during_run']} "
+              f"(run {startup['elapsed_time']:.2f} s without a warm-up)")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
     request_host_devices(tp * dp)      # before anything starts JAX
+    load_before = os.getloadavg()[0]
     w = load_w1()
     page, max_len = 16, 1024
     if args.small:
@@ -167,58 +257,37 @@ def main(argv: list[str] | None = None) -> dict:
     engine = dict(max_model_len=max_len, block_size=page, enforce_eager=True,
                   max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=tp,
                   data_parallel_size=dp)
-    llm = LLM(model=model, max_num_seqs=args.max_num_seqs // dp, **engine)
-    label = "jaxpaged" + (f" tp={tp}" if tp > 1 else "") + (f" dp={dp}" if dp > 1 else "")
-    rows = [{"backend": label, **measure(llm, requests)}]
-    slots = max(dp, llm.engine.stats().num_pages // -(-max_len // page))
-    del llm
-    if tp * dp > 1:
-        llm = LLM(model=model, max_num_seqs=args.max_num_seqs,
-                  **{**engine, "tensor_parallel_size": 1, "data_parallel_size": 1})
-        rows.append({"backend": "jaxpaged tp=1", **measure(llm, requests)})
-        del llm
-    rows.append(contiguous_static(model, requests, min(slots, len(requests)), max_len, page,
-                                  max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enforce_eager=True, tensor_parallel_size=tp,
-                                  data_parallel_size=dp))
+    rows, sweep = [], []
+    if "jaxpaged" in args.rows:
+        rows, sweep = jaxpaged_rows(args, model, requests, engine, max_len, page)
     startup = None
     if args.startup:
         startup = startup_figures(EngineArgs(model=model, max_num_seqs=args.max_num_seqs // dp,
                                              **engine), requests)
-    if args.hf_python:
+    if args.hf_python and "transformers" in args.rows:
         for b in (int(x) for x in args.hf_batch_sizes.split(",")):
             rows.append(transformers_row(args.hf_python, model, requests, b, args.work_dir))
-    sweep = [(args.max_num_seqs, rows[0]["output_tokens_per_second"])]
-    for n in (int(x) for x in args.sweep_max_num_seqs.split(",") if x):
-        if n != args.max_num_seqs:
-            sweep.append((n, measure(LLM(model=model, max_num_seqs=n // dp, **engine),
-                                     requests)["output_tokens_per_second"]))
+    if args.llama_server and "llama.cpp" in args.rows:
+        for gguf in args.gguf:
+            rows.append(llama_cpp_row(args.llama_server, gguf, requests, args.work_dir,
+                                      args.llama_parallel, args.llama_threads,
+                                      shlex.split(args.llama_server_args)))
     peak = matmul_peak_flops(512 if args.small else 2048)
     flops = model_flops(cfg, requests)
-    ours = rows[0]["output_tokens_per_second"]
+    ours = rows[0]["output_tokens_per_second"] if "jaxpaged" in args.rows else None
     for row in rows:
-        row["ratio_jaxpaged_over_this"] = ours / row["output_tokens_per_second"]
+        row["ratio_jaxpaged_over_this"] = (None if ours is None
+                                           else ours / row["output_tokens_per_second"])
         row["mfu"] = flops / row["elapsed_time"] / peak
     result = {"workload": "small" if args.small else "W1", "model": model,
-              "num_requests": len(requests), "matmul_peak_gflops": peak / 1e9,
+              **machine(load_before), "num_requests": len(requests),
+              "matmul_peak_gflops": peak / 1e9,
               "model_tflops": flops / 1e12, "roofline_seconds": flops / peak,
-              "kv_slots_for_contiguous": slots, "tensor_parallel_size": tp,
-              "data_parallel_size": dp, "rows": rows, "startup": startup,
+              "tensor_parallel_size": tp, "data_parallel_size": dp, "rows": rows,
+              "startup": startup,
               "max_num_seqs_sweep": [{"max_num_seqs": n, "output_tokens_per_second": v}
                                      for n, v in sorted(sweep)]}
-    print(f"{'engine':<28}{'time (s)':>10}{'out tok/s':>12}{'jaxpaged x':>12}{'MFU':>8}")
-    for row in rows:
-        print(f"{row['backend']:<28}{row['elapsed_time']:>10.2f}"
-              f"{row['output_tokens_per_second']:>12.1f}{row['ratio_jaxpaged_over_this']:>12.2f}"
-              f"{100 * row['mfu']:>7.1f}%")
-    print(f"float32 matmul peak {peak / 1e9:.1f} GFLOP/s; workload {flops / 1e12:.2f} TFLOP; "
-          f"roofline {flops / peak:.1f} s")
-    if startup:
-        cold, warm = startup["cold"], startup["warm"]
-        print(f"Start-up: cold {cold['startup_time']:.1f} s ({cold['num_compiled']} compiled), "
-              f"warm {warm['startup_time']:.1f} s ({warm['num_loaded_from_cache']} loaded); "
-              f"compilations during the timed run: {startup['num_compilations_during_run']} "
-              f"(run {startup['elapsed_time']:.2f} s without a warm-up)")
+    print_table(result)
     out = os.path.join(args.output_dir, f"compare-{result['workload']}.json")
     write_outputs(result, out)
     plot_next_to(out, lambda path: plot_throughput_by_engine(

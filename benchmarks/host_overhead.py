@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 from jaxpaged.benchmarks.datasets import ROOT, random_requests
-from jaxpaged.benchmarks.results import write_outputs
+from jaxpaged.benchmarks.results import cpu_model, write_outputs
 from jaxpaged.benchmarks.throughput import shifted
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.engine.arg_utils import EngineArgs
@@ -175,17 +175,6 @@ def detok_per_token_us(tokenizer, length: int, seed: int = 0, min_tokens: int = 
             times.append(time.perf_counter() - t0)
     us = np.sort(np.asarray(times)) * 1e6
     return {"median_us": float(np.median(us)), "mean_us": float(us[:int(len(us) * 0.99)].mean())}
-
-
-def cpu_model() -> str:
-    """The host CPU's model name (``/proc/cpuinfo``) and the number of cores this process
-    may use."""
-    name = "unknown"
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f
-                         if line.startswith("model name")), name)
-    return f"{name} ({len(os.sched_getaffinity(0))} cores)"
 
 
 def print_table(result: dict, per_step: bool) -> None:

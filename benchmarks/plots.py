@@ -3,7 +3,9 @@
 * :func:`plot_throughput_by_engine`: output tokens/s of every row of a comparison;
 * :func:`plot_serve_latencies`: TTFT and TPOT distributions of a ``bench serve`` run;
 * :func:`plot_throughput_vs_max_num_seqs`: jaxpaged's output tokens/s against
-  ``--max-num-seqs``.
+  ``--max-num-seqs``;
+* :func:`plot_step_phases`: where a decode and a prefill step spend their time, per phase
+  (``benchmarks/step_profile.py``).
 """
 
 from __future__ import annotations
@@ -63,5 +65,33 @@ def plot_throughput_vs_max_num_seqs(points: list[tuple[int, float]], path: str) 
     ax.set_title("jaxpaged throughput against batch limit")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_step_phases(result: dict, path: str) -> str:
+    """Stacked bars, one per profiled step (``decode``, ``prefill``): each phase's share of
+    the step's summed thread time (``thread_share`` of a ``step_profile`` result), phases in
+    the order of the first step's largest first."""
+    plt = _pyplot()
+    kinds = [k for k in ("decode", "prefill") if k in result]
+    phases = list(result[kinds[0]]["thread_share"])
+    for k in kinds[1:]:
+        phases += [p for p in result[k]["thread_share"] if p not in phases]
+    fig, ax = plt.subplots(figsize=(9, 2.6))
+    left = [0.0] * len(kinds)
+    colors = plt.get_cmap("tab20").colors
+    for i, phase in enumerate(phases):
+        shares = [100 * result[k]["thread_share"].get(phase, 0.0) for k in kinds]
+        ax.barh(kinds, shares, left=left, label=phase, color=colors[i % len(colors)])
+        left = [a + b for a, b in zip(left, shares)]
+    ax.set_xlim(0, 100)
+    ax.invert_yaxis()
+    ax.set_xlabel("% of the step's thread time")
+    ax.set_title("W1 step time by phase (" + ", ".join(
+        f"{k} {result[k]['best_ms']:.0f} ms" for k in kinds) + " best)")
+    ax.legend(ncol=2, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from datetime import datetime, timezone
 
 import numpy as np
 
@@ -38,3 +39,32 @@ def plot_next_to(json_path: str, draw) -> str | None:
         print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
         return None
     return draw(os.path.splitext(json_path)[0] + ".png")
+
+
+
+def cpu_model() -> str:
+    """The host CPU as ``/proc/cpuinfo`` names it, with what a VM's masked name hides: e.g.
+    ``AMD EPYC (family 25 model 17, 2 cores, avx512f avx512_bf16)`` (cores: those this
+    process may use; the flags: AVX-512, BF16 and AMX ones present). 'unknown' elsewhere."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read().split("\n\n")[0]
+    except OSError:
+        return "unknown"
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = [f for f in fields.get("flags", "").split()
+             if f in ("avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")]
+    cores = len(os.sched_getaffinity(0))
+    return (f"{fields.get('model name', 'unknown')} (family {fields.get('cpu family', '?')} "
+            f"model {fields.get('model', '?')}, {cores} cores"
+            + (f", {' '.join(flags)}" if flags else "") + ")")
+
+
+def machine(load_before: float) -> dict:
+    """Where and when a benchmark ran: ``date`` (UTC), ``cpu`` (:func:`cpu_model`) and the
+    1-minute load average at its start (``load_before``, from ``os.getloadavg()``) and now;
+    on a shared machine the load says how far its figures can be trusted."""
+    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "cpu": cpu_model(), "load_average_before_after": [round(load_before, 2),
+                                                              round(os.getloadavg()[0], 2)]}

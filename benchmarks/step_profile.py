@@ -44,6 +44,7 @@ import time
 import numpy as np
 
 from jaxpaged.benchmarks.datasets import ROOT, w1_requests
+from jaxpaged.benchmarks.results import machine, write_outputs
 
 PAGE_SIZE = 16
 MAX_MODEL_LEN = 1024
@@ -321,9 +322,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights and KV pool dtype of the profiled steps")
+    p.add_argument("--output-json", help="also write the result here")
     args = p.parse_args(argv)
-    result = {"cpu": cpu_model(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-              "dtype": args.dtype}
+    load_before = os.getloadavg()[0]
+    result = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "dtype": args.dtype}
     if args.compare_options:
         for kind in args.steps:
             from jaxpaged.benchmarks.step_compare import OPTION_SETS, compare_options
@@ -336,20 +338,9 @@ def main(argv: list[str] | None = None) -> dict:
                                         args.dtype)
         # After the steps, best of several: one slow call on a shared machine says nothing.
         result["peak_gflops"] = round(matmul_gflops(4096, 4096, 4096, 8), 1)
-    print(json.dumps(result))
+    result.update(machine(load_before))
+    write_outputs(result, args.output_json)
     return result
-
-
-def cpu_model() -> str:
-    """The first ``model name`` of /proc/cpuinfo ('unknown' elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":
