@@ -22,7 +22,8 @@ import time
 import numpy as np
 
 from jaxpaged.benchmarks.datasets import ROOT
-from jaxpaged.benchmarks.step_profile import build_step, cpu_model
+from jaxpaged.benchmarks.results import cpu_model
+from jaxpaged.benchmarks.step_profile import build_step
 
 #: Compile-option sets ``--compare-options`` times against the defaults (XLA:CPU in jaxlib
 #: 0.12 sends dots, elementwise ops and reductions to YNNPACK by default).
