@@ -75,7 +75,6 @@ def test_bad_blocks_are_reported(tmp_path):
 
 
 def test_plots_are_written_next_to_the_json(tmp_path):
-    pytest.importorskip("matplotlib", reason="plots need the bench extra")
     doc = write_doc(tmp_path, "compare", "compare-W1.json", COMPARE)
     (tmp_path / "results" / "step-profile-W1.json").write_text(json.dumps(PROFILE))
     doc.write_text(doc.read_text() + "<!-- generated: step-profile results/step-profile-W1.json"
