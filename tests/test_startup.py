@@ -189,3 +189,22 @@ def test_store_keeps_only_executables_compiled_afresh(tmp_path):
         assert jnp.array_equal(loaded(x), f(x)) and jnp.array_equal(served(x), f(x))
     finally:
         compile_cache.configure_compilation_cache(compile_cache.resolve_cache_dir(None))
+
+
+
+def test_fingerprint_covers_the_shape_of_every_argument():
+    """A stored step is named by the shapes of all the arguments it was lowered for, not
+    only the model's: two engines whose steps differ only in the previous step's sampled ids
+    (padded to the largest row count, which follows ``max_num_seqs``) once shared an entry,
+    and the second failed every step ("prev_tokens compiled with int32[8] and called with
+    int32[16]")."""
+    import numpy as np
+
+    from jaxpaged.runner.executable_store import fingerprint
+
+    def name(*args):
+        return fingerprint("graph", [np.zeros((4, 4), np.float32)], [], args, ("step", 16))
+
+    ids8, ids16 = np.zeros(8, np.int32), np.zeros(16, np.int32)
+    assert name(ids8) == name(np.ones(8, np.int32))     # values do not matter
+    assert len({name(ids8), name(ids16), name(ids8.astype(np.int64)), name(ids8, ids8)}) == 4

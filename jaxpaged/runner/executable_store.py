@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -74,18 +75,21 @@ def _source_digest() -> str:
 
 
 def _avals(tree) -> list:
-    return [(a.shape, str(a.dtype), repr(getattr(a, "sharding", None)))
-            for a in jax.tree.leaves(tree)]
+    return [(np.shape(a), str(getattr(a, "dtype", type(a).__name__)),
+             repr(getattr(a, "sharding", None))) for a in jax.tree.leaves(tree)]
 
 
-def fingerprint(graphdef, state, kv_caches, extra) -> str:
+def fingerprint(graphdef, state, kv_caches, args, extra) -> str:
     """Hex digest naming a step program: ``graphdef`` (addresses of the functions it holds
-    removed), the avals and shardings of ``state`` and ``kv_caches``, ``extra`` (the runner's
-    own settings) and this process's code, versions, configuration and devices."""
+    removed), the avals and shardings of ``state``, ``kv_caches`` and of every argument the
+    program is lowered for (``args``: two programs that differ only in one input's shape,
+    e.g. the previous step's sampled ids of another ``max_num_seqs``, must not share an
+    entry), ``extra`` (the runner's own settings) and this process's code, versions,
+    configuration and devices."""
     import jaxlib
 
     parts = (re.sub(r" at 0x[0-9a-f]+", "", repr(graphdef)), _avals(state), _avals(kv_caches),
-             extra, _source_digest(), jax.__version__, jaxlib.__version__,
+             _avals(args), extra, _source_digest(), jax.__version__, jaxlib.__version__,
              sorted((k, repr(v)) for k, v in jax.config.values.items()
                     if k != "jax_compilation_cache_dir"),
              os.environ.get("XLA_FLAGS", ""),

@@ -236,7 +236,7 @@ class ModelRunner:
         if fn is None:
             t0 = time.perf_counter()
             devices = list(self._replicated.mesh.devices.flat)
-            name = fingerprint(self._graphdef, self._state, self._kv_caches,
+            name = fingerprint(self._graphdef, self._state, self._kv_caches, args,
                                (key, self._page_size, repr(self._replicated),
                                 [d.id for d in devices]))
             fn = self._store.load(name, devices)
