@@ -236,9 +236,11 @@ class ModelRunner:
         if fn is None:
             t0 = time.perf_counter()
             devices = list(self._replicated.mesh.devices.flat)
+            # (the programs pad their sampled ids to the largest row count, a constant of
+            # theirs that no argument shows: it is named here)
             name = fingerprint(self._graphdef, self._state, self._kv_caches, args,
-                               (key, self._page_size, repr(self._replicated),
-                                [d.id for d in devices]))
+                               (key, self._page_size, self._prev_tokens.shape,
+                                repr(self._replicated), [d.id for d in devices]))
             fn = self._store.load(name, devices)
             if fn is None:
                 fn = self._store.compile(name, lambda: program.lower(*args))
