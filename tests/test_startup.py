@@ -208,3 +208,24 @@ def test_fingerprint_covers_the_shape_of_every_argument():
     ids8, ids16 = np.zeros(8, np.int32), np.zeros(16, np.int32)
     assert name(ids8) == name(np.ones(8, np.int32))     # values do not matter
     assert len({name(ids8), name(ids16), name(ids8.astype(np.int64)), name(ids8, ids8)}) == 4
+
+
+def test_engines_of_other_row_counts_do_not_share_stored_samplers(tmp_path):
+    """The sampler pads its sampled ids to the engine's largest row count (16 at
+    ``max_num_seqs=16``, 8 at 8), a constant no argument shows: an engine of 8 rows must
+    not load the sampler stored by one of 16 (it then handed its forward, compiled for
+    int32[8], an int32[16] buffer, and every step after failed)."""
+    cache = str(tmp_path / "cache")
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    rows, tokens = [], []
+    try:
+        for n in (16, 8):
+            llm = LLM(enforce_eager=True, compilation_cache_dir=cache, max_num_seqs=n,
+                      max_model_len=64, max_num_batched_tokens=32, num_gpu_blocks_override=64)
+            tokens.append(llm.generate([[1, 403, 407, 261]], greedy,
+                                       use_tqdm=False)[0].outputs[0].token_ids)
+            rows.append(llm.engine.runner._prev_tokens.shape)
+    finally:
+        compile_cache.configure_compilation_cache(compile_cache.resolve_cache_dir(None))
+    assert rows == [(16,), (8,)]
+    assert len(tokens[0]) == 4 and tokens[0] == tokens[1]
