@@ -119,7 +119,7 @@ class ModelRunner:
         num_rows = self._buckets.seq_buckets[-1]
         self._programs = build_programs(
             graphdef, jax.tree.map(lambda a: a.sharding, self._state),
-            jax.tree.map(lambda a: a.sharding, self._kv_caches), self._replicated, num_rows)
+            jax.tree.map(lambda a: a.sharding, self._kv_caches), self._replicated)
         self._prev_tokens = jax.device_put(np.zeros(num_rows, np.int32), self._replicated)
         self._prev_rows: Callable[[], dict[str, int]] = dict
 
@@ -209,7 +209,8 @@ class ModelRunner:
         forward, sampler = self._executables_for(prepared.layout, prepared.inputs)
         logits, prompt, self._kv_caches = forward(
             self._state, self._kv_caches, forward_inputs(prepared.inputs), self._prev_tokens)
-        out, self._prev_tokens = sampler(logits, sample_inputs(prepared.inputs))
+        out, self._prev_tokens = sampler(logits, sample_inputs(prepared.inputs),
+                                         self._prev_tokens)
         out = dataclasses.replace(out, prompt_logprobs=prompt)
         scheduled, starts = scheduler_output.scheduled, prepared.row_starts
         self._prev_rows = lambda: {s.request.request_id: starts[i]
@@ -227,7 +228,7 @@ class ModelRunner:
         sampler = self._compiled(
             ("sample", logits.shape[0], inputs.adjust.ids.shape[1],
              inputs.adjust.allowed_ids.shape[1]), self._programs.sample, logits,
-            sample_inputs(inputs))
+            sample_inputs(inputs), self._prev_tokens)
         return forward, sampler
 
     def _compiled(self, key: tuple, program, *args):
@@ -236,11 +237,9 @@ class ModelRunner:
         if fn is None:
             t0 = time.perf_counter()
             devices = list(self._replicated.mesh.devices.flat)
-            # (the programs pad their sampled ids to the largest row count, a constant of
-            # theirs that no argument shows: it is named here)
             name = fingerprint(self._graphdef, self._state, self._kv_caches, args,
-                               (key, self._page_size, self._prev_tokens.shape,
-                                repr(self._replicated), [d.id for d in devices]))
+                               (key, self._page_size, repr(self._replicated),
+                                [d.id for d in devices]))
             fn = self._store.load(name, devices)
             if fn is None:
                 fn = self._store.compile(name, lambda: program.lower(*args))
@@ -317,7 +316,7 @@ class ModelRunner:
         forward, sampler = self._executables_for(layout, inputs)
         logits, _, self._kv_caches = forward(self._state, self._kv_caches,
                                              forward_inputs(inputs), self._prev_tokens)
-        jax.block_until_ready(sampler(logits, sample_inputs(inputs)))
+        jax.block_until_ready(sampler(logits, sample_inputs(inputs), self._prev_tokens))
         stats = jax.local_devices()[0].memory_stats()
         return None if not stats else stats.get("peak_bytes_in_use")
 

@@ -54,8 +54,9 @@ class StepPrograms:
             float32, prompt TokenLogprobs of [T] rows (zeros unless asked), kv_caches)``;
             ``prev_tokens`` [R] int32 are the previous step's sampled ids (R the largest
             row bucket), read for the tokens the host does not know yet.
-        sample: ``(logits, sample_inputs) -> (SamplerOutput without prompt logprobs,
-            token ids padded to [R])``, the second the next step's ``prev_tokens``.
+        sample: ``(logits, sample_inputs, prev_tokens) -> (SamplerOutput without prompt
+            logprobs, prev_tokens [R] with its first rows set to the sampled ids)``, the
+            second the next step's ``prev_tokens``.
         copy_pages: ``(kv_caches, src [n], dst [n]) -> kv_caches`` with whole pages copied.
         prefill: ``(state, kv_caches, input_ids, positions, attn_metadata) -> (logits [T, V],
             kv_caches)``, a whole-prompt prefill outside the serving path.
@@ -68,10 +69,10 @@ class StepPrograms:
 
 
 def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
-                   replicated: jax.sharding.Sharding, num_rows: int) -> StepPrograms:
+                   replicated: jax.sharding.Sharding) -> StepPrograms:
     """Jit the runner's programs for a model split into ``graphdef`` and a state of
-    ``state_sharding``, a KV pool of ``kv_sharding``, per-step inputs and outputs
-    ``replicated`` and ``num_rows`` rows in the largest bucket."""
+    ``state_sharding``, a KV pool of ``kv_sharding``, and per-step inputs and outputs
+    ``replicated``."""
 
     def forward(state, kv_caches: list[KVPages], inputs: dict, prev_tokens: jax.Array):
         input_ids = inputs["input_ids"]
@@ -89,10 +90,12 @@ def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
             model.compute_logits(hidden), inputs["prompt_targets"]))
         return logits, prompt, kv_caches
 
-    def sample_rows(logits: jax.Array, inputs: dict) -> tuple[SamplerOutput, jax.Array]:
+    def sample_rows(logits: jax.Array, inputs: dict,
+                    prev_tokens: jax.Array) -> tuple[SamplerOutput, jax.Array]:
         out = sample(logits, inputs["sampling"], inputs["with_logprobs"], inputs["adjust"])
-        # The sampled ids padded to the largest row count: the next step's prev_tokens.
-        return out, jnp.pad(out.token_ids, (0, num_rows - out.token_ids.shape[0]))
+        # The sampled ids written over the first rows of the [R] buffer: the next step's
+        # prev_tokens (it reads only rows this step sampled).
+        return out, prev_tokens.at[:out.token_ids.shape[0]].set(out.token_ids)
 
     def copy_pages(kv_caches, src, dst):
         return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv_caches]
@@ -107,7 +110,7 @@ def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
         forward=jax.jit(forward, donate_argnums=(1,),
                         in_shardings=(state_sharding, kv_sharding, rep, rep),
                         out_shardings=(rep, rep, kv_sharding)),
-        sample=jax.jit(sample_rows, in_shardings=(rep, rep), out_shardings=(rep, rep)),
+        sample=jax.jit(sample_rows, in_shardings=(rep, rep, rep), out_shardings=(rep, rep)),
         copy_pages=jax.jit(copy_pages, donate_argnums=(0,),
                            in_shardings=(kv_sharding, rep, rep), out_shardings=kv_sharding),
         # A scratch pool of any page count has the serving pool's per-array shardings.
