@@ -4,7 +4,11 @@ the per-token cost of incremental detokenization (issue 20's acceptance benchmar
 Part 1 drives ``Engine.step()`` by hand on ``--num-requests`` random prompts of
 ``--min-prompt-len``..``--max-prompt-len`` tokens, each generating exactly ``--output-len``
 greedy tokens (EOS ignored), all submitted at once, in synchronous mode and with async
-scheduling (vLLM's ``--async-scheduling``). Every engine step is timed with
+scheduling (vLLM's ``--async-scheduling``). The requests ask for final outputs only
+(``output_kind=FINAL_ONLY``), as ``LLM.generate`` and the server's non-streaming routes
+submit them (vLLM's ``LLM`` does the same); the synchronous engine then runs the same
+requests again asking for an output every step, cumulative (``Engine.step``'s default) and
+delta (what streaming routes ask for), printed as two more rows. Every engine step is timed with
 ``time.perf_counter``: its wall time, the time inside the model runner's device calls
 (``dispatch``: batch assembly and the launch; ``result``: waiting for the device and copying
 the tokens back), and the host time outside them (scheduling, applying tokens, stop checks,
@@ -36,6 +40,7 @@ from jaxpaged.benchmarks.datasets import ROOT, random_requests
 from jaxpaged.benchmarks.results import cpu_model, write_outputs
 from jaxpaged.benchmarks.throughput import shifted
 from jaxpaged import LLM, SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
 from jaxpaged.tokenizer import load_tokenizer
@@ -106,14 +111,17 @@ class DeviceTimer:
         runner.dispatch = timed_dispatch
 
 
-def run_steps(llm: LLM, requests, timer: DeviceTimer | None = None) -> list[dict]:
+def run_steps(llm: LLM, requests, timer: DeviceTimer | None = None,
+              output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> list[dict]:
     """Submit ``requests`` at once and step the engine until all finish; per engine step that
     dispatched a device step: wall, device-call and host milliseconds (host: the wall time
     outside the runner's dispatch and result calls), the number of sequences the dispatched
     step scheduled, and whether it was a decode step (one new token each). With async
-    scheduling the last engine step only applies the previous step's tokens: left out."""
+    scheduling the last engine step only applies the previous step's tokens: left out.
+    ``output_kind``: the outputs the requests ask for."""
     engine = llm.engine
-    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=requests[0].output_len)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=requests[0].output_len,
+                            output_kind=output_kind)
     for i, q in enumerate(requests):
         engine.add_request(f"host-overhead-{i}", q.prompt, params)
     steps = []
@@ -132,29 +140,36 @@ def run_steps(llm: LLM, requests, timer: DeviceTimer | None = None) -> list[dict
     return steps
 
 
-def measure_mode(engine_args: EngineArgs, args: argparse.Namespace) -> dict:
-    """One engine: warm-up pass, then the timed pass (the same seeded requests in every
-    mode); its steps and decode-step summary."""
+def measure_mode(engine_args: EngineArgs, args: argparse.Namespace,
+                 output_kinds: dict[str, RequestOutputKind]) -> dict[str, dict]:
+    """One engine: warm-up pass, then a timed pass for each of ``output_kinds`` (the same
+    seeded requests in every mode), by name: its steps and decode-step summary."""
     llm = LLM(**vars(engine_args))
     requests = random_requests(args.num_requests, (args.min_prompt_len, args.max_prompt_len),
                                args.output_len, seed=0,
                                token_range=(3, llm.engine.model_config.vocab_size))
     run_steps(llm, shifted(requests, llm.engine.model_config.vocab_size))
-    compilations = llm.engine.stats().num_compilations
     timer = DeviceTimer(llm.engine)
-    t0 = time.perf_counter()
-    steps = run_steps(llm, requests, timer)
-    elapsed = time.perf_counter() - t0
-    decode = [s for s in steps if s["decode"]]
-    summary = {}
-    for name in SUMMARY:
-        values = [s[f"{name}_ms"] for s in decode] or [0.0]
-        summary[f"median_{name}_ms"] = float(np.median(values))
-        summary[f"mean_{name}_ms"] = float(np.mean(values))
-    return {"elapsed_s": elapsed, "num_steps": len(steps), "num_decode_steps": len(decode),
-            "num_tokens": sum(s["num_seqs"] for s in steps),
+    results = {}
+    for name, kind in output_kinds.items():
+        compilations = llm.engine.stats().num_compilations
+        timer.intervals.clear()
+        timer.dispatched.clear()
+        t0 = time.perf_counter()
+        steps = run_steps(llm, requests, timer, kind)
+        elapsed = time.perf_counter() - t0
+        decode = [s for s in steps if s["decode"]]
+        summary = {}
+        for field in SUMMARY:
+            values = [s[f"{field}_ms"] for s in decode] or [0.0]
+            summary[f"median_{field}_ms"] = float(np.median(values))
+            summary[f"mean_{field}_ms"] = float(np.mean(values))
+        results[name] = {
+            "output_kind": kind.name.lower(), "elapsed_s": elapsed, "num_steps": len(steps),
+            "num_decode_steps": len(decode), "num_tokens": sum(s["num_seqs"] for s in steps),
             "num_compilations_during_run": llm.engine.stats().num_compilations - compilations,
             "decode": summary, "steps": steps}
+    return results
 
 
 def detok_per_token_us(tokenizer, length: int, seed: int = 0, min_tokens: int = 12288
@@ -182,21 +197,23 @@ def print_table(result: dict, per_step: bool) -> None:
           f"{result['prompt_len_range'][0]}-{result['prompt_len_range'][1]} prompt tokens x "
           f"{result['output_len']} tokens, max_num_seqs={result['max_num_seqs']}; "
           f"CPU {result['cpu']}")
-    print(f"{'mode':<6} {'steps':>5} {'decode':>6}   {'wall ms med/mean':>16}   "
+    print(f"{'mode':<15} {'outputs':<10} {'steps':>5} {'decode':>6}   {'wall ms med/mean':>16}   "
           f"{'device ms med/mean':>18}   {'host ms med/mean':>16}   host share")
     for mode, m in result["modes"].items():
         d = m["decode"]
         cols = [f"{d[f'median_{n}_ms']:7.2f}/{d[f'mean_{n}_ms']:<7.2f}" for n in SUMMARY]
         share = d["mean_host_ms"] / d["mean_wall_ms"] if d["mean_wall_ms"] else 0.0
-        print(f"{mode:<6} {m['num_steps']:>5} {m['num_decode_steps']:>6}   {cols[0]:>16}   "
-              f"{cols[1]:>18}   {cols[2]:>16}   {share:6.1%}")
+        print(f"{mode:<15} {m['output_kind']:<10} {m['num_steps']:>5} "
+              f"{m['num_decode_steps']:>6}   {cols[0]:>16}   {cols[1]:>18}   {cols[2]:>16}   "
+              f"{share:6.1%}")
         if per_step:
             for i, s in enumerate(m["steps"]):
                 print(f"  {mode} step {i:3d}: seqs {s['num_seqs']:3d} wall {s['wall_ms']:8.3f}"
                       f" device {s['device_ms']:8.3f} host {s['host_ms']:8.3f} ms"
                       f"{'' if s['decode'] else ' (prefill)'}")
-    sync, async_ = (result["modes"][m]["decode"] for m in ("sync", "async"))
-    print(f"Goals: sync host per decode step {sync['median_host_ms']:.2f} ms median (<= 3 ms); "
+    sync = result["modes"]["sync"]["decode"]
+    print(f"Goals: sync host per decode step {sync['median_host_ms']:.2f} ms median (<= 3 ms; "
+          f"final-only outputs, as LLM.generate submits); "
           f"async wall / sync device call {result['async_wall_over_sync_device']:.3f} "
           f"(median; <= 1.10)")
     det = result["detokenize"]
@@ -214,13 +231,15 @@ def main(args: argparse.Namespace) -> dict:
     if args.max_prompt_len < args.min_prompt_len:
         raise ValueError("--max-prompt-len must be >= --min-prompt-len")
     engine_args = EngineArgs.from_cli_args(args, enforce_eager_default=True)
-    modes = {"sync": dataclasses.replace(engine_args, async_scheduling=False),
-             "async": dataclasses.replace(engine_args, async_scheduling=True)}
+    kinds = RequestOutputKind
+    modes = measure_mode(dataclasses.replace(engine_args, async_scheduling=False), args, {
+        "sync": kinds.FINAL_ONLY, "sync-cumulative": kinds.CUMULATIVE, "sync-delta": kinds.DELTA})
+    modes.update(measure_mode(dataclasses.replace(engine_args, async_scheduling=True), args,
+                              {"async": kinds.FINAL_ONLY}))
     result = {"model": engine_args.model, "num_requests": args.num_requests,
               "prompt_len_range": [args.min_prompt_len, args.max_prompt_len],
               "output_len": args.output_len, "max_num_seqs": engine_args.max_num_seqs,
-              "cpu": cpu_model(),
-              "modes": {mode: measure_mode(a, args) for mode, a in modes.items()}}
+              "cpu": cpu_model(), "modes": modes}
     sync, async_ = (result["modes"][m]["decode"] for m in ("sync", "async"))
     result["async_wall_over_sync_device"] = (async_["median_wall_ms"] / sync["median_device_ms"]
                                              if sync["median_device_ms"] else 0.0)

@@ -62,7 +62,10 @@ def test_bench_host_overhead_small(tmp_path):
          "--output-json", str(out)])
     result = host_overhead.main(args)
     assert json.loads(out.read_text()) == result
-    assert set(result["modes"]) == {"sync", "async"}
+    assert set(result["modes"]) == {"sync", "sync-cumulative", "sync-delta", "async"}
+    assert {m: mode["output_kind"] for m, mode in result["modes"].items()} == {
+        "sync": "final_only", "sync-cumulative": "cumulative", "sync-delta": "delta",
+        "async": "final_only"}
     assert result["async_wall_over_sync_device"] == pytest.approx(
         result["modes"]["async"]["decode"]["median_wall_ms"]
         / result["modes"]["sync"]["decode"]["median_device_ms"])

@@ -5,7 +5,7 @@ import gc
 import weakref
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.engine.gc_heap import CompileAwareHeapFreezer
+from jaxpaged.engine.gc_heap import GEN0_THRESHOLD, CompileAwareHeapFreezer
 
 
 class _Node:
@@ -44,3 +44,16 @@ def test_engine_freezes_after_start_up_and_after_a_step_that_compiled():
     llm.generate(["Once upon a time"], SamplingParams(max_tokens=4, temperature=0))
     assert runner.num_compilations == compilations            # the same shapes again
     assert gc.get_freeze_count() <= frozen     # no compile, no freeze (frozen objects may die)
+
+
+def test_first_freeze_raises_the_young_generation_threshold_and_never_lowers_it():
+    saved = gc.get_threshold()
+    try:
+        gc.set_threshold(700, saved[1], saved[2])
+        CompileAwareHeapFreezer().update(0)
+        assert gc.get_threshold() == (GEN0_THRESHOLD, saved[1], saved[2])
+        gc.set_threshold(GEN0_THRESHOLD * 2, saved[1], saved[2])
+        CompileAwareHeapFreezer().update(0)
+        assert gc.get_threshold()[0] == GEN0_THRESHOLD * 2
+    finally:
+        gc.set_threshold(*saved)

@@ -13,11 +13,25 @@ objects that are not frozen yet (tens of milliseconds, next to a compile's hundr
 
 Frozen objects are still freed when their reference count drops to zero (a dropped engine
 is); only reference cycles among them are never collected.
+
+The first freeze also raises the youngest generation's threshold to at least
+:data:`GEN0_THRESHOLD`. CPython collects generation 0 once GC-tracked allocations exceed
+deallocations by its threshold (700 by default), and a step of a large batch holds a few
+objects per sequence at once (its plan, the outputs it returns): at 256 sequences that
+crosses 700 in every step, and each collection walks every young object, the growing token
+lists of cumulative outputs included. Measured with the bundled model, 256 requests x 200
+tokens of cumulative outputs (AMD EPYC Zen 4, 2 cores): 188 generation-0 collections in 205
+steps, 0.62 s of the run; with a threshold of 5,000, one collection (6 ms). The engine's
+own objects die by reference count, so a higher threshold only delays reclaiming reference
+cycles, which the engine does not make per step.
 """
 
 from __future__ import annotations
 
 import gc
+
+#: The least generation-0 threshold the engine runs with (see the module docstring).
+GEN0_THRESHOLD = 20_000
 
 
 def freeze_gc_heap() -> None:
@@ -27,9 +41,18 @@ def freeze_gc_heap() -> None:
     gc.freeze()
 
 
+def raise_gen0_threshold(minimum: int = GEN0_THRESHOLD) -> None:
+    """Make generation 0's threshold at least ``minimum`` (never lowers it; the older
+    generations' thresholds are kept)."""
+    gen0, gen1, gen2 = gc.get_threshold()
+    if gen0 < minimum:
+        gc.set_threshold(minimum, gen1, gen2)
+
+
 class CompileAwareHeapFreezer:
     """Freezes the GC heap whenever the engine's count of compiled step shapes has moved
-    since the last freeze (the first call always freezes)."""
+    since the last freeze (the first call always freezes, and raises generation 0's
+    threshold: :func:`raise_gen0_threshold`)."""
 
     def __init__(self) -> None:
         self._num_compilations: int | None = None
@@ -39,6 +62,8 @@ class CompileAwareHeapFreezer:
         shapes) differs from the count at the last freeze; returns whether it froze."""
         if num_compilations == self._num_compilations:
             return False
+        if self._num_compilations is None:
+            raise_gen0_threshold()
         freeze_gc_heap()
         self._num_compilations = num_compilations
         return True

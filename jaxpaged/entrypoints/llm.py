@@ -16,7 +16,7 @@ from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs
 from jaxpaged.engine.data_parallel import make_engine
 from jaxpaged.engine.input_processor import Prompt
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -99,7 +99,10 @@ class LLM:
             use_tqdm: show a progress bar.
 
         Returns:
-            The final ``RequestOutput`` of each prompt, in input order.
+            The final ``RequestOutput`` of each prompt, in input order. The requests are
+            submitted with ``output_kind=FINAL_ONLY`` whatever the given params say (on
+            copies: the caller's objects are left alone), as vLLM's ``LLM`` does: only
+            final outputs are returned, so the engine builds no output while they run.
 
         Raises:
             ValueError / TypeError: a bad prompt or params, or a params list of the wrong
@@ -134,7 +137,7 @@ class LLM:
                 for f in dataclasses.fields(SamplingParams)}}, show_values=False)
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p in zip(prompts, final_only(params)):
                 rid = str(self._counter)
                 self._counter += 1
                 self.engine.add_request(rid, prompt, p)
@@ -167,3 +170,15 @@ class LLM:
             raise
         except Exception as e:   # noqa: BLE001 - in a collective: the job is broken
             raise JobFailed(first_line(e)) from e
+
+
+def final_only(params: list[SamplingParams]) -> list[SamplingParams]:
+    """``params`` with ``output_kind=FINAL_ONLY``: a copy of each distinct object that asks
+    for another kind (vLLM's ``LLM._validate_and_add_requests`` sets it on the caller's
+    objects; a copy leaves them as they were)."""
+    copies: dict[int, SamplingParams] = {}
+    for p in params:
+        if id(p) not in copies:
+            copies[id(p)] = p if p.output_kind is RequestOutputKind.FINAL_ONLY else \
+                dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+    return [copies[id(p)] for p in params]
