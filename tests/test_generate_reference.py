@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from jaxpaged import SamplingParams
+from jaxpaged.sampling_params import RequestOutputKind
 from tests.conftest import STORIES_REFERENCE, read_reference_ids
 
 
@@ -37,3 +38,31 @@ def test_cli_rejects_bad_sampling_value():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2
     assert "top_p" in proc.stderr
+
+
+def test_generate_asks_for_final_outputs_only_and_leaves_the_params_alone(stories_llm):
+    # vLLM's LLM submits FINAL_ONLY: the engine returns nothing until a request finishes, and
+    # a DELTA params object still gets its whole text back (not only the last delta).
+    params = SamplingParams(temperature=0, max_tokens=64, output_kind=RequestOutputKind.DELTA)
+    engine, returned, num_steps = stories_llm.engine, [], [0]
+    step = engine.step
+
+    def counting_step():
+        outs = step()
+        returned.extend(outs)
+        num_steps[0] += 1
+        return outs
+
+    engine.step = counting_step
+    try:
+        outs = stories_llm.generate([[1]] * 3, params, use_tqdm=False)
+    finally:
+        engine.step = step
+    assert params.output_kind is RequestOutputKind.DELTA
+    assert num_steps[0] >= 64 and len(returned) == 3 and all(o.finished for o in returned)
+    expected = read_reference_ids("expected_greedy_t0_n256.token_ids.txt")[:64]
+    assert [o.outputs[0].token_ids for o in outs] == [expected] * 3
+    with open(os.path.join(STORIES_REFERENCE, "expected_greedy_t0_n256.txt")) as f:
+        reference = f.read()
+    assert len(outs[0].outputs[0].text) > 100 and reference.startswith(outs[0].outputs[0].text)
+    assert len({o.outputs[0].text for o in outs}) == 1
