@@ -34,7 +34,7 @@ from jaxpaged.server.tool_calls import (conversation_message, forced_call_schema
                                         template_tools, tool_choice_of, tool_parser_for)
 
 #: Prompt tokens decoded for the reasoning parser's initial state (a pre-filled ``<think>``).
-PROMPT_TAIL_TOKENS = 16
+PROMPT_TAIL_TOKENS = 32
 
 
 class OpenAIServingChat(OpenAIServing):
