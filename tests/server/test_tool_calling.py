@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -25,7 +26,7 @@ TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
     "{% for c in m.get('tool_calls', []) %}[{{ c.function.name }} "
     "{{ c.function.arguments.city }}]{% endfor %}"
-    "{% if m.tool_call_id %} ({{ m.tool_call_id }}){% endif %}\n{% endfor %}"
+    "{% if m.tool_call_id %} ({{ m.tool_call_id }}){% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant:"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
     "{% elif prefill_think %}<think>\n{% endif %}{% endif %}")
@@ -160,3 +161,128 @@ def test_finish_reason_and_tool_choice_rules(server, client, monkeypatch):
     r = ask(client, "cut", n["cut"] - 3, tools=TOOLS)
     assert r.choices[0].finish_reason == "tool_calls"
     assert r.choices[0].message.content == cut_text[hermes.index(" more"):]
+
+
+def reasoning_of(server, client, key, n, stream=False, **fields):
+    """(reasoning, content, finish_reason): the message's, or the stream's joined (raw SSE,
+    so that every piece is checked for a leaked tag)."""
+    if not stream:
+        r = ask(client, key, n, **fields)
+        m = r.choices[0].message
+        assert m.model_extra["reasoning"] == m.model_extra["reasoning_content"]
+        return m.model_extra["reasoning"], m.content, r.choices[0].finish_reason
+    body = {"model": MODEL, "messages": USER, "max_tokens": n, "stream": True}
+    body.update(fields.pop("extra_body", {}))
+    body.update(fields)
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60,
+                      headers={"X-Request-Id": key + "-s"}) as response:
+        events = sse_events(response)
+    reasoning = content = ""
+    finish = None
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            delta = choice["delta"]
+            assert delta["reasoning"] == delta["reasoning_content"]
+            for piece in (delta["reasoning"], delta["content"]):
+                assert piece is None or not any(t in piece for t in ("<think>", "</think>"))
+            reasoning += delta["reasoning"] or ""
+            content += delta["content"] or ""
+            finish = choice["finish_reason"] or finish
+    return reasoning or None, content or None, finish
+
+
+@pytest.mark.parametrize("case", ["both_tags", "prefilled", "thinking_off",
+                                  "thinking_off_by_default", "cut_by_max_tokens",
+                                  "stop_string_in_reasoning"])
+def test_reasoning_cases_streaming_equal_to_not(server, client, monkeypatch, case):
+    outputs = {
+        "both_tags": "<think>\nplan the answer\n</think>\n\nIt is sunny.",
+        "prefilled": "plan the answer\n</think>\n\nIt is sunny.",
+        "thinking_off": "It is <think>sunny</think>.",
+        "thinking_off_by_default": "It is <think>sunny</think>.",
+        "cut_by_max_tokens": "<think>\nstill planning the answer",
+        "stop_string_in_reasoning": "<think>\nfirst STOP second</think>It is sunny.",
+    }
+    n = force(monkeypatch, server, {case: outputs[case]})[case]
+    fields, config = {}, {"reasoning_parser": "qwen3"}
+    expected = {
+        "both_tags": ("\nplan the answer\n", "\n\nIt is sunny.", "stop"),
+        "prefilled": ("plan the answer\n", "\n\nIt is sunny.", "stop"),
+        "thinking_off": (None, "It is <think>sunny</think>.", "stop"),
+        "thinking_off_by_default": (None, "It is <think>sunny</think>.", "stop"),
+        "stop_string_in_reasoning": ("\nfirst ", None, "stop"),
+    }.get(case)
+    if case == "prefilled":
+        fields["extra_body"] = {"chat_template_kwargs": {"prefill_think": True}}
+    if case == "thinking_off":
+        fields["extra_body"] = {"chat_template_kwargs": {"enable_thinking": False}}
+    if case == "thinking_off_by_default":
+        config["default_chat_template_kwargs"] = {"enable_thinking": False}
+    if case == "cut_by_max_tokens":
+        tok = server.engine.engine.tokenizer
+        n -= 4
+        cut = tok.decode([5] + output_ids(tok, outputs[case])[:n])[len(tok.decode([5])):]
+        assert cut.startswith("<think>\nstill") and len(cut) < len(outputs[case])
+        expected = (cut[len("<think>"):], None, "length")
+    if case == "stop_string_in_reasoning":
+        fields["stop"] = ["STOP"]
+    with server.configured(**config):
+        whole = reasoning_of(server, client, case, n, **dict(fields))
+        streamed = reasoning_of(server, client, case, n, stream=True, **dict(fields))
+    assert whole == expected
+    assert streamed == whole
+
+
+def test_without_a_reasoning_parser_the_think_block_is_content(server, client, monkeypatch):
+    text = "<think>\nplan\n</think>\n\nIt is sunny."
+    n = force(monkeypatch, server, {"plain": text})["plain"]
+    m = ask(client, "plain", n).choices[0].message
+    assert (m.content, m.model_extra["reasoning"], m.tool_calls) == (text, None, [])
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"tool_choice": "auto"}, "When using `tool_choice`, `tools` must be set."),
+    ({"tool_choice": "required"}, "When using `tool_choice`, `tools` must be set."),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "Tool 'nope' has not been passed in `tools`."),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, "function"),
+    ({"messages": USER + [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{not json"}}]}]},
+     "messages[1].tool_calls[0].function.arguments must be a JSON object")])
+def test_tool_request_errors(server, fields, needle):
+    body = {"model": MODEL, "messages": USER, "max_tokens": 2, **fields}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("fields", [{"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}])
+def test_auto_on_a_server_without_the_flags_names_them(server, fields):
+    body = {"model": MODEL, "messages": USER, "max_tokens": 2, **fields}
+    with server.configured(enable_auto_tool_choice=False, tool_call_parser=None):
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400
+        assert r.json()["error"] == {
+            "message": '"auto" tool choice requires --enable-auto-tool-choice and '
+                       '--tool-call-parser to be set', "type": "invalid_request_error",
+            "param": "tool_choice", "code": 400}
+        body["tool_choice"] = "none"
+        assert httpx.post(server.url + "/v1/chat/completions", json=body,
+                          timeout=30).status_code == 200
+
+
+def test_a_tool_result_conversation_renders_and_answers(server, client, monkeypatch):
+    messages = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call-1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call-1", "content": "sunny, 21 C"}]
+    n = force(monkeypatch, server, {"turn2": "It is sunny."})["turn2"]
+    r = ask(client, "turn2", n, tools=TOOLS, messages=messages)
+    assert r.choices[0].message.content == "It is sunny."
+    tok = server.engine.engine.tokenizer
+    prompt = ("tools: get_weather,get_time\nuser: weather in Paris?\nassistant: "
+              "[get_weather Paris]\ntool: sunny, 21 C (call-1)\nassistant:")
+    assert r.usage.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False))
