@@ -116,7 +116,11 @@ class OpenAIServingChat(OpenAIServing):
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = self.sampling_params(body, max_tokens, k, None, body.stream,
                                       {"logprobs": "top_logprobs", "max_tokens": limit_param})
-        parser = functools.partial(self._parser, body, tool_choice, ids)
+        tail = None
+        if self.config.reasoning_parser:     # the reasoning parser's initial state reads it
+            tail = await off_loop(self.tokenizer.decode, ids[-PROMPT_TAIL_TOKENS:],
+                                  skip_special_tokens=False)
+        parser = functools.partial(self._parser, body, tool_choice, tail)
         tools = parser().tools
         if tools is not None and tools.keeps_special_tokens:   # call markers may be special
             params = dataclasses.replace(params, skip_special_tokens=False)
@@ -135,15 +139,13 @@ class OpenAIServingChat(OpenAIServing):
                                          parser),
             lambda finals: self._response(request_id, body, prompt, finals[0], parser))
 
-    def _parser(self, body: ChatCompletionRequest, tool_choice, prompt_ids: list[int]
+    def _parser(self, body: ChatCompletionRequest, tool_choice, prompt_tail: str | None
                 ) -> ChoiceOutputParser:
         """A fresh output parser for one choice (``--reasoning-parser`` started in the state
-        the end of the prompt implies)."""
+        the end of the prompt, ``prompt_tail``, implies)."""
         reasoning = None
         if self.config.reasoning_parser:
-            tail = self.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:],
-                                         skip_special_tokens=False)
-            reasoning = REASONING_PARSERS[self.config.reasoning_parser](tail)
+            reasoning = REASONING_PARSERS[self.config.reasoning_parser](prompt_tail)
         return ChoiceOutputParser(reasoning, tool_parser_for(body, tool_choice, self.config),
                                   tool_choice)
 

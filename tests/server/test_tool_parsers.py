@@ -11,11 +11,11 @@ import re
 import jsonschema
 import pytest
 
+from jaxpaged.server.config import ServerConfig
 from jaxpaged.server.protocol import ChatCompletionRequest
 from jaxpaged.server.tool_calls import forced_call_schema, tool_choice_of
 from jaxpaged.server.tool_parsers import TOOL_PARSERS
 from jaxpaged.server.tool_parsers.forced import NamedToolParser, RequiredToolParser
-from jaxpaged.server.config import ServerConfig
 
 PARIS = '{"city": "Paris", "unit": "celsius"}'
 
