@@ -80,6 +80,9 @@ CASES = {
         (f'Checking. [TOOL_CALLS][{{"name": "get_weather", "arguments": {PARIS}}}]',
          "Checking. ", [("get_weather", PARIS)]),
         ("Done [TOOL_CA", "Done [TOOL_CA", []),
+        # the v11 format: name[ARGS]{...} after each marker
+        (f'[TOOL_CALLS]get_weather[ARGS]{PARIS}[TOOL_CALLS]b[ARGS]{{}}', "",
+         [("get_weather", PARIS), ("b", "{}")]),
         ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}',
          '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}', []),
     ],
