@@ -27,6 +27,7 @@ class ChoiceDelta:
     calls: list[ToolCallDelta] = field(default_factory=list)
 
     def extend(self, other: ChoiceDelta) -> ChoiceDelta:
+        """Append ``other`` (the pieces that followed); returns ``self``."""
         self.reasoning += other.reasoning
         self.content += other.content
         self.calls += other.calls

@@ -49,6 +49,7 @@ class ParsedDelta:
     calls: list[ToolCallDelta] = field(default_factory=list)
 
     def extend(self, other: ParsedDelta) -> ParsedDelta:
+        """Append ``other`` (the pieces that followed) to this delta; returns ``self``."""
         self.content += other.content
         self.calls += other.calls
         return self
@@ -115,6 +116,7 @@ class ToolParser:
         self._out = ParsedDelta()
 
     def make_id(self) -> str:
+        """A new call's id (:func:`make_tool_call_id`; Mistral's parser overrides it)."""
         return make_tool_call_id()
 
     def feed(self, text: str) -> ParsedDelta:

@@ -164,8 +164,9 @@ def test_finish_reason_and_tool_choice_rules(server, client, monkeypatch):
 
 
 def reasoning_of(server, client, key, n, stream=False, **fields):
-    """(reasoning, content, finish_reason): the message's, or the stream's joined (raw SSE,
-    so that every piece is checked for a leaked tag)."""
+    """(reasoning, content, finish_reason): the message's, or the raw SSE stream's joined
+    (the tags arrive split over several byte tokens: the joined pieces equal to the exact
+    expected texts show that no part of a tag leaked into either)."""
     if not stream:
         r = ask(client, key, n, **fields)
         m = r.choices[0].message
@@ -183,8 +184,6 @@ def reasoning_of(server, client, key, n, stream=False, **fields):
         for choice in event["choices"]:
             delta = choice["delta"]
             assert delta["reasoning"] == delta["reasoning_content"]
-            for piece in (delta["reasoning"], delta["content"]):
-                assert piece is None or not any(t in piece for t in ("<think>", "</think>"))
             reasoning += delta["reasoning"] or ""
             content += delta["content"] or ""
             finish = choice["finish_reason"] or finish
