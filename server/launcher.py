@@ -8,6 +8,7 @@ printed and the process exits with status 1.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -28,7 +29,9 @@ from jaxpaged.engine.async_engine import AsyncEngine
 from jaxpaged.engine.follower import run_follower
 from jaxpaged.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from jaxpaged.server.app import build_app
+from jaxpaged.server.reasoning import REASONING_PARSERS
 from jaxpaged.server.serving import ServerConfig
+from jaxpaged.server.tool_parsers import TOOL_PARSERS
 from jaxpaged.tokenizer import load_tokenizer
 
 logger = logging.getLogger("server")
@@ -70,7 +73,27 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--request-timeout", type=_positive_seconds, default=None,
                    help="seconds a generation request may take before it is aborted with "
                         "HTTP 504 (default: no limit)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='parse tool calls for tool_choice "auto" (needs --tool-call-parser)')
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="the model's tool-call format (docs/tool_calling.md)")
+    g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="return the model's <think> block as message.reasoning")
+    g.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
+                   help='chat template variables of every request, a JSON object (e.g. '
+                        '\'{"enable_thinking": false}\'); a request\'s chat_template_kwargs '
+                        'override them')
     return parser
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text}")
+    return value
 
 
 def _port(text: str) -> int:
@@ -99,8 +122,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
     Raises:
         FileNotFoundError: ``--chat-template`` names a missing ``.jinja`` file.
-        ValueError: an invalid template, empty or repeated served model names, or an empty
-            ``--api-key`` / ``$JAXPAGED_API_KEY``.
+        ValueError: an invalid template, empty or repeated served model names, an empty
+            ``--api-key`` / ``$JAXPAGED_API_KEY``, or ``--enable-auto-tool-choice`` without
+            ``--tool-call-parser``.
     """
     names = args.served_model_name or [
         "stories260K" if args.model == DEFAULT_MODEL else args.model]
@@ -125,6 +149,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     if api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who can reach this address "
                        "can use the model (give --api-key)", args.host)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     if args.disable_log_requests:
         logger.warning("--disable-log-requests is deprecated and has no effect: requests are "
                        "not logged unless --enable-log-requests")
@@ -134,7 +160,11 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         enable_log_requests=args.enable_log_requests,
                         max_pending_requests=args.max_pending_requests,
                         request_timeout=args.request_timeout,
-                        trust_request_chat_template=args.trust_request_chat_template)
+                        trust_request_chat_template=args.trust_request_chat_template,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice,
+                        tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser,
+                        default_chat_template_kwargs=args.default_chat_template_kwargs)
 
 
 def make_server(engine_args: EngineArgs, config: ServerConfig, log_stats: bool = True):

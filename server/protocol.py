@@ -5,14 +5,16 @@ Completions, Models) plus vLLM's extra sampling fields (``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ...; ``vllm/entrypoints/openai/protocol.py``).
 Types are strict (``"5"`` is not an integer, ``1`` is not a boolean; an integer written with a
 zero fraction, ``2.0``, is one, as in JSON Schema); unknown request fields
-are ignored, as OpenAI and vLLM do, but fields of features this server does not have (tools,
-structured output, beam search) are refused rather than silently ignored.
+are ignored, as OpenAI and vLLM do, but fields of features this server does not have
+(structured output, beam search; tools on completions) are refused rather than silently
+ignored. Tool and reasoning fields: vLLM's ``ChatCompletionRequest`` / ``ChatMessage`` /
+``DeltaMessage``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictStr
 
@@ -82,12 +84,14 @@ class SamplingFields(_Request):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    #: Whether ``tools`` / ``tool_choice`` are refused (chat has them).
+    refuses_tools: ClassVar[bool] = True
 
     def unsupported(self) -> str | None:
         """The first set field of a feature this server does not have, if any."""
         if self.response_format not in (None, {"type": "text"}):
             return "response_format"
-        if self.tool_choice not in (None, "none") or self.tools:
+        if self.refuses_tools and (self.tool_choice not in (None, "none") or self.tools):
             return "tools" if self.tools else "tool_choice"
         for name in ("functions", "function_call", "guided_json", "guided_regex",
                      "guided_choice", "guided_grammar", "structured_outputs"):
@@ -115,10 +119,53 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionDefinition(_Request):
+    """A function the model may call: ``parameters`` is its arguments' JSON Schema."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """``tool_choice`` naming the one function to call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCallIn(_Request):
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class ToolCallIn(_Request):
+    """A call of an earlier assistant turn (``arguments`` a JSON string, as OpenAI
+    returns it)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -135,6 +182,10 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    refuses_tools: ClassVar[bool] = False
 
 
 # ---- responses --------------------------------------------------------------------------
@@ -195,9 +246,26 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
+    """The answer; ``reasoning`` (and its other name ``reasoning_content``) with
+    ``--reasoning-parser``, ``tool_calls`` with tools."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -217,9 +285,27 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed call: ``id``, ``type`` and ``function.name`` on its first
+    piece, ``function.arguments`` fragments after."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -42,6 +42,7 @@ from jaxpaged.engine.request_stream import (EngineDeadError, EngineNotReadyError
                                             TooManyPendingRequestsError)
 from jaxpaged.outputs import Logprob, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from jaxpaged.server.config import ServerConfig
 from jaxpaged.server.errors import APIError, bad_request
 from jaxpaged.server.protocol import SamplingFields, TopLogprob, UsageInfo
 
@@ -73,36 +74,6 @@ async def off_loop(fn, *args, **kwargs):
 
 #: What an ``X-Request-Id`` header may hold: 1-128 printable ASCII characters, no spaces.
 _REQUEST_ID_HEADER = re.compile(r"[!-~]{1,128}")
-
-
-@dataclass
-class ServerConfig:
-    """Settings of the HTTP layer.
-
-    Attributes:
-        served_model_names: names accepted as ``model``; the first is reported in responses.
-        chat_template: Jinja source replacing the tokenizer's template (None: the tokenizer's).
-        api_key: required as ``Authorization: Bearer <key>`` on ``/v1/*``, ``/tokenize`` and
-            ``/detokenize`` when set.
-        max_request_body_bytes: larger request bodies get 413.
-        enable_log_requests: log each request's id, prompt (text or token ids) and sampling
-            parameters; off by default, so prompts and outputs never reach the log.
-        max_pending_requests: most sequences waiting to be scheduled; beyond it new
-            requests get 429 (None: no limit). Enforced by the :class:`AsyncEngine`.
-        request_timeout: seconds a generation request may take from its arrival to its
-            last output before it is aborted with 504 (None: no limit).
-        trust_request_chat_template: accept a ``chat_template`` in chat requests (otherwise
-            400: only ``--chat-template`` or the tokenizer's template render).
-    """
-
-    served_model_names: list[str]
-    chat_template: str | None = None
-    api_key: str | None = None
-    max_request_body_bytes: int = 32 * 2**20
-    enable_log_requests: bool = False
-    max_pending_requests: int | None = None
-    request_timeout: float | None = None
-    trust_request_chat_template: bool = False
 
 
 @dataclass

@@ -3,11 +3,15 @@
 The prompt is the template's rendering (``--chat-template`` or the tokenizer's), counted in
 tokens after rendering for the length rules. Logprobs use the chat shape
 (``logprobs.content[]`` of ``{token, logprob, bytes, top_logprobs}``; BUGCASES B17); streams
-open each choice with a ``role`` delta (B19).
+open each choice with a ``role`` delta (B19). Tools and reasoning (``docs/tool_calling.md``):
+the request side in :mod:`~jaxpaged.server.tool_calls`, the output split in
+:mod:`~jaxpaged.server.chat_output`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 from collections.abc import AsyncIterator
 
@@ -17,13 +21,20 @@ from starlette.responses import Response
 from jaxpaged.chat_utils import ChatTemplateError, encode_chat, render_chat
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import MAX_LOGPROBS
+from jaxpaged.server.chat_output import ChoiceOutputParser, assistant_message, delta_messages
 from jaxpaged.server.errors import bad_request, error_body
-from jaxpaged.server.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice,
+from jaxpaged.server.protocol import (ChatChoice, ChatChunkChoice,
                                       ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                       DeltaMessage, TokenLogprob)
+from jaxpaged.server.reasoning import REASONING_PARSERS
 from jaxpaged.server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, off_loop, sse,
                                      usage)
+from jaxpaged.server.tool_calls import (conversation_message, forced_call_schema,
+                                        template_tools, tool_choice_of, tool_parser_for)
+
+#: Prompt tokens decoded for the reasoning parser's initial state (a pre-filled ``<think>``).
+PROMPT_TAIL_TOKENS = 32
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -31,8 +42,10 @@ class OpenAIServingChat(OpenAIServing):
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                continue_final_message: bool = False, template_kwargs: dict | None = None,
-               add_special_tokens: bool = False, chat_template: str | None = None) -> list[int]:
-        """Token ids of a conversation rendered with the chat template.
+               add_special_tokens: bool = False, chat_template: str | None = None,
+               tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation rendered with the chat template (``tools`` given to
+        it as the ``tools`` variable).
 
         Raises:
             APIError 400: no messages, no template, the template's own error (its message
@@ -47,14 +60,9 @@ class OpenAIServingChat(OpenAIServing):
         if clash:
             raise bad_request(f"chat_template_kwargs may not set {clash}: they are arguments "
                               "of the template rendering itself", "chat_template_kwargs")
-        conversation = []
-        for m in messages:
-            content = m.content if isinstance(m.content, str) or m.content is None else \
-                "".join(part.text for part in m.content)
-            message = {"role": m.role, "content": content or ""}
-            if m.name is not None:
-                message["name"] = m.name
-            conversation.append(message)
+        conversation = [conversation_message(m, i) for i, m in enumerate(messages)]
+        if tools is not None:
+            template_kwargs = {**(template_kwargs or {}), "tools": tools}
         try:
             text = render_chat(self.tokenizer, conversation,
                                chat_template or self.config.chat_template,
@@ -91,9 +99,12 @@ class OpenAIServingChat(OpenAIServing):
             if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
                 raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
                                   f"{body.top_logprobs}", "top_logprobs")
+        tool_choice = tool_choice_of(body, self.config)
+        template_kwargs = {**(self.config.default_chat_template_kwargs or {}),
+                           **(body.chat_template_kwargs or {})}
         ids = await off_loop(self.render, body.messages, body.add_generation_prompt,
-                             body.continue_final_message, body.chat_template_kwargs,
-                             body.add_special_tokens, body.chat_template)
+                             body.continue_final_message, template_kwargs,
+                             body.add_special_tokens, body.chat_template, template_tools(body))
         if body.max_completion_tokens is not None:
             limit_param, requested = "max_completion_tokens", body.max_completion_tokens
         else:
@@ -105,19 +116,49 @@ class OpenAIServingChat(OpenAIServing):
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = self.sampling_params(body, max_tokens, k, None, body.stream,
                                       {"logprobs": "top_logprobs", "max_tokens": limit_param})
+        tail = None
+        if self.config.reasoning_parser:     # the reasoning parser's initial state reads it
+            tail = await off_loop(self.tokenizer.decode, ids[-PROMPT_TAIL_TOKENS:],
+                                  skip_special_tokens=False)
+        parser = functools.partial(self._parser, body, tool_choice, tail)
+        tools = parser().tools
+        if tools is not None and tools.keeps_special_tokens:   # call markers may be special
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        # SEAM (issue 23 part 1, structured outputs): enforce the forced call's format for
+        # tool_choice "required" / a named function by replacing the next line with
+        #     schema = forced_call_schema(body, tool_choice)
+        #     if schema is not None:
+        #         params = dataclasses.replace(params, structured_outputs=(
+        #             StructuredOutputsParams(json=schema)))
+        # Until then the output is only parsed (RequiredToolParser / NamedToolParser).
+        forced_call_schema(body, tool_choice)       # its 400 (conflicting $defs) applies now
         request_id = self.request_id(raw_request, "chatcmpl")
         return await self.respond(
             raw_request, body, request_id, [prompt], [params], "messages",
-            lambda streams: self._stream(request_id, body, prompt, streams, raw_request),
-            lambda finals: self._response(request_id, body, prompt, finals[0]))
+            lambda streams: self._stream(request_id, body, prompt, streams, raw_request,
+                                         parser),
+            lambda finals: self._response(request_id, body, prompt, finals[0], parser))
+
+    def _parser(self, body: ChatCompletionRequest, tool_choice, prompt_tail: str | None
+                ) -> ChoiceOutputParser:
+        """A fresh output parser for one choice (``--reasoning-parser`` started in the state
+        the end of the prompt, ``prompt_tail``, implies)."""
+        reasoning = None
+        if self.config.reasoning_parser:
+            reasoning = REASONING_PARSERS[self.config.reasoning_parser](prompt_tail)
+        return ChoiceOutputParser(reasoning, tool_parser_for(body, tool_choice, self.config),
+                                  tool_choice)
 
     def _response(self, request_id: str, body: ChatCompletionRequest, prompt: PreparedPrompt,
-                  final: RequestOutput) -> ChatCompletionResponse:
+                  final: RequestOutput, parser) -> ChatCompletionResponse:
         choices, completion_tokens = [], 0
         for out in final.outputs:
             text, ids_out, logprobs = self._content(body, prompt, out)
-            choices.append(ChatChoice(index=out.index, message=AssistantMessage(content=text),
-                                      logprobs=logprobs, finish_reason=self._finish(prompt, out),
+            p = parser()
+            message = assistant_message(p.parse(text), p.reasoning is not None or
+                                        p.tools is not None)
+            choices.append(ChatChoice(index=out.index, message=message, logprobs=logprobs,
+                                      finish_reason=p.finish_reason(self._finish(prompt, out)),
                                       stop_reason=out.stop_reason))
             completion_tokens += len(ids_out)
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
@@ -149,7 +190,8 @@ class OpenAIServingChat(OpenAIServing):
         return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice]))
 
     async def _stream(self, request_id: str, body: ChatCompletionRequest, prompt: PreparedPrompt,
-                      streams, raw_request: Request) -> AsyncIterator[str]:
+                      streams, raw_request: Request, parser) -> AsyncIterator[str]:
+        parsers = [parser() for _ in range(body.n)]
         for index in range(body.n):
             yield self._chunk(request_id, ChatChunkChoice(
                 index=index, delta=DeltaMessage(role="assistant", content="")))
@@ -160,12 +202,20 @@ class OpenAIServingChat(OpenAIServing):
                     for seq in out.outputs:
                         text, ids_out, logprobs = self._content(body, prompt, seq)
                         completion_tokens += len(ids_out)
-                        finish = self._finish(prompt, seq)
-                        if text or finish or (logprobs is not None and logprobs.content):
+                        p, finish = parsers[seq.index], self._finish(prompt, seq)
+                        delta = p.feed(text)
+                        if finish:
+                            delta.extend(p.finish())
+                            finish = p.finish_reason(finish)
+                        deltas = delta_messages(delta)
+                        if not deltas and (finish or (logprobs is not None and logprobs.content)):
+                            deltas = [DeltaMessage(content="")]
+                        for i, message in enumerate(deltas):
+                            last = finish if i == len(deltas) - 1 else None
                             yield self._chunk(request_id, ChatChunkChoice(
-                                index=seq.index, delta=DeltaMessage(content=text),
-                                logprobs=logprobs, finish_reason=finish,
-                                stop_reason=seq.stop_reason if finish else None))
+                                index=seq.index, delta=message,
+                                logprobs=logprobs if i == 0 else None, finish_reason=last,
+                                stop_reason=seq.stop_reason if last else None))
             except Exception as e:   # noqa: BLE001 - the stream has started: report in-band
                 yield sse(error_body(self.request_error(e)))
         opts = body.stream_options
