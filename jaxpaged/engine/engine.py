@@ -44,6 +44,7 @@ from jaxpaged.runner.output import ModelRunnerOutput
 from jaxpaged.runner.worker import build_worker
 from jaxpaged.sampling.logits_adjust import needs_adjustment
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.structured_output.manager import StructuredOutputManager
 from jaxpaged.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,9 @@ class Engine:
             self.tokenizer, eos_token_ids(cfg, generation_config, self.tokenizer),
             self.max_model_len)
 
+        #: Compiles structured-output grammars off the engine thread (at the first request).
+        self.structured_outputs = StructuredOutputManager(
+            self.tokenizer, cfg.vocab_size, self.output_processor.eos_token_ids)
         worker = build_worker(args, cfg, max_model_len=self.max_model_len,
                               eos_token_ids=self.output_processor.eos_token_ids,
                               tokenizer=self.tokenizer, devices=devices)
@@ -174,7 +178,8 @@ class Engine:
 
         Raises:
             ValueError: duplicate id, empty or untokenizable prompt, token ids outside the
-                vocabulary, a prompt longer than ``max_model_len``, or bad ``params`` fields.
+                vocabulary, a prompt longer than ``max_model_len``, or bad ``params`` fields
+                (an invalid structured-outputs schema, regex or grammar among them).
                 Nothing is queued then.
             TypeError: a prompt, id, params or priority of the wrong type.
         """
@@ -185,7 +190,12 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         req = self.input_processor.make_request(request_id, prompt, params, priority=priority,
                                                 arrival=self._arrivals, seed_rng=self._seed_rng)
-        req.needs_output_tokens = needs_adjustment(params)
+        if params.structured_outputs is not None:
+            req.structured_output_request = self.structured_outputs.request(
+                params.structured_outputs)
+        # A grammar's next mask needs the previous token on the host: no running ahead.
+        req.needs_output_tokens = needs_adjustment(params) or \
+            params.structured_outputs is not None
         self._arrivals += 1
         self.output_processor.add_request(req, time.monotonic())
         self.scheduler.add_request(req)
@@ -272,6 +282,9 @@ class Engine:
                 if previous is not None:    # its tokens first, as the synchronous engine
                     outputs += self._finish(previous)
                 return outputs + self._fail_step(scheduler_output, e)
+        elif previous is None and not self.scheduler.running and (
+                compiling := self.scheduler.waiting_for_grammars()):
+            compiling[0].wait(timeout=0.05)     # nothing else to run: let grammars compile
         elif previous is None and self.scheduler.waiting and not self.scheduler.running:
             # Unreachable while add_request's checks hold; never spin silently.
             raise RuntimeError(f"no waiting request can be scheduled "

@@ -144,25 +144,46 @@ def when(flag, fn, *args):
         lambda x: jnp.zeros(x.shape, x.dtype), shapes), *args)
 
 
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Grammar-disallowed tokens at -inf: logits [B, V] float32, bitmask [B, ceil(V / 32)]
+    int32 (token ``t`` allowed where bit ``t % 32`` of word ``t // 32`` is set, llguidance's
+    layout; bits past V are ignored) -> [B, V] float32. A mask with every bit set (no
+    constrained row) skips the unpacking on the device (``lax.cond``)."""
+
+    def masked(x, m):
+        bits = (m[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1   # arithmetic shift:
+        allowed = bits.reshape(m.shape[0], -1)[:, :x.shape[-1]] != 0    # bit 31 reads right
+        return jnp.where(allowed, x, -jnp.inf)
+
+    return jax.lax.cond(jnp.all(bitmask == -1), lambda x, _: x, masked, logits, bitmask)
+
+
 def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool | jax.Array = False,
-           adjust: LogitsAdjustment | None = None) -> SamplerOutput:
+           adjust: LogitsAdjustment | None = None,
+           token_bitmask: jax.Array | None = None) -> SamplerOutput:
     """Draw one token per row.
 
     Args:
         logits: [B, V] float32.
         meta: the rows' sampling parameters.
+        token_bitmask: [B, ceil(V / 32)] int32 grammar masks (structured outputs,
+            :func:`apply_token_bitmask`), applied before everything else as vLLM applies its
+            grammar bitmask to the logits before its sampler; None: no grammar.
         adjust: per-row logit bias, bans, allowed tokens and penalties (None: none; rows
             without entries are left as they are, and a step with none skips them on the
             device).
         with_logprobs: also return log-probabilities (a bool array: decided on the device,
             zeros where false; see :func:`when`). They are those of the raw model
             distribution, ``log_softmax(logits)`` before temperature, top-k/top-p/min-p and
-            adjustments and penalties (vLLM's default ``logprobs_mode="raw_logprobs"``).
+            adjustments and penalties (vLLM's default ``logprobs_mode="raw_logprobs"``), but
+            after the grammar mask: a token the grammar forbids has logprob -inf.
 
     Returns:
         A :class:`SamplerOutput`: ``token_ids`` [B] int32 and, with logprobs, the sampled
         tokens' :class:`TokenLogprobs`.
     """
+    if token_bitmask is not None:
+        logits = apply_token_bitmask(logits, token_bitmask)
     adjusted = logits if adjust is None else apply_if_any(logits, adjust)
     greedy_tokens = argmax_first(adjusted)
 
