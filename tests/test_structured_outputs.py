@@ -166,26 +166,47 @@ def test_lark_grammar_and_json_object(stories):
     assert re.fullmatch(r'\{\s*"[^"]*', outs[1].outputs[0].text), outs[1].outputs[0].text
 
 
-def test_grammars_survive_preemption_and_prefix_cache_hits():
-    """Tiny KV: sequences are preempted (recompute) and resume with their matcher as it was;
-    the tokens equal those of a pool large enough for everything, and a second run hits the
-    prefix cache."""
+PREEMPTION_KW = dict(enforce_eager=True, max_num_seqs=16, max_model_len=128, block_size=8)
+
+
+def preemption_batch():
     prompt = "Once upon a time, there was a little girl named Lily. She liked to play"
-    kw = dict(enforce_eager=True, max_num_seqs=16, max_model_len=128, block_size=8)
     requests = [batch(prompt, seed) for seed in (0, 10)]
-    prompts = [p for r in requests for p in r[0]]
-    params = [p for r in requests for p in r[1]]
-    kinds = [k for r in requests for k in r[2]]
-    small = LLM(num_gpu_blocks_override=24, **kw)
-    outs = small.generate(prompts, params, use_tqdm=False)
+    return ([p for r in requests for p in r[0]], [p for r in requests for p in r[1]],
+            [k for r in requests for k in r[2]])
+
+
+def token_ids(outputs):
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def tiny_kv_run():
+    """The preemption batch on a pool too small for it: (engine, outputs)."""
+    small = LLM(num_gpu_blocks_override=24, **PREEMPTION_KW)
+    prompts, params, _ = preemption_batch()
+    return small, small.generate(prompts, params, use_tqdm=False)
+
+
+def test_grammars_survive_preemption_and_prefix_cache_hits(tiny_kv_run):
+    """Sequences are preempted (recompute) and resume with their matcher as it was; a
+    second run of the same batch hits the prefix cache and gives the same tokens."""
+    small, outs = tiny_kv_run
+    prompts, params, kinds = preemption_batch()
     assert small.engine.num_preemptions > 0
     check_outputs(outs, kinds)
+    hits = small.engine.stats().prefix_cache_hits
     again = small.generate(prompts, params, use_tqdm=False)
-    assert small.engine.stats().prefix_cache_hits > 0
-    large = LLM(**kw).generate(prompts, params, use_tqdm=False)
-    tokens = [[c.token_ids for c in o.outputs] for o in outs]
-    assert tokens == [[c.token_ids for c in o.outputs] for o in large]
-    assert tokens == [[c.token_ids for c in o.outputs] for o in again]
+    assert small.engine.stats().prefix_cache_hits > hits
+    check_outputs(again, kinds)
+    assert token_ids(again) == token_ids(outs)
+
+
+@pytest.mark.slow
+def test_preempted_grammars_give_the_tokens_of_a_large_pool(tiny_kv_run):
+    prompts, params, _ = preemption_batch()
+    large = LLM(**PREEMPTION_KW).generate(prompts, params, use_tqdm=False)
+    assert large and token_ids(large) == token_ids(tiny_kv_run[1])
 
 
 def test_streamed_deltas_join_to_valid_json(stories):
