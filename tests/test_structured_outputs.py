@@ -248,3 +248,13 @@ def test_random_model_on_a_real_tokenizer_matches_its_grammars(qwen_random):
         for c in o.outputs:        # no id of the padded tail, EOS last
             assert max(c.token_ids) < vocab
             assert c.token_ids[-1] in qwen_random.engine.output_processor.eos_token_ids
+
+
+def test_a_slow_tokenizer_is_refused_at_add_request():
+    from transformers import ByT5Tokenizer
+
+    from jaxpaged.structured_output.manager import StructuredOutputManager
+
+    manager = StructuredOutputManager(ByT5Tokenizer(), 384, frozenset({1}))
+    with pytest.raises(SamplingParamsError, match="fast tokenizer"):
+        manager.request(constrained(choice=CHOICES))

@@ -28,8 +28,9 @@ import llguidance
 import llguidance.hf
 import llguidance.numpy
 import numpy as np
+import transformers
 
-from jaxpaged.sampling_params import StructuredOutputsParams
+from jaxpaged.sampling_params import SamplingParamsError, StructuredOutputsParams
 from jaxpaged.structured_output.grammar import cache_key, serialize
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,16 @@ class StructuredOutputManager:
 
     def request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
         """A new sequence's grammar state; its grammar compiles in the pool unless a
-        request with the same spec compiled it already (:func:`cache_key`)."""
+        request with the same spec compiled it already (:func:`cache_key`).
+
+        Raises:
+            SamplingParamsError: the engine's tokenizer is not a fast (``tokenizer.json``)
+                one, which llguidance needs.
+        """
+        if not isinstance(self._tokenizer, transformers.PreTrainedTokenizerFast):
+            raise SamplingParamsError("structured_outputs", "needs a fast tokenizer (one with "
+                                      "tokenizer.json); this model's is "
+                                      f"{type(self._tokenizer).__name__}")
         key = cache_key(params)
         compiled = self._grammars.get(key)
         if compiled is None or (compiled.done() and compiled.exception() is not None):
