@@ -258,3 +258,18 @@ def test_a_slow_tokenizer_is_refused_at_add_request():
     manager = StructuredOutputManager(ByT5Tokenizer(), 384, frozenset({1}))
     with pytest.raises(SamplingParamsError, match="fast tokenizer"):
         manager.request(constrained(choice=CHOICES))
+
+
+def test_a_step_with_a_constrained_sequence_is_finished_synchronously(stories):
+    """Async scheduling keeps a free step in flight, never one with a grammar (its next
+    mask needs the token)."""
+    engine = stories.engine
+    engine.add_request("free", "Once", SamplingParams(temperature=0, max_tokens=3))
+    engine.step()
+    assert engine._in_flight is not None
+    engine.add_request("json", "Once", SamplingParams(
+        temperature=0, max_tokens=3, structured_outputs=constrained(json=SCHEMA)))
+    while engine.has_unfinished_requests():
+        engine.step()
+        grammar_running = any(r.structured_output_request for r in engine.scheduler.running)
+        assert not (grammar_running and engine._in_flight is not None)
