@@ -265,8 +265,9 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[RequestGroup]:
         """Apply a finished step: resolve every sampling sequence's placeholder with its
-        sampled token, fork parallel-sampling requests after their prompt, hand each token
-        to the output processor (append, detokenize, stop rules) and finish (free) the
+        sampled token, fork parallel-sampling requests after their prompt, advance a
+        structured-output sequence's grammar by its token, hand each token to the output
+        processor (append, detokenize, stop rules) and finish (free) the
         sequences it stops. The one place that moves a request's tokens forward after a
         step (``num_computed_tokens`` moved when it was scheduled).
 

@@ -1,8 +1,10 @@
 """Batched on-device token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
-Order of the transforms follows vLLM's sampler (``vllm/v1/sample/sampler.py``): logit
-adjustments (allowed tokens, logit bias, bans, penalties: ``logits_adjust``) come first and
-greedy decoding takes the argmax after them; then logits are divided by the temperature, then top-k and top-p (Holtzman et al., "The Curious Case of Neural
+Order of the transforms follows vLLM's sampler (``vllm/v1/sample/sampler.py``): a
+structured-output grammar's token bitmask first (vLLM applies it to the logits before its
+sampler), then logit adjustments (allowed tokens, logit bias, bans, penalties:
+``logits_adjust``), and greedy decoding takes the argmax after them; then logits are divided
+by the temperature, then top-k and top-p (Holtzman et al., "The Curious Case of Neural
 Text Degeneration", ICLR 2020, section 3.1) truncate the distribution, then min-p, then a
 token is drawn. Every request carries its own PRNG key derived from its seed and the position
 of the token being sampled, so its draw never depends on the rest of the batch.
