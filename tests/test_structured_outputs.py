@@ -273,3 +273,19 @@ def test_a_step_with_a_constrained_sequence_is_finished_synchronously(stories):
         engine.step()
         grammar_running = any(r.structured_output_request for r in engine.scheduler.running)
         assert not (grammar_running and engine._in_flight is not None)
+
+
+def test_a_grammar_that_fails_to_compile_ends_its_sequence_only(stories, monkeypatch):
+    """A compilation that raises in the pool (e.g. a tokenizer llguidance cannot read) leaves
+    the engine serving: that sequence may only emit EOS; its neighbour is untouched."""
+    def broken(params):
+        raise RuntimeError("no tokenizer for you")
+
+    monkeypatch.setattr(stories.engine.structured_outputs, "_compile", broken)
+    free = SamplingParams(temperature=0, max_tokens=5)
+    outs = stories.generate(["Once", "Once"], [
+        SamplingParams(temperature=0, max_tokens=5, structured_outputs=constrained(
+            regex="q{7}")), free], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == [2] and outs[0].outputs[0].finish_reason == "stop"
+    alone = stories.generate(["Once"], free, use_tqdm=False)[0]
+    assert outs[1].outputs[0].token_ids == alone.outputs[0].token_ids

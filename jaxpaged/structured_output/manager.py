@@ -45,21 +45,39 @@ class StructuredOutputRequest:
     Args:
         compiled: a future of the grammar's compiled matcher (a template, never advanced).
         words: int32 words of the matcher's bitmask rows (its tokenizer's vocabulary).
+        eos_token_ids: the only tokens allowed if the compilation failed.
+
+    Attributes:
+        failed: why the compilation failed (logged; the sequence may then only end), or None.
     """
 
-    def __init__(self, compiled: Future, words: int):
+    def __init__(self, compiled: Future, words: int, eos_token_ids: tuple[int, ...]):
         self._compiled = compiled
         self.words = words
+        self._eos = eos_token_ids
         self._matcher: llguidance.LLMatcher | None = None
         self._logged_error = False
+        self.failed: str | None = None
 
     def is_ready(self) -> bool:
         """Whether the grammar is compiled (the sequence may be scheduled); never blocks."""
-        if self._matcher is None:
+        if self._matcher is None and self.failed is None:
             if not self._compiled.done():
                 return False
-            self._matcher = self._compiled.result().deep_copy()
+            error = self._compiled.exception()
+            if error is not None:
+                self.failed = f"{type(error).__name__}: {error}"
+                logger.error("structured output: the grammar did not compile (%s); the "
+                             "sequence may only end (EOS)", self.failed)
+            else:
+                self._matcher = self._compiled.result().deep_copy()
         return True
+
+    def fill_eos_only(self, row: np.ndarray) -> None:
+        """Write the bitmask row of a failed grammar: EOS alone."""
+        row[:] = 0
+        for t in self._eos:
+            row[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the grammar is compiled (or ``timeout`` seconds pass)."""
@@ -74,6 +92,8 @@ class StructuredOutputRequest:
     def accept(self, token_id: int) -> bool:
         """Advance by the sequence's next token; False (logged once) when the grammar refuses
         it, after which only EOS stays allowed (llguidance's error state)."""
+        if self.failed is not None:
+            return False
         matcher = self.matcher
         if matcher.is_stopped():
             return True         # the grammar is complete; EOS (or a stop) ends the sequence
@@ -86,8 +106,9 @@ class StructuredOutputRequest:
 
     def fork(self) -> StructuredOutputRequest:
         """A copy for a parallel-sampling sequence forked from this one (same state)."""
-        child = StructuredOutputRequest(self._compiled, self.words)
-        child._matcher = self.matcher.deep_copy()
+        child = StructuredOutputRequest(self._compiled, self.words, self._eos)
+        child.failed = self.failed
+        child._matcher = None if self.failed is not None else self.matcher.deep_copy()
         return child
 
 
@@ -151,11 +172,7 @@ class StructuredOutputManager:
             while len(self._grammars) > MAX_CACHED_GRAMMARS:
                 self._grammars.popitem(last=False)
         self._grammars.move_to_end(key)
-        return StructuredOutputRequest(compiled, self._words)
-
-    def shutdown(self) -> None:
-        """Stop the compilation threads (pending compilations are dropped)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        return StructuredOutputRequest(compiled, self._words, tuple(self._eos or ()))
 
 
 @functools.lru_cache(maxsize=1)
@@ -186,9 +203,12 @@ def grammar_bitmask(rows: list[tuple[StructuredOutputRequest, int]], padded: int
     first: dict[int, int] = {}      # a prompt's n rows before its fork share one matcher
     for s, r in rows:
         first.setdefault(id(s), r)
-    llguidance.numpy.fill_next_token_bitmask_par(
-        _mask_executor(), [(s.matcher, r) for s, r in rows if first[id(s)] == r], mask)
+    matchers = [(s.matcher, r) for s, r in rows if first[id(s)] == r and s.failed is None]
+    if matchers:
+        llguidance.numpy.fill_next_token_bitmask_par(_mask_executor(), matchers, mask)
     for s, r in rows:
-        if first[id(s)] != r:
+        if s.failed is not None:
+            s.fill_eos_only(mask[r])
+        elif first[id(s)] != r:
             mask[r] = mask[first[id(s)]]
     return mask if ll_words == words else np.ascontiguousarray(mask[:, :words])
