@@ -243,6 +243,8 @@ def test_random_model_on_a_real_tokenizer_matches_its_grammars(qwen_random):
     prompts, params, kinds = batch("Give me a record:")
     outs = qwen_random.generate(prompts, params, use_tqdm=False)
     check_outputs(outs, kinds)
+    alone = qwen_random.generate(prompts[:1], params[:1], use_tqdm=False)[0]
+    assert outs[0].outputs[0].token_ids == alone.outputs[0].token_ids
     vocab = len(qwen_random.get_tokenizer())
     for o in outs[1:]:
         for c in o.outputs:        # no id of the padded tail, EOS last
