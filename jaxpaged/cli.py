@@ -3,8 +3,8 @@
 * ``jaxpaged generate [ENGINE FLAGS] [SAMPLING FLAGS] PROMPT...`` prints completions.
 * ``jaxpaged serve [MODEL] [ENGINE FLAGS] [SERVER FLAGS]`` runs the OpenAI-compatible server
   (``server/``).
-* ``jaxpaged bench {throughput,latency,serve,soak,host-overhead} ...`` runs a benchmark
-  (``benchmarks/``).
+* ``jaxpaged bench {throughput,latency,serve,soak,host-overhead,structured-outputs} ...``
+  runs a benchmark (``benchmarks/``).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
 
     from jaxpaged.benchmarks import host_overhead, latency, serve as serve_bench, soak, throughput
+    from jaxpaged.benchmarks import structured_outputs
     bench = sub.add_parser("bench", help="benchmarks (vllm bench equivalents)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     for name, module, text in (
@@ -66,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("soak", soak, "soak test of the server: many clients, random disconnects, then "
                            "leak and output checks"),
             ("host-overhead", host_overhead, "host time per engine step outside the device "
-                                             "call, and detokenization cost per token")):
+                                             "call, and detokenization cost per token"),
+            ("structured-outputs", structured_outputs, "throughput of grammar-constrained "
+                                                       "against free decoding")):
         module.add_cli_args(kinds.add_parser(name, help=text))
     return parser
 
@@ -90,9 +93,11 @@ def _main(argv: list[str] | None) -> int:
     logging.getLogger("jax").setLevel(logging.WARNING)   # backend probing is not news
     if args.command == "bench":
         from jaxpaged.benchmarks import host_overhead, latency, serve as serve_bench, soak, throughput
+        from jaxpaged.benchmarks import structured_outputs
 
         module = {"throughput": throughput, "latency": latency, "serve": serve_bench,
-                  "soak": soak, "host-overhead": host_overhead}
+                  "soak": soak, "host-overhead": host_overhead,
+                  "structured-outputs": structured_outputs}
         try:
             module[args.bench_command].main(args)
         except (ValueError, FileNotFoundError, RuntimeError) as e:

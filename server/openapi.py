@@ -88,14 +88,10 @@ ITEM_RANGES = {"stop": {"minLength": 1}, "bad_words": {"minLength": 1},
 #: Fields of features this server does not have: only these values are accepted (any other
 #: gets a 400 naming the field).
 UNSUPPORTED = {
-    "response_format": {"anyOf": [{"type": "null"}, {
-        "type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
-        "additionalProperties": False}]},
     "tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
     "tool_choice": {"enum": [None, "none"]}, "use_beam_search": {"enum": [False]},
     **{name: {"type": "null"} for name in (
-        "functions", "function_call", "guided_json", "guided_regex", "guided_choice",
-        "guided_grammar", "structured_outputs", "suffix")},
+        "functions", "function_call", "suffix")},
 }
 
 

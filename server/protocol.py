@@ -6,9 +6,8 @@ Completions, Models) plus vLLM's extra sampling fields (``top_k``, ``min_p``,
 Types are strict (``"5"`` is not an integer, ``1`` is not a boolean; an integer written with a
 zero fraction, ``2.0``, is one, as in JSON Schema); unknown request fields
 are ignored, as OpenAI and vLLM do, but fields of features this server does not have
-(structured output, beam search; tools on completions) are refused rather than silently
-ignored. Tool and reasoning fields: vLLM's ``ChatCompletionRequest`` / ``ChatMessage`` /
-``DeltaMessage``.
+(beam search; tools on completions) are refused rather than silently ignored. Tool and
+reasoning fields: vLLM's ``ChatCompletionRequest`` / ``ChatMessage`` / ``DeltaMessage``.
 """
 
 from __future__ import annotations
@@ -37,6 +36,22 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool | None = None
+
+
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema`` (OpenAI's): the schema under ``schema``."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """``response_format``: ``text`` (free), ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(_Request):
@@ -72,29 +87,28 @@ class SamplingFields(_Request):
     return_tokens_as_token_ids: bool = False
     cache_salt: str | None = None
     priority: Int = 0
+    # Structured outputs (server/structured.py): OpenAI's field, vLLM's, and vLLM's older ones.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
     # Known fields of features this server lacks: refused with a 400 when set.
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     use_beam_search: bool = False
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
     #: Whether ``tools`` / ``tool_choice`` are refused (chat has them).
     refuses_tools: ClassVar[bool] = True
 
     def unsupported(self) -> str | None:
         """The first set field of a feature this server does not have, if any."""
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format"
         if self.refuses_tools and (self.tool_choice not in (None, "none") or self.tools):
             return "tools" if self.tools else "tool_choice"
-        for name in ("functions", "function_call", "guided_json", "guided_regex",
-                     "guided_choice", "guided_grammar", "structured_outputs"):
+        for name in ("functions", "function_call"):
             if getattr(self, name) is not None:
                 return name
         return "use_beam_search" if self.use_beam_search else None

@@ -45,6 +45,7 @@ from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, Sampling
 from jaxpaged.server.config import ServerConfig
 from jaxpaged.server.errors import APIError, bad_request
 from jaxpaged.server.protocol import SamplingFields, TopLogprob, UsageInfo
+from jaxpaged.server.structured import structured_outputs_params
 
 logger = logging.getLogger("server")
 
@@ -237,7 +238,7 @@ class OpenAIServing:
                 skip_special_tokens=body.skip_special_tokens,
                 spaces_between_special_tokens=body.spaces_between_special_tokens,
                 logit_bias=logit_bias or None, allowed_token_ids=body.allowed_token_ids,
-                bad_words=body.bad_words,
+                bad_words=body.bad_words, structured_outputs=structured_outputs_params(body),
                 output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
         except SamplingParamsError as e:
             raise sampling_error(e, param_names) from None

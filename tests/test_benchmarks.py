@@ -249,3 +249,17 @@ def test_gpu_check_dry_run_leaves_each_result_and_a_summary(tmp_path):
     assert "kernel tests (compiled): 2 passed, 1 failed, 0 errors, 0 skipped of 3" in summary
     assert "  pallas     500.0 output tok/s" in summary and "  xla    no result" in summary
     assert "pallas / xla" not in summary
+
+
+def test_bench_structured_outputs_small(tmp_path):
+    from jaxpaged.benchmarks import structured_outputs
+
+    out = tmp_path / "so.json"
+    args = build_parser().parse_args(
+        ["bench", "structured-outputs", *SMALL_ENGINE, "--enforce-eager", "--num-requests", "4",
+         "--output-len", "5", "--repeats", "1", "--output-json", str(out)])
+    result = structured_outputs.main(args)
+    assert json.loads(out.read_text()) == result
+    assert result["free_tokens_per_second"] > 0 and result["constrained_tokens_per_second"] > 0
+    assert result["cost"] == 1 - (result["constrained_tokens_per_second"]
+                                  / result["free_tokens_per_second"])

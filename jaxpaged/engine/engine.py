@@ -44,6 +44,7 @@ from jaxpaged.runner.output import ModelRunnerOutput
 from jaxpaged.runner.worker import build_worker
 from jaxpaged.sampling.logits_adjust import needs_adjustment
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.structured_output.manager import StructuredOutputManager
 from jaxpaged.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -117,12 +118,15 @@ class Engine:
         generation_config = load_generation_config(args.model)
         #: generation_config.json's default sampling fields, by SamplingParams name.
         self.generation_defaults = generation_defaults(generation_config)
-        self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size,
-                                              self.max_model_len, args.max_num_seqs)
         self.output_processor = OutputProcessor(
             self.tokenizer, eos_token_ids(cfg, generation_config, self.tokenizer),
             self.max_model_len)
-
+        #: Compiles structured-output grammars off the engine thread (at the first request).
+        self.structured_outputs = StructuredOutputManager(
+            self.tokenizer, cfg.vocab_size, self.output_processor.eos_token_ids)
+        self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size,
+                                              self.max_model_len, args.max_num_seqs,
+                                              self.structured_outputs)
         worker = build_worker(args, cfg, max_model_len=self.max_model_len,
                               eos_token_ids=self.output_processor.eos_token_ids,
                               tokenizer=self.tokenizer, devices=devices)
@@ -174,7 +178,8 @@ class Engine:
 
         Raises:
             ValueError: duplicate id, empty or untokenizable prompt, token ids outside the
-                vocabulary, a prompt longer than ``max_model_len``, or bad ``params`` fields.
+                vocabulary, a prompt longer than ``max_model_len``, or bad ``params`` fields
+                (an invalid structured-outputs schema, regex or grammar among them).
                 Nothing is queued then.
             TypeError: a prompt, id, params or priority of the wrong type.
         """
@@ -185,7 +190,8 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         req = self.input_processor.make_request(request_id, prompt, params, priority=priority,
                                                 arrival=self._arrivals, seed_rng=self._seed_rng)
-        req.needs_output_tokens = needs_adjustment(params)
+        # (A grammar's next mask needs the previous token on the host: no running ahead.)
+        req.needs_output_tokens = needs_adjustment(params) or bool(params.structured_outputs)
         self._arrivals += 1
         self.output_processor.add_request(req, time.monotonic())
         self.scheduler.add_request(req)
@@ -239,7 +245,8 @@ class Engine:
         assumed to get its token; ``Scheduler.schedule``), and the previous step's tokens
         are then applied and its outputs made while this one runs: outputs come one call
         later, and are those of the synchronous mode. A step after a parallel-sampling
-        prompt waits for it (the fork needs its tokens).
+        prompt waits for it (the fork needs its tokens); a step that runs a structured-output
+        sequence is finished synchronously (its grammar's next mask needs the token).
 
         If the model step raises an ``Exception`` (the runner: batch preparation,
         compilation, the device step, sampling), only the requests it ran fail (with async
@@ -272,6 +279,9 @@ class Engine:
                 if previous is not None:    # its tokens first, as the synchronous engine
                     outputs += self._finish(previous)
                 return outputs + self._fail_step(scheduler_output, e)
+        elif previous is None and not self.scheduler.running and (
+                compiling := self.scheduler.waiting_for_grammars()):
+            compiling[0].wait(timeout=0.05)     # nothing else to run: let grammars compile
         elif previous is None and self.scheduler.waiting and not self.scheduler.running:
             # Unreachable while add_request's checks hold; never spin silently.
             raise RuntimeError(f"no waiting request can be scheduled "
@@ -279,8 +289,10 @@ class Engine:
         if previous is not None:
             outputs += self._finish(previous, scheduler_output, current)
         if current is not None and not current.failed:
-            if self._async_scheduling and any(not s.request.is_finished
-                                              for s in current.scheduler_output.scheduled):
+            scheduled = current.scheduler_output.scheduled
+            # (A structured-output sequence's next mask needs this step's token on the host.)
+            if self._async_scheduling and any(not s.request.is_finished for s in scheduled) \
+                    and not any(s.request.structured_output_request for s in scheduled):
                 self._in_flight = current
             else:   # (async: all its requests finished meanwhile; none is left in flight)
                 outputs += self._finish(current)

@@ -26,10 +26,15 @@ class InputProcessor:
         vocab_size: token ids must lie in ``[0, vocab_size)``.
         max_model_len: longest prompt, in tokens.
         max_num_seqs: most sequences a step runs (``n`` may not exceed it).
+        structured_outputs: the engine's ``StructuredOutputManager``
+            (``jaxpaged.structured_output.manager``), which gives a request with
+            ``structured_outputs`` its grammar state; None: such requests are refused.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int,
+                 structured_outputs=None):
         self.tokenizer = tokenizer
+        self.structured_outputs = structured_outputs
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -117,12 +122,13 @@ class InputProcessor:
                      priority: int, arrival: int, seed_rng: np.random.Generator) -> Request:
         """The :class:`Request` the scheduler runs for a checked ``params``: the prompt
         tokenized, the seed resolved (the request's, else one drawn from ``seed_rng``),
-        ``max_tokens`` capped by ``max_model_len``, bad words tokenized.
+        ``max_tokens`` capped by ``max_model_len``, bad words tokenized, the grammar state
+        of ``params.structured_outputs`` requested (its grammar compiles meanwhile).
 
         Raises:
             TypeError: a priority that is not an int, or a prompt of the wrong type.
-            ValueError: an empty, untokenizable or too long prompt, or ids outside the
-                vocabulary.
+            ValueError: an empty, untokenizable or too long prompt, ids outside the
+                vocabulary, or structured outputs this engine cannot serve.
         """
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an integer, got {priority!r}")
@@ -132,6 +138,12 @@ class InputProcessor:
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.structured_outputs is None:
+                raise SamplingParamsError("structured_outputs", "is not served by this engine")
+            grammar = self.structured_outputs.request(params.structured_outputs)
         return Request(request_id, text, ids, params, seed=seed, max_tokens=max(max_tokens, 1),
                        arrival=arrival, priority=priority, cache_salt=cache_salt,
-                       n_samples=params.n, bad_words_ids=self.bad_words_ids(params))
+                       n_samples=params.n, bad_words_ids=self.bad_words_ids(params),
+                       structured_output_request=grammar)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxpaged.sampling_params import SamplingParams
 
@@ -54,6 +55,9 @@ class Request:
         needs_output_tokens: its sampling reads its output ids on the host (penalties, bad
             words, ``min_tokens``, logit bias, allowed ids), so async scheduling does not run
             it ahead of its unknown tokens.
+        structured_output_request: its grammar state when ``params.structured_outputs``
+            is set (``jaxpaged.structured_output.manager.StructuredOutputRequest``: waits
+            in the queue until compiled, advances by each appended token), else None.
         finish_reason, stop_reason: set when it finishes (vLLM's meanings).
     """
 
@@ -76,6 +80,7 @@ class Request:
     num_preemptions: int = 0
     num_output_placeholders: int = 0
     needs_output_tokens: bool = False
+    structured_output_request: Any = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -122,6 +127,8 @@ class Request:
                        priority=self.priority, cache_salt=self.cache_salt,
                        bad_words_ids=self.bad_words_ids,
                        needs_output_tokens=self.needs_output_tokens,
+                       structured_output_request=None if self.structured_output_request is None
+                       else self.structured_output_request.fork(),
                        all_token_ids=list(self.all_token_ids),
                        num_computed_tokens=self.num_computed_tokens,
                        num_cached_tokens=self.num_cached_tokens)

@@ -199,8 +199,13 @@ class Scheduler:
         # A parallel-sampling request not yet forked holds a seat for each sequence.
         seats = sum(r.n_samples for r in self.running)
         admitted = []
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
+        j = 0       # the first waiting request not skipped for its grammar
+        while j < len(self.waiting) and budget > 0:
+            req = self.waiting[j]
+            grammar = req.structured_output_request
+            if grammar is not None and not grammar.is_ready():
+                j += 1      # its grammar still compiles: later requests go first (vLLM)
+                continue
             if seats + req.n_samples > self.config.max_num_seqs:
                 break
             if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
@@ -217,7 +222,7 @@ class Scheduler:
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = req.num_computed_tokens
             self.kv.record_prefix_lookup(req.num_tokens, req.num_computed_tokens)
-            self.waiting.pop(0)
+            self.waiting.pop(j)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             seats += req.n_samples
@@ -230,6 +235,12 @@ class Scheduler:
         if self.config.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival))
         return self.running[-1]
+
+    def waiting_for_grammars(self) -> list:
+        """The grammar states of waiting requests whose grammar still compiles."""
+        return [r.structured_output_request for r in self.waiting
+                if r.structured_output_request is not None
+                and not r.structured_output_request.is_ready()]
 
     def preempt_all(self) -> int:
         """Preempt every running sequence (the device lost their K/V): they recompute from
@@ -254,8 +265,9 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[RequestGroup]:
         """Apply a finished step: resolve every sampling sequence's placeholder with its
-        sampled token, fork parallel-sampling requests after their prompt, hand each token
-        to the output processor (append, detokenize, stop rules) and finish (free) the
+        sampled token, fork parallel-sampling requests after their prompt, advance a
+        structured-output sequence's grammar by its token, hand each token to the output
+        processor (append, detokenize, stop rules) and finish (free) the
         sequences it stops. The one place that moves a request's tokens forward after a
         step (``num_computed_tokens`` moved when it was scheduled).
 
@@ -285,11 +297,15 @@ class Scheduler:
                 req.num_output_placeholders -= 1
             num_generated += len(tokens)
             if len(tokens) == 1:     # the common case
+                if req.structured_output_request is not None:
+                    req.structured_output_request.accept(tokens[0])
                 stop = append(req, tokens[0], None if logprobs is None else logprobs[i][0])
                 if stop is not None:
                     finish(req, *stop)
-            else:
+            else:   # (children forked before any token is applied: each copies the grammar)
                 for j, seq in enumerate([req] + self._fork(req, len(tokens) - 1)):
+                    if seq.structured_output_request is not None:
+                        seq.structured_output_request.accept(tokens[j])
                     stop = append(seq, tokens[j], None if logprobs is None else logprobs[i][j])
                     if stop is not None:
                         finish(seq, *stop)

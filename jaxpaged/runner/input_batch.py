@@ -27,6 +27,7 @@ from jaxpaged.layers.attention import AttentionBackend, BatchLayout
 from jaxpaged.sampling.logits_adjust import (LogitsAdjustment, needs_adjustment, no_adjustment,
                                              pack, row_adjustment)
 from jaxpaged.sampling.sampler import SamplingMetadata
+from jaxpaged.structured_output.manager import all_allowed, grammar_bitmask
 
 _SEED_MASK = 0xFFFFFFFFFFFFFFFF
 _UNKNOWN = [0]      # the stand-in id of a token not on the host yet
@@ -57,6 +58,8 @@ class StepInputs:
             ``page_table``, ``seq_lens``, ``query_start_loc``, ``positions``).
         sampling: each row's sampling parameters.
         adjust: per-row logit adjustments ([B, K] entries; all padding when no row has any).
+        token_bitmask: [B, ceil(V / 32)] int32 grammar masks of the rows of structured-output
+            sequences (every bit set in the other rows).
         prompt_targets: [T] int32, each token's next prompt token, for a step that scores
             prompt logprobs (zeros otherwise).
         prev_token_index: [T] int32; for a token whose id the host does not know yet (async
@@ -72,6 +75,7 @@ class StepInputs:
     attn_metadata: dict
     sampling: SamplingMetadata
     adjust: LogitsAdjustment
+    token_bitmask: np.ndarray
     prompt_targets: np.ndarray
     prev_token_index: np.ndarray
     with_logprobs: np.ndarray
@@ -80,7 +84,7 @@ class StepInputs:
 
 jax.tree_util.register_dataclass(
     StepInputs, data_fields=["input_ids", "positions", "logits_indices", "attn_metadata",
-                             "sampling", "adjust", "prompt_targets", "prev_token_index",
+                             "sampling", "adjust", "token_bitmask", "prompt_targets", "prev_token_index",
                              "with_logprobs", "with_prompt_logprobs"], meta_fields=[])
 
 
@@ -112,8 +116,8 @@ def attention_metadata(backend: AttentionBackend, layout: BatchLayout) -> dict:
 def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBackend,
                  eos_token_ids: frozenset[int],
                  pad_sizes: Callable[[int, int, int, int, bool], tuple[int, int, int]],
-                 prev_rows: Callable[[], dict[str, int]], adjust_capacity: int = 16
-                 ) -> PreparedStep:
+                 prev_rows: Callable[[], dict[str, int]], bitmask_words: int,
+                 adjust_capacity: int = 16) -> PreparedStep:
     """Pad and pack one scheduled step.
 
     Args:
@@ -125,6 +129,7 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
         prev_rows: gives, by sequence id, the sampling row of each sequence in the step
             dispatched before this one (called only when a sequence decodes a token not on
             the host yet, see :attr:`StepInputs.prev_token_index`).
+        bitmask_words: int32 words of a grammar bitmask row (``ceil(V / 32)``).
         adjust_capacity: K and A of the logit adjustments (more only for a row that needs
             more entries, which makes a new step shape).
 
@@ -225,6 +230,12 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
     if adjust is None:
         adjust = no_adjustment(b_pad, adjust_capacity, adjust_capacity)
 
+    constrained = [(s.request.structured_output_request, r) for i, s in enumerate(seqs)
+                   if s.samples and s.request.structured_output_request is not None
+                   for r in range(cu_rows[i], cu_rows[i + 1])]
+    token_bitmask = (grammar_bitmask(constrained, b_pad, bitmask_words) if constrained
+                     else all_allowed(b_pad, bitmask_words))
+
     prompt_targets = np.zeros(t_pad, np.int32)
     if with_prompt:     # each row's next prompt token (a chunk's last one: the next chunk's)
         for i, s in enumerate(seqs):
@@ -232,6 +243,6 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
             t = int(cu_tokens[i])
             prompt_targets[t:t + len(following)] = following
     inputs = StepInputs(input_ids, positions, logits_indices, attention_metadata(backend, layout),
-                        sampling, adjust, prompt_targets, prev_token_index,
+                        sampling, adjust, token_bitmask, prompt_targets, prev_token_index,
                         np.asarray(with_logprobs), np.asarray(with_prompt))
     return PreparedStep(inputs, layout, cu_rows.tolist())

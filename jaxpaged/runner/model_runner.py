@@ -47,6 +47,7 @@ from jaxpaged.runner.read_output import read_output
 from jaxpaged.runner.step_programs import build_programs, forward_inputs, sample_inputs
 from jaxpaged.sampling.logits_adjust import no_adjustment
 from jaxpaged.sampling.sampler import SamplerOutput, SamplingMetadata
+from jaxpaged.structured_output.manager import all_allowed, num_words
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +62,14 @@ class RunnerLimits:
         max_pages_per_seq: pages of a ``max_model_len`` sequence.
         max_adjust_entries: logit-adjustment entries (and allowed tokens) per sampling row
             every step is compiled for (:func:`jaxpaged.sampling.logits_adjust.capacity`).
+        vocab_size: logits per sampling row (V); the grammar bitmask input has
+            ``ceil(V / 32)`` int32 words a row.
     """
 
     max_num_tokens: int
     max_num_seqs: int
     max_pages_per_seq: int
+    vocab_size: int
     max_adjust_entries: int = 16
 
 
@@ -205,6 +209,7 @@ class ModelRunner:
         prepared = prepare_step(scheduler_output, page_size=self._page_size,
                                 backend=self._backend, eos_token_ids=self._eos_token_ids,
                                 pad_sizes=self._pad_sizes, prev_rows=self._prev_rows,
+                                bitmask_words=num_words(self._limits.vocab_size),
                                 adjust_capacity=self._limits.max_adjust_entries)
         forward, sampler = self._executables_for(prepared.layout, prepared.inputs)
         logits, prompt, self._kv_caches = forward(
@@ -303,6 +308,7 @@ class ModelRunner:
         return StepInputs(np.zeros(t_pad, np.int32), layout.positions, np.zeros(b_pad, np.int32),
                           attention_metadata(self._backend, layout),
                           SamplingMetadata.from_host([], b_pad), no_adjustment(b_pad, k, k),
+                          all_allowed(b_pad, num_words(self._limits.vocab_size)),
                           np.zeros(t_pad, np.int32), np.full(t_pad, -1, np.int32),
                           np.asarray(False), np.asarray(False))
 

@@ -42,7 +42,7 @@ def forward_inputs(inputs: StepInputs) -> dict:
 def sample_inputs(inputs: StepInputs) -> dict:
     """The fields of ``inputs`` the sample program reads."""
     return {"sampling": inputs.sampling, "adjust": inputs.adjust,
-            "with_logprobs": inputs.with_logprobs}
+            "token_bitmask": inputs.token_bitmask, "with_logprobs": inputs.with_logprobs}
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,8 @@ def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
 
     def sample_rows(logits: jax.Array, inputs: dict,
                     prev_tokens: jax.Array) -> tuple[SamplerOutput, jax.Array]:
-        out = sample(logits, inputs["sampling"], inputs["with_logprobs"], inputs["adjust"])
+        out = sample(logits, inputs["sampling"], inputs["with_logprobs"], inputs["adjust"],
+                     inputs["token_bitmask"])
         # The sampled ids written over the first rows of the [R] buffer: the next step's
         # prev_tokens (it reads only rows this step sampled).
         return out, prev_tokens.at[:out.token_ids.shape[0]].set(out.token_ids)

@@ -110,6 +110,7 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
         executable_dir=cache_dir and os.path.join(cache_dir, "steps"),
         limits=RunnerLimits(max_num_tokens=args.max_num_batched_tokens,
                             max_num_seqs=args.max_num_seqs, max_pages_per_seq=pages_per_seq,
+                            vocab_size=cfg.vocab_size,
                             max_adjust_entries=adjust_capacity(cfg.vocab_size, max_model_len)))
     scales = [(1.0, 1.0)] * cfg.num_layers
     if args.calculate_kv_scales:

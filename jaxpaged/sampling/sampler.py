@@ -1,8 +1,10 @@
 """Batched on-device token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
-Order of the transforms follows vLLM's sampler (``vllm/v1/sample/sampler.py``): logit
-adjustments (allowed tokens, logit bias, bans, penalties: ``logits_adjust``) come first and
-greedy decoding takes the argmax after them; then logits are divided by the temperature, then top-k and top-p (Holtzman et al., "The Curious Case of Neural
+Order of the transforms follows vLLM's sampler (``vllm/v1/sample/sampler.py``): a
+structured-output grammar's token bitmask first (vLLM applies it to the logits before its
+sampler), then logit adjustments (allowed tokens, logit bias, bans, penalties:
+``logits_adjust``), and greedy decoding takes the argmax after them; then logits are divided
+by the temperature, then top-k and top-p (Holtzman et al., "The Curious Case of Neural
 Text Degeneration", ICLR 2020, section 3.1) truncate the distribution, then min-p, then a
 token is drawn. Every request carries its own PRNG key derived from its seed and the position
 of the token being sampled, so its draw never depends on the rest of the batch.
@@ -144,25 +146,46 @@ def when(flag, fn, *args):
         lambda x: jnp.zeros(x.shape, x.dtype), shapes), *args)
 
 
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Grammar-disallowed tokens at -inf: logits [B, V] float32, bitmask [B, ceil(V / 32)]
+    int32 (token ``t`` allowed where bit ``t % 32`` of word ``t // 32`` is set, llguidance's
+    layout; bits past V are ignored) -> [B, V] float32. A mask with every bit set (no
+    constrained row) skips the unpacking on the device (``lax.cond``)."""
+
+    def masked(x, m):
+        bits = (m[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1   # arithmetic shift:
+        allowed = bits.reshape(m.shape[0], -1)[:, :x.shape[-1]] != 0    # bit 31 reads right
+        return jnp.where(allowed, x, -jnp.inf)
+
+    return jax.lax.cond(jnp.all(bitmask == -1), lambda x, _: x, masked, logits, bitmask)
+
+
 def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool | jax.Array = False,
-           adjust: LogitsAdjustment | None = None) -> SamplerOutput:
+           adjust: LogitsAdjustment | None = None,
+           token_bitmask: jax.Array | None = None) -> SamplerOutput:
     """Draw one token per row.
 
     Args:
         logits: [B, V] float32.
         meta: the rows' sampling parameters.
+        token_bitmask: [B, ceil(V / 32)] int32 grammar masks (structured outputs,
+            :func:`apply_token_bitmask`), applied before everything else as vLLM applies its
+            grammar bitmask to the logits before its sampler; None: no grammar.
         adjust: per-row logit bias, bans, allowed tokens and penalties (None: none; rows
             without entries are left as they are, and a step with none skips them on the
             device).
         with_logprobs: also return log-probabilities (a bool array: decided on the device,
             zeros where false; see :func:`when`). They are those of the raw model
             distribution, ``log_softmax(logits)`` before temperature, top-k/top-p/min-p and
-            adjustments and penalties (vLLM's default ``logprobs_mode="raw_logprobs"``).
+            adjustments and penalties (vLLM's default ``logprobs_mode="raw_logprobs"``), but
+            after the grammar mask: a token the grammar forbids has logprob -inf.
 
     Returns:
         A :class:`SamplerOutput`: ``token_ids`` [B] int32 and, with logprobs, the sampled
         tokens' :class:`TokenLogprobs`.
     """
+    if token_bitmask is not None:
+        logits = apply_token_bitmask(logits, token_bitmask)
     adjusted = logits if adjust is None else apply_if_any(logits, adjust)
     greedy_tokens = argmax_first(adjusted)
 

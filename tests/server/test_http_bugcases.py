@@ -322,7 +322,7 @@ def test_b29_error_shapes_and_models(http):
     ("prompt", 123, "prompt"), ("max_tokens", "5", "integer"), ("stream", "yes", "boolean"),
     ("logprobs", True, "integer"), ("stop", "", "non-empty"), ("logit_bias", {"3": 1000}, "100"),
     ("stop_token_ids", [99999], "outside the vocabulary"), ("cache_salt", "", "non-empty"),
-    ("priority", 5, "scheduling-policy"), ("response_format", {"type": "json_object"}, "not"),
+    ("priority", 5, "scheduling-policy"), ("response_format", {"type": "json_schema"}, "schema"),
     ("tools", [{"type": "function"}], "not supported"), ("use_beam_search", True, "not"),
     ("stream_options", {"include_usage": True}, "stream=true")])
 def test_b30_out_of_range_parameters(http, live_server, field, value, needle):

@@ -1,0 +1,106 @@
+"""`StructuredOutputsParams` -> an llguidance grammar, and its validation.
+
+The mapping follows vLLM's guidance backend (``vllm/v1/structured_output/backend_guidance.py``,
+``serialize_guidance_grammar``): a JSON schema goes through llguidance's JSON compiler
+(``LLMatcher.grammar_from_json_schema``; whitespace flexible unless
+``disable_any_whitespace``), ``json_object`` is the schema ``{"type": "object"}``, and regex,
+choice and grammar go through ``llguidance.grammar_from``. llguidance's grammar syntax:
+https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+
+import llguidance
+
+from jaxpaged.sampling_params import SamplingParamsError, StructuredOutputsParams
+
+#: Keys of a JSON schema that hold maps of sub-schemas, and those that hold sub-schemas.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ITEMS = ("additionalProperties", "items", "prefixItems", "allOf", "anyOf", "oneOf",
+                 "not", "if", "then", "else", "contains")
+
+
+def _close_objects(schema) -> None:
+    """Set ``additionalProperties: false`` (in place) on every object schema with
+    ``properties`` that does not say otherwise (``disable_additional_properties``)."""
+    if isinstance(schema, list):
+        for item in schema:
+            _close_objects(item)
+        return
+    if not isinstance(schema, dict):
+        return
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for sub in schema[key].values():
+                _close_objects(sub)
+    for key in _SCHEMA_ITEMS:
+        if isinstance(schema.get(key), (dict, list)):
+            _close_objects(schema[key])
+    if isinstance(schema.get("properties"), dict):
+        schema.setdefault("additionalProperties", False)
+
+
+def cache_key(params: StructuredOutputsParams) -> str:
+    """A string naming the grammar ``params`` describe (equal specs, equal keys): what
+    compiled grammars are cached by."""
+    return json.dumps([params.kind, getattr(params, params.kind), params.disable_any_whitespace,
+                       params.disable_additional_properties, params.whitespace_pattern],
+                      sort_keys=True)
+
+
+def serialize(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar (its JSON text) of ``params``.
+
+    Raises:
+        SamplingParamsError: a JSON schema that is not JSON (``structured_outputs.json``).
+    """
+    return _serialize(cache_key(params))
+
+
+@functools.lru_cache(maxsize=256)
+def _serialize(key: str) -> str:
+    kind, spec, no_whitespace, close_objects, whitespace = json.loads(key)
+    options = {"whitespace_flexible": not no_whitespace}
+    if whitespace is not None:
+        options["whitespace_pattern"] = whitespace
+    if kind in ("json", "json_object"):
+        schema = {"type": "object"} if kind == "json_object" else spec
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise SamplingParamsError("structured_outputs.json",
+                                          f"is not valid JSON: {e}") from None
+        if close_objects:
+            schema = copy.deepcopy(schema)
+            _close_objects(schema)
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        except ValueError as e:
+            raise SamplingParamsError("structured_outputs.json", f"is not a JSON schema: {e}"
+                                      ) from None
+    try:
+        return llguidance.grammar_from(kind, spec)
+    except ValueError as e:
+        raise SamplingParamsError(f"structured_outputs.{kind}", f"is invalid: {e}") from None
+
+
+def validate(params: StructuredOutputsParams) -> None:
+    """Compile ``params``' grammar without a tokenizer (milliseconds; cached by spec).
+
+    Raises:
+        SamplingParamsError: naming ``structured_outputs.<kind>``, with llguidance's message
+            (e.g. ``invalid regex "[0-9" ... unclosed character class``).
+    """
+    error = _validation_error(cache_key(params))
+    if error:
+        raise SamplingParamsError(f"structured_outputs.{params.kind}", f"is invalid: {error}")
+
+
+@functools.lru_cache(maxsize=256)
+def _validation_error(key: str) -> str:
+    return llguidance.LLMatcher.validate_grammar(_serialize(key), None)
