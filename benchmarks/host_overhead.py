@@ -152,6 +152,7 @@ def measure_mode(engine_args: EngineArgs, args: argparse.Namespace,
     timer = DeviceTimer(llm.engine)
     results = {}
     for name, kind in output_kinds.items():
+        llm.engine.kv_cache_manager.reset_prefix_cache()   # each pass prefills its prompts
         compilations = llm.engine.stats().num_compilations
         timer.intervals.clear()
         timer.dispatched.clear()

@@ -55,5 +55,8 @@ def test_first_freeze_raises_the_young_generation_threshold_and_never_lowers_it(
         gc.set_threshold(GEN0_THRESHOLD * 2, saved[1], saved[2])
         CompileAwareHeapFreezer().update(0)
         assert gc.get_threshold()[0] == GEN0_THRESHOLD * 2
+        gc.set_threshold(0, saved[1], saved[2])       # automatic collection off: kept off
+        CompileAwareHeapFreezer().update(0)
+        assert gc.get_threshold()[0] == 0
     finally:
         gc.set_threshold(*saved)

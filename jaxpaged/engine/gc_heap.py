@@ -43,9 +43,10 @@ def freeze_gc_heap() -> None:
 
 def raise_gen0_threshold(minimum: int = GEN0_THRESHOLD) -> None:
     """Make generation 0's threshold at least ``minimum`` (never lowers it; the older
-    generations' thresholds are kept)."""
+    generations' thresholds are kept). A threshold of 0, CPython's way of switching
+    automatic collection off, is left as it is."""
     gen0, gen1, gen2 = gc.get_threshold()
-    if gen0 < minimum:
+    if 0 < gen0 < minimum:
         gc.set_threshold(minimum, gen1, gen2)
 
 
