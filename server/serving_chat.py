@@ -31,7 +31,8 @@ from jaxpaged.server.reasoning import REASONING_PARSERS
 from jaxpaged.server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, off_loop, sse,
                                      usage)
 from jaxpaged.server.tool_calls import (conversation_message, forced_call_schema,
-                                        template_tools, tool_choice_of, tool_parser_for)
+                                        template_tools, tool_choice_of, tool_parser_for,
+                                        with_forced_call)
 
 #: Prompt tokens decoded for the reasoning parser's initial state (a pre-filled ``<think>``).
 PROMPT_TAIL_TOKENS = 32
@@ -124,14 +125,9 @@ class OpenAIServingChat(OpenAIServing):
         tools = parser().tools
         if tools is not None and tools.keeps_special_tokens:   # call markers may be special
             params = dataclasses.replace(params, skip_special_tokens=False)
-        # SEAM (issue 23 part 1, structured outputs): enforce the forced call's format for
-        # tool_choice "required" / a named function by replacing the next line with
-        #     schema = forced_call_schema(body, tool_choice)
-        #     if schema is not None:
-        #         params = dataclasses.replace(params, structured_outputs=(
-        #             StructuredOutputsParams(json=schema)))
-        # Until then the output is only parsed (RequiredToolParser / NamedToolParser).
-        forced_call_schema(body, tool_choice)       # its 400 (conflicting $defs) applies now
+        schema = forced_call_schema(body, tool_choice)
+        if schema is not None:      # "required" / a named function: the format is enforced
+            params = with_forced_call(params, schema)
         request_id = self.request_id(raw_request, "chatcmpl")
         return await self.respond(
             raw_request, body, request_id, [prompt], [params], "messages",

@@ -285,3 +285,41 @@ def test_a_tool_result_conversation_renders_and_answers(server, client, monkeypa
     prompt = ("tools: get_weather,get_time\nuser: weather in Paris?\nassistant: "
               "[get_weather Paris]\ntool: sunny, 21 C (call-1)\nassistant:")
     assert r.usage.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False))
+
+
+GRID_TOOLS = [{"type": "function", "function": {"name": "set_grid", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["mode", "size"],
+    "properties": {"mode": {"enum": ["on", "off"]},
+                   "size": {"type": "integer", "minimum": 1, "maximum": 99}}}}},
+    {"type": "function", "function": {"name": "reset", "parameters": {
+        "type": "object", "additionalProperties": False, "properties": {}}}}]
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_required_and_named_choices_are_enforced_on_a_model_that_knows_no_tools(
+        server, client, choice):
+    # The bundled story model has never seen a tool call: only the grammar (structured
+    # outputs over the forced call's schema) makes its output a valid call.
+    import jsonschema
+
+    tool_choice = ("required" if choice == "required" else
+                   {"type": "function", "function": {"name": "set_grid"}})
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in GRID_TOOLS}
+    common = dict(model=MODEL, messages=USER, tools=GRID_TOOLS, tool_choice=tool_choice,
+                  parallel_tool_calls=False, max_tokens=120, temperature=0.8, seed=3)
+    reply = client.chat.completions.create(**common)
+    calls = reply.choices[0].message.tool_calls
+    assert len(calls) == 1 and reply.choices[0].finish_reason == ("tool_calls" if choice == "required"
+                                                        else "stop")
+    for call in calls:
+        assert call.function.name in params if choice == "required" else \
+            call.function.name == "set_grid"
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+    streamed = {}
+    for chunk in client.chat.completions.create(**common, stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            entry = streamed.setdefault(delta.index, {"name": None, "arguments": ""})
+            entry["name"] = delta.function.name or entry["name"]
+            entry["arguments"] += delta.function.arguments or ""
+    assert [(e["name"], json.loads(e["arguments"])) for e in streamed.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in calls]
