@@ -168,12 +168,18 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> "ModelConfig":
-        """Read ``<model_dir>/config.json``.
+        """Read ``<model_dir>/config.json``, or the metadata of a GGUF file when ``model_dir``
+        is one (``jaxpaged.models.gguf_loader.gguf_config``).
 
         Raises:
             FileNotFoundError: the directory has no ``config.json``.
             UnsupportedModelError: invalid JSON, or see :meth:`from_dict`.
+            jaxpaged.models.gguf_loader.BadGGUFError: an unreadable or inconsistent GGUF.
         """
+        from jaxpaged.models import gguf_loader   # its package imports this module
+
+        if gguf_loader.is_gguf(model_dir):
+            return cls.from_dict(gguf_loader.gguf_config(model_dir))
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")

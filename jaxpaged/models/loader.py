@@ -1,4 +1,4 @@
-"""Load a Hugging Face model directory (or dummy weights) into a Flax NNX model.
+"""Load a Hugging Face model directory, a GGUF file (or dummy weights) into a Flax NNX model.
 
 A parameter at NNX path ``a.b.c.<leaf>`` comes from the safetensors tensor ``a.b.c.weight``
 (or ``.bias``): ``nnx.Linear`` kernels are stored transposed ([in, out]) relative to torch's
@@ -36,6 +36,7 @@ from jaxpaged.distributed.tensor_parallel import TensorParallel
 from jaxpaged.layers.attention import AttentionBackend
 from jaxpaged.layers.quantization import (QUANTIZED_DTYPES, QuantizedLinear, per_channel_scale,
                                           quantize_weight)
+from jaxpaged.models.gguf_loader import GGUFCheckpoint, is_gguf
 from jaxpaged.models.mixtral import ExpertScales, ExpertWeights
 from jaxpaged.models.registry import model_class
 
@@ -62,7 +63,9 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
 
     Args:
         model_dir: Hugging Face directory with ``model.safetensors`` or
-            ``model.safetensors.index.json`` plus shards (ignored for ``dummy``).
+            ``model.safetensors.index.json`` plus shards, or a ``.gguf`` file
+            (:class:`jaxpaged.models.gguf_loader.GGUFCheckpoint`: tensors dequantized on the
+            host); ignored for ``dummy``.
         config: parsed ``config.json``; its ``quantization`` makes the decoder's projections
             :class:`QuantizedLinear` (float checkpoint tensors are quantized while loading).
         dtype: parameter dtype; checkpoint tensors are cast to it (quantized kernels and
@@ -94,7 +97,8 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
         return nnx.merge(graphdef, _dummy_state(cls, config, backend, dtype, seed, tp,
                                                 abstract_state))
     flat = nnx.to_flat_state(abstract_state)
-    reader = _SafetensorsReader(model_dir)
+    reader = (GGUFCheckpoint(model_dir, config.num_heads, config.num_kv_heads)
+              if is_gguf(model_dir) else _SafetensorsReader(model_dir))
     quantized_modules = {p for p, node in nnx.iter_graph(abstract)
                          if isinstance(node, QuantizedLinear)}
     quantized = {}   # checkpoint name -> kernel and scale, from a module's kernel to its scale
