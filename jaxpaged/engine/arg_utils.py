@@ -37,7 +37,8 @@ class EngineArgs:
             float32 stays float32, 16-bit floats become bfloat16, unspecified is float32).
         load_format: ``auto`` (safetensors) or ``dummy`` (random weights).
         quantization: weight-only quantization of the decoder's projections, ``int8`` or
-            ``fp8`` (``jaxpaged.layers.quantization``); None keeps the checkpoint's weights
+            ``fp8`` (``jaxpaged.layers.quantization``) or 4-bit ``awq``
+            (``jaxpaged.layers.awq``); None keeps the checkpoint's weights
             (an fp8 checkpoint stays fp8).
         seed: engine seed; requests without a ``seed`` draw theirs from it.
         block_size: tokens per KV page.
