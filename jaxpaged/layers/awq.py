@@ -14,8 +14,9 @@ The checkpoint tensors of a projection ``p`` are
 - ``p.scales``: float16 [in / G, out].
 
 :class:`AWQLinear` keeps them packed on the device (0.5 byte per weight plus 1/G of a scale and
-a zero) and unpacks and dequantizes them in the jitted step right before ``x @ W``, so XLA
-fuses the unpacking into the matmul's operand; nothing but the packed form is stored.
+a zero) and unpacks and dequantizes them in the jitted step: on a GPU inside the Pallas kernel
+``pallas_kernels.int4_matmul`` (one group of packed rows at a time, in registers), elsewhere
+right before an XLA ``x @ W``; nothing but the packed form is stored.
 A float checkpoint (or ``--load-format dummy``) loaded with ``--quantization awq`` is quantized
 round-to-nearest into the same layout (AWQ's asymmetric min/max quantizer, without its
 activation-aware scale search): ``s = (max - min) / 15``, ``z = round(-min / s)``,
@@ -28,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from pallas_kernels.int4_matmul import int4_matmul
 
 #: Output column (within eight) held by each nibble of a packed int32, lowest nibble first
 #: (AutoAWQ's ``AWQ_ORDER``; vLLM's ``awq_triton.py`` undoes it the same way).
@@ -89,6 +92,13 @@ def quantize_awq(weight, group_size: int, xp=np):
     return pack_int4(q, xp), pack_int4(zeros, xp), scales
 
 
+def use_pallas_kernel(out_features: int, group_size: int) -> bool:
+    """Whether :class:`AWQLinear` runs ``pallas_kernels.int4_matmul`` (on a GPU, for widths
+    its tiles fit) rather than XLA's dequantize-then-matmul."""
+    return (jax.default_backend() == "gpu" and out_features % 128 == 0
+            and group_size >= 16 and group_size & (group_size - 1) == 0)
+
+
 class AWQLinear(nnx.Module):
     """A [in] -> [out] projection with 4-bit AWQ weights, dequantized inside the matmul.
 
@@ -126,8 +136,12 @@ class AWQLinear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., in] -> [..., out] of x's dtype."""
-        w = dequantize_awq(self.qweight[...], self.qzeros[...], self.scales[...])
-        y = x @ w.astype(x.dtype)
+        qweight, qzeros, scales = self.qweight[...], self.qzeros[...], self.scales[...]
+        if use_pallas_kernel(scales.shape[1], qweight.shape[0] // qzeros.shape[0]):
+            y = int4_matmul(x.reshape(-1, x.shape[-1]), qweight, qzeros, scales)
+            y = y.reshape(*x.shape[:-1], -1)
+        else:
+            y = x @ dequantize_awq(qweight, qzeros, scales).astype(x.dtype)
         if self.bias is not None:
             y = y + self.bias[...]
         return y.astype(x.dtype)
