@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -178,6 +180,11 @@ def test_truncated_file_is_a_typed_error(tmp_path):
         short.write_bytes(data[:cut])
         with pytest.raises(BadGGUFError, match="truncated or corrupt"):
             ModelConfig.from_pretrained(str(short))
+    # the command line names the problem, without a traceback
+    run = subprocess.run([sys.executable, "-m", "jaxpaged.cli", "generate", "--model", str(short),
+                          "hello"], capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert run.stderr.startswith("jaxpaged: error: ") and "truncated or corrupt" in run.stderr
 
 
 def test_unknown_and_unsupported_tensor_types_are_refused_by_name(tmp_path):
