@@ -224,3 +224,17 @@ def test_other_architectures_are_refused_by_name(tmp_path):
     with pytest.raises(FileNotFoundError):
         ModelConfig.from_pretrained(str(tmp_path / "absent.gguf"))
     assert os.path.isfile(path)
+
+
+def test_served_model_name_of_a_gguf_is_its_file_name():
+    import argparse
+
+    from jaxpaged.engine.arg_utils import EngineArgs
+    from jaxpaged.server.launcher import add_server_args, server_config
+
+    parser = add_server_args(EngineArgs.add_cli_args(argparse.ArgumentParser()))
+    names = lambda *flags: server_config(parser.parse_args(list(flags))).served_model_names
+    assert names("--model", "/models/SmolLM2-135M-Instruct.Q4_1.gguf") == \
+        ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+    assert names("--model", "/models/llama") == ["/models/llama"]
+    assert names("--model", "/m/x.gguf", "--served-model-name", "x") == ["x"]
