@@ -151,7 +151,7 @@ def test_awq_greedy_tokens_equal_the_dequantized_float_models(checkpoints):
     awq_dir, float_dir, _ = checkpoints
     prompts = random_prompts(4, 512, seed=5, max_len=24)
     ref, _ = greedy_ids(float_dir, 1, prompts=prompts)
-    out, llm = greedy_ids(awq_dir, 1, prompts=prompts)
+    out, _ = greedy_ids(awq_dir, 1, prompts=prompts)
     assert out == ref and all(len(t) > 0 for t in out)
 
 
