@@ -25,8 +25,11 @@ _FAMILY_DEFAULTS = {
 }
 #: MLP activations by their transformers name.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-#: Weight-only quantization methods (``--quantization``; ``jaxpaged.layers.quantization``).
-QUANTIZATION_METHODS = ("int8", "fp8")
+#: Weight-only quantization methods (``--quantization``; ``jaxpaged.layers.quantization`` for
+#: int8/fp8, ``jaxpaged.layers.awq`` for 4-bit AWQ).
+QUANTIZATION_METHODS = ("int8", "fp8", "awq")
+#: AWQ group size when a float checkpoint is quantized with ``--quantization awq``.
+DEFAULT_AWQ_GROUP_SIZE = 128
 
 
 class UnsupportedModelError(ValueError):
@@ -64,7 +67,10 @@ class ModelConfig:
             scores and of the output logits (None: off).
         quantization: weight-only quantization of the decoder's projections (one of
             :data:`QUANTIZATION_METHODS`), or None; ``"fp8"`` when the checkpoint itself is
-            stored in fp8 (its ``quantization_config``).
+            stored in fp8 (its ``quantization_config``), ``"awq"`` when it is AutoAWQ's 4-bit
+            GEMM format.
+        quantization_group_size: input rows per AWQ scale and zero point (the checkpoint's
+            ``group_size``; :data:`DEFAULT_AWQ_GROUP_SIZE` otherwise).
     """
 
     architecture: str
@@ -94,6 +100,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     quantization: str | None = None
+    quantization_group_size: int = DEFAULT_AWQ_GROUP_SIZE
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
@@ -133,6 +140,10 @@ class ModelConfig:
         attention_bias = bool(cfg.get("attention_bias", False))
         num_experts = int(cfg.get("num_local_experts") or 0)
         top_k = int(cfg.get("num_experts_per_tok") or 0)
+        quantization, group_size = _checkpoint_quantization(cfg.get("quantization_config"))
+        if num_experts and quantization == "awq":
+            raise UnsupportedModelError("AWQ checkpoints of mixture-of-experts models are not "
+                                        "supported")
         if num_experts and not 1 <= top_k <= num_experts:
             raise UnsupportedModelError(f"num_experts_per_tok={top_k} must be in "
                                         f"[1, num_local_experts={num_experts}]")
@@ -163,17 +174,24 @@ class ModelConfig:
             query_pre_attn_scalar=_optional_float(cfg, "query_pre_attn_scalar"),
             attn_logit_softcapping=_optional_float(cfg, "attn_logit_softcapping"),
             final_logit_softcapping=_optional_float(cfg, "final_logit_softcapping"),
-            quantization=_checkpoint_quantization(cfg.get("quantization_config")),
-        )
+            quantization=quantization,
+            quantization_group_size=group_size,
+        )._checked_awq_shapes()
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> "ModelConfig":
-        """Read ``<model_dir>/config.json``.
+        """Read ``<model_dir>/config.json``, or the metadata of a GGUF file when ``model_dir``
+        is one (``jaxpaged.models.gguf_loader.gguf_config``).
 
         Raises:
             FileNotFoundError: the directory has no ``config.json``.
             UnsupportedModelError: invalid JSON, or see :meth:`from_dict`.
+            jaxpaged.models.gguf_loader.BadGGUFError: an unreadable or inconsistent GGUF.
         """
+        from jaxpaged.models import gguf_loader   # its package imports this module
+
+        if gguf_loader.is_gguf(model_dir):
+            return cls.from_dict(gguf_loader.gguf_config(model_dir))
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
@@ -189,15 +207,38 @@ class ModelConfig:
         None keeps the checkpoint's own, if any).
 
         Raises:
-            UnsupportedModelError: the checkpoint is stored quantized by another method.
+            UnsupportedModelError: the checkpoint is stored quantized by another method, or
+                ``awq`` for a mixture-of-experts model.
         """
         if method is None or method == self.quantization:
             return self
+        if method == "awq" and self.num_experts:
+            raise UnsupportedModelError("--quantization awq does not support mixture-of-experts "
+                                        "models (their experts quantize with int8 or fp8)")
         if self.quantization is not None:
             raise UnsupportedModelError(
                 f"the checkpoint is stored quantized ({self.quantization}); it cannot be loaded "
                 f"with quantization={method!r} (leave it unset or use {self.quantization!r})")
-        return dataclasses.replace(self, quantization=method)
+        return dataclasses.replace(self, quantization=method)._checked_awq_shapes()
+
+    def _checked_awq_shapes(self) -> "ModelConfig":
+        """``self``, if every projection fits AWQ's layout (or it is not AWQ).
+
+        Raises:
+            UnsupportedModelError: an input width not divisible by the group size or an
+                output width not divisible by 8 (eight 4-bit values per int32).
+        """
+        if self.quantization != "awq":
+            return self
+        g, attn = self.quantization_group_size, self.num_heads * self.head_dim
+        ins = {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+               "num_heads * head_dim": attn}
+        outs = {**ins, "num_kv_heads * head_dim": self.num_kv_heads * self.head_dim}
+        bad = [f"{k}={v} is not a multiple of the group size {g}" for k, v in ins.items() if v % g]
+        bad += [f"{k}={v} is not a multiple of 8" for k, v in outs.items() if v % 8]
+        if bad:
+            raise UnsupportedModelError("AWQ 4-bit weights do not fit this model: " + "; ".join(bad))
+        return self
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -298,18 +339,29 @@ def _optional_float(cfg: dict, key: str) -> float | None:
     return None if cfg.get(key) is None else float(cfg[key])
 
 
-def _checkpoint_quantization(qc: dict | None) -> str | None:
-    """The quantization a checkpoint is stored in, from ``config.json``'s
+def _checkpoint_quantization(qc: dict | None) -> tuple[str | None, int]:
+    """The quantization a checkpoint is stored in and its AWQ group size, from ``config.json``'s
     ``quantization_config``: None for a float checkpoint, ``"fp8"`` for fp8 weights with
     per-tensor or per-channel scales (``quant_method`` ``"fp8"``, or ``"compressed-tensors"``
-    in its ``float-quantized`` format).
+    in its ``float-quantized`` format), ``"awq"`` for AutoAWQ's format (``bits`` 4,
+    ``zero_point`` true, ``version`` ``gemm``; its ``group_size``).
 
     Raises:
         UnsupportedModelError: any other layout, naming its ``quant_method``.
     """
     if qc is None:
-        return None
+        return None, DEFAULT_AWQ_GROUP_SIZE
     method = qc.get("quant_method")
+    if method == "awq":
+        settings = (qc.get("bits", qc.get("w_bit")), qc.get("zero_point", True),
+                    str(qc.get("version", "gemm")).lower())
+        group = qc.get("group_size", qc.get("q_group_size"))
+        if settings != (4, True, "gemm") or not isinstance(group, int) or group < 8:
+            raise UnsupportedModelError(
+                f"AWQ checkpoint with bits/zero_point/version {settings} and group_size "
+                f"{group!r} is not supported; jaxpaged reads AutoAWQ's 4-bit GEMM format "
+                "with zero points and a positive group size")
+        return "awq", group
     if method == "fp8":
         block = qc.get("weight_block_size")
         problem = f"block-wise scales (weight_block_size {block})" if block else None
@@ -322,9 +374,10 @@ def _checkpoint_quantization(qc: dict | None) -> str | None:
     else:
         problem = "this method"
     if problem is None:
-        return "fp8"
+        return "fp8", DEFAULT_AWQ_GROUP_SIZE
     raise UnsupportedModelError(
         f"quantized checkpoint with quant_method {method!r} is not supported ({problem}); "
         "jaxpaged loads fp8 checkpoints with per-tensor or per-channel scales (quant_method "
-        "'fp8', or 'compressed-tensors' in format 'float-quantized'), and quantizes float "
-        "checkpoints itself with --quantization int8 or fp8")
+        "'fp8', or 'compressed-tensors' in format 'float-quantized') and AutoAWQ checkpoints "
+        "(quant_method 'awq'), and quantizes float checkpoints itself with --quantization "
+        "int8, fp8 or awq")

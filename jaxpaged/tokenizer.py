@@ -7,12 +7,16 @@ import os
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from jaxpaged.models.gguf_loader import is_gguf
+from jaxpaged.models.gguf_tokenizer import gguf_tokenizer
+
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """Load the tokenizer stored in directory ``path``.
 
     Args:
-        path: the tokenizer's directory.
+        path: the tokenizer's directory, or a GGUF file (its tokenizer and chat template:
+            :func:`jaxpaged.models.gguf_tokenizer.gguf_tokenizer`).
         trust_remote_code: allow a tokenizer class shipped as Python code in the directory
             (``auto_map`` in ``tokenizer_config.json``) to be imported and run (vLLM's
             ``--trust-remote-code``). Off, such a tokenizer is refused; transformers is never
@@ -21,7 +25,10 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
     Raises:
         FileNotFoundError: ``path`` is not a directory or holds no loadable tokenizer (or
             only one that needs ``trust_remote_code``).
+        jaxpaged.models.gguf_loader.BadGGUFError: an unreadable GGUF file.
     """
+    if is_gguf(path):
+        return gguf_tokenizer(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer directory {path!r} does not exist")
     try:

@@ -28,6 +28,7 @@ from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs, cli_error_messa
 from jaxpaged.engine.async_engine import AsyncEngine
 from jaxpaged.engine.follower import run_follower
 from jaxpaged.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+from jaxpaged.models.gguf_loader import is_gguf
 from jaxpaged.server.app import build_app
 from jaxpaged.server.reasoning import REASONING_PARSERS
 from jaxpaged.server.serving import ServerConfig
@@ -50,8 +51,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and "
                         f"/detokenize (default: ${API_KEY_ENV})")
     g.add_argument("--served-model-name", nargs="+", default=None,
-                   help="names clients use as 'model' (default: the model path; 'stories260K' "
-                        "for the bundled model)")
+                   help="names clients use as 'model' (default: the model path; a GGUF's file "
+                        "name; 'stories260K' for the bundled model)")
     g.add_argument("--chat-template", default=None,
                    help="Jinja chat template: a file, or the template itself")
     g.add_argument("--trust-request-chat-template", action="store_true",
@@ -127,7 +128,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
             ``--tool-call-parser``.
     """
     names = args.served_model_name or [
-        "stories260K" if args.model == DEFAULT_MODEL else args.model]
+        "stories260K" if args.model == DEFAULT_MODEL else
+        os.path.basename(args.model) if is_gguf(args.model) else args.model]
     if not all(names) or len(set(names)) != len(names):
         raise ValueError(f"--served-model-name needs distinct non-empty names, got {names}")
     template = args.chat_template

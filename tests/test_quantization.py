@@ -167,7 +167,7 @@ def test_dummy_weights_are_the_float_dummy_weights_quantized():
 
 def test_bad_quantization_value_is_a_clear_error(capsys):
     with pytest.raises(ValueError, match=r"EngineArgs\.quantization must be one of "
-                                         r"\('int8', 'fp8'\) or None, got 'int4'"):
+                                         r"\('int8', 'fp8', 'awq'\) or None, got 'int4'"):
         EngineArgs(quantization="int4")
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     assert EngineArgs.from_cli_args(parser.parse_args(["-q", "fp8"])).quantization == "fp8"
@@ -304,7 +304,9 @@ def test_fp8_tensors_never_load_as_floats(tmp_path):
 
 @pytest.mark.parametrize("quantization_config, named", [
     ({"quant_method": "gptq", "bits": 4, "group_size": 128}, r"quant_method 'gptq'.*this method"),
-    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
+    ({"quant_method": "awq", "bits": 8, "group_size": 128},
+     r"AWQ checkpoint with bits/zero_point/version \(8, True, 'gemm'\)"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv", "group_size": 128}, "'gemv'"),
     ({**FP8, "weight_block_size": [128, 128]}, r"quant_method 'fp8'.*block-wise scales"),
     ({**COMPRESSED_TENSORS_FP8, "format": "int-quantized"},
      r"quant_method 'compressed-tensors'.*format 'int-quantized'"),

@@ -27,7 +27,8 @@ class EngineArgs:
     """Engine configuration (vLLM's names).
 
     Attributes:
-        model: Hugging Face model directory (default: the bundled stories260K).
+        model: Hugging Face model directory or ``.gguf`` file (default: the bundled
+            stories260K).
         tokenizer: tokenizer directory (default: ``model``).
         trust_remote_code: let a tokenizer that ships its own Python code (``auto_map``)
             run it. Model code never runs: the architectures are jaxpaged's own and
@@ -36,7 +37,8 @@ class EngineArgs:
             float32 stays float32, 16-bit floats become bfloat16, unspecified is float32).
         load_format: ``auto`` (safetensors) or ``dummy`` (random weights).
         quantization: weight-only quantization of the decoder's projections, ``int8`` or
-            ``fp8`` (``jaxpaged.layers.quantization``); None keeps the checkpoint's weights
+            ``fp8`` (``jaxpaged.layers.quantization``) or 4-bit ``awq``
+            (``jaxpaged.layers.awq``); None keeps the checkpoint's weights
             (an fp8 checkpoint stays fp8).
         seed: engine seed; requests without a ``seed`` draw theirs from it.
         block_size: tokens per KV page.
@@ -169,8 +171,10 @@ class EngineArgs:
         d = EngineArgs()
         g = parser.add_argument_group("engine")
         g.add_argument("--model", default=d.model,
-                       help="Hugging Face model directory (default: the bundled stories260K)")
-        g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+                       help="Hugging Face model directory or GGUF file (default: the bundled "
+                            "stories260K)")
+        g.add_argument("--tokenizer", default=None,
+                       help="tokenizer directory (default: --model; a GGUF's own tokenizer)")
         g.add_argument("--trust-remote-code", action="store_true",
                        help="let a tokenizer that ships Python code run it (default: refused)")
         g.add_argument("--dtype", default=d.dtype, choices=DTYPES)

@@ -44,14 +44,11 @@ class LlamaAttention(nnx.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, dtype,
                  rngs: nnx.Rngs):
         h, d = config.hidden_size, config.head_dim
-        self.q_proj = linear(h, config.num_heads * d, config.qkv_bias, dtype, rngs,
-                             config.quantization)
-        self.k_proj = linear(h, config.num_kv_heads * d, config.qkv_bias, dtype, rngs,
-                             config.quantization)
-        self.v_proj = linear(h, config.num_kv_heads * d, config.qkv_bias, dtype, rngs,
-                             config.quantization)
-        self.o_proj = linear(config.num_heads * d, h, config.o_bias, dtype, rngs,
-                             config.quantization)
+        quant = (config.quantization, config.quantization_group_size)
+        self.q_proj = linear(h, config.num_heads * d, config.qkv_bias, dtype, rngs, *quant)
+        self.k_proj = linear(h, config.num_kv_heads * d, config.qkv_bias, dtype, rngs, *quant)
+        self.v_proj = linear(h, config.num_kv_heads * d, config.qkv_bias, dtype, rngs, *quant)
+        self.o_proj = linear(config.num_heads * d, h, config.o_bias, dtype, rngs, *quant)
         norm = lambda: RMSNorm(d, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.q_norm, self.k_norm = norm(), norm()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
@@ -83,9 +80,10 @@ class LlamaMLP(nnx.Module):
 
     def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = linear(h, i, False, dtype, rngs, config.quantization)
-        self.up_proj = linear(h, i, False, dtype, rngs, config.quantization)
-        self.down_proj = linear(i, h, False, dtype, rngs, config.quantization)
+        quant = (config.quantization, config.quantization_group_size)
+        self.gate_proj = linear(h, i, False, dtype, rngs, *quant)
+        self.up_proj = linear(h, i, False, dtype, rngs, *quant)
+        self.down_proj = linear(i, h, False, dtype, rngs, *quant)
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def __call__(self, x):

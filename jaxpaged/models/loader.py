@@ -1,4 +1,4 @@
-"""Load a Hugging Face model directory (or dummy weights) into a Flax NNX model.
+"""Load a Hugging Face model directory, a GGUF file (or dummy weights) into a Flax NNX model.
 
 A parameter at NNX path ``a.b.c.<leaf>`` comes from the safetensors tensor ``a.b.c.weight``
 (or ``.bias``): ``nnx.Linear`` kernels are stored transposed ([in, out]) relative to torch's
@@ -6,7 +6,9 @@ A parameter at NNX path ``a.b.c.<leaf>`` comes from the safetensors tensor ``a.b
 (:class:`jaxpaged.models.mixtral.ExpertWeights` at ``a.experts.w1``) come from the per-expert
 tensors ``a.experts.{e}.w1.weight``, each transposed (and quantized, with its scales in
 ``a.experts.w1_scale``, as a ``QuantizedLinear``'s are).
-A ``QuantizedLinear``'s
+An ``AWQLinear``'s ``qweight``, ``qzeros`` and ``scales`` come from the tensors of
+those names (AutoAWQ's layout, ``[in, ...]`` already: not transposed), or are quantized from a
+float ``a.b.c.weight``. A ``QuantizedLinear``'s
 ``kernel`` and ``scale`` both come from ``a.b.c.weight``: a float tensor is transposed and
 quantized on the host (``jaxpaged.layers.quantization``); an fp8 one (a checkpoint stored in
 fp8) is taken as it is, with its ``a.b.c.weight_scale``. An 8-bit tensor never loads into a
@@ -34,14 +36,19 @@ from safetensors import SafetensorError, safe_open
 from jaxpaged.config import ModelConfig, UnsupportedModelError
 from jaxpaged.distributed.tensor_parallel import TensorParallel
 from jaxpaged.layers.attention import AttentionBackend
+from jaxpaged.layers.awq import DEFAULT_GROUP_SIZE, AWQLinear, quantize_awq
 from jaxpaged.layers.quantization import (QUANTIZED_DTYPES, QuantizedLinear, per_channel_scale,
                                           quantize_weight)
+from jaxpaged.models.gguf_loader import GGUFCheckpoint, is_gguf
 from jaxpaged.models.mixtral import ExpertScales, ExpertWeights
 from jaxpaged.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+#: An :class:`AWQLinear`'s parameters, all read from ``<projection>.{qweight,qzeros,scales}``.
+_AWQ_LEAVES = ("qweight", "qzeros", "scales")
+_QUANTIZED_LEAVES = ("kernel", "scale") + _AWQ_LEAVES
 #: safetensors dtypes its numpy reader cannot build (it looks them up on numpy itself).
 _RAW_DTYPES = {"F8_E4M3": QUANTIZED_DTYPES["fp8"]}
 #: Checkpoint tensors no model reads, as vLLM skips them: rotary caches, and the activation
@@ -62,7 +69,9 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
 
     Args:
         model_dir: Hugging Face directory with ``model.safetensors`` or
-            ``model.safetensors.index.json`` plus shards (ignored for ``dummy``).
+            ``model.safetensors.index.json`` plus shards, or a ``.gguf`` file
+            (:class:`jaxpaged.models.gguf_loader.GGUFCheckpoint`: tensors dequantized on the
+            host); ignored for ``dummy``.
         config: parsed ``config.json``; its ``quantization`` makes the decoder's projections
             :class:`QuantizedLinear` (float checkpoint tensors are quantized while loading).
         dtype: parameter dtype; checkpoint tensors are cast to it (quantized kernels and
@@ -84,6 +93,8 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
             without a usable ``weight_scale`` (absent, or NaN, infinite or negative).
     """
     cls = model_class(config.architecture)
+    if config.quantization == "awq" and tp is not None and tp.size > 1:
+        raise UnsupportedModelError("AWQ weights with tensor parallelism are not supported yet")
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose from {list(LOAD_FORMATS)}")
     tp = tp or TensorParallel.create(1, config)
@@ -94,9 +105,10 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
         return nnx.merge(graphdef, _dummy_state(cls, config, backend, dtype, seed, tp,
                                                 abstract_state))
     flat = nnx.to_flat_state(abstract_state)
-    reader = _SafetensorsReader(model_dir)
+    reader = (GGUFCheckpoint(model_dir, config.num_heads, config.num_kv_heads)
+              if is_gguf(model_dir) else _SafetensorsReader(model_dir))
     quantized_modules = {p for p, node in nnx.iter_graph(abstract)
-                         if isinstance(node, QuantizedLinear)}
+                         if isinstance(node, (QuantizedLinear, AWQLinear))}
     quantized = {}   # checkpoint name -> kernel and scale, from a module's kernel to its scale
     missing, bad_shapes = {}, []   # missing: an ordered set of names
     for path, var in flat:
@@ -107,9 +119,10 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
                 quantized = {key: _read_experts(reader, key, var.shape[0], config.quantization)}
             name, parts = quantized[key]
             arr = parts.get("scale" if isinstance(var, ExpertScales) else "kernel")
-        elif path[:-1] in quantized_modules and path[-1] in ("kernel", "scale"):
+        elif path[:-1] in quantized_modules and path[-1] in _QUANTIZED_LEAVES:
             if name not in quantized:
-                quantized = {name: _quantized_weight(reader, name, config.quantization)}
+                quantized = {name: _quantized_weight(reader, name, config.quantization,
+                                                     config.quantization_group_size)}
             arr = quantized[name].get(path[-1])
         else:
             arr = reader.get(name)
@@ -193,6 +206,8 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
     """NNX parameter path -> (safetensors tensor name, whether to transpose)."""
     *prefix, leaf = (str(p) for p in path)
     base = ".".join(prefix)
+    if leaf in _AWQ_LEAVES:
+        return f"{base}.qweight", False
     if leaf == "kernel" or prefix[-1:] == ["experts"]:
         return f"{base}.weight", True
     if leaf == "bias":
@@ -201,10 +216,11 @@ def _hf_name(path: tuple) -> tuple[str, bool]:
     return f"{base}.weight", False
 
 
-def _quantized_weight(reader: "_SafetensorsReader", name: str, method: str
-                      ) -> dict[str, np.ndarray]:
+def _quantized_weight(reader: "_SafetensorsReader", name: str, method: str,
+                      group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, np.ndarray]:
     """``kernel`` [in, out] and ``scale`` [out] of the :class:`QuantizedLinear` whose
-    checkpoint weight ([out, in]) is ``name``; empty if the checkpoint lacks it.
+    checkpoint weight ([out, in]) is ``name``, or for ``awq`` the :class:`AWQLinear` parts of
+    ``<base>.qweight`` (:func:`_awq_weight`); empty if the checkpoint lacks it.
 
     A float weight is quantized by ``method``; an fp8 weight is taken as stored, with its
     per-tensor or per-channel ``<name>_scale``.
@@ -213,6 +229,8 @@ def _quantized_weight(reader: "_SafetensorsReader", name: str, method: str
         UnsupportedModelError: an 8-bit weight that is not fp8 for an fp8 model.
         MissingWeightsError: an fp8 weight without a usable ``<name>_scale``.
     """
+    if method == "awq":
+        return _awq_weight(reader, name.removesuffix(".qweight"), group_size)
     weight = reader.get(name)
     if weight is None:
         return {}
@@ -231,6 +249,34 @@ def _quantized_weight(reader: "_SafetensorsReader", name: str, method: str
         return {"kernel": weight.T, "scale": per_channel_scale(weight_scale, weight.shape[0])}
     except ValueError as e:
         raise MissingWeightsError(f"{name}_scale: {e}") from e
+
+
+def _awq_weight(reader, base: str, group_size: int) -> dict[str, np.ndarray]:
+    """``qweight``, ``qzeros`` and float32 ``scales`` of projection ``base``: as stored by an
+    AutoAWQ checkpoint, or quantized from a float ``<base>.weight`` ([out, in]) by
+    :func:`jaxpaged.layers.awq.quantize_awq`; empty if the checkpoint has neither.
+
+    Raises:
+        MissingWeightsError: ``qweight`` without int32 ``qzeros`` and finite ``scales``.
+        UnsupportedModelError: an 8-bit ``<base>.weight``.
+    """
+    qweight = reader.get(f"{base}.qweight")
+    if qweight is None:
+        weight = reader.get(f"{base}.weight")
+        if weight is None:
+            return {}
+        if weight.dtype.itemsize == 1:
+            raise UnsupportedModelError(f"tensor {base}.weight is stored in 8 bits "
+                                        f"({weight.dtype}); --quantization awq needs float weights")
+        return dict(zip(_AWQ_LEAVES, quantize_awq(weight.T, group_size)))
+    qzeros, scales = reader.get(f"{base}.qzeros"), reader.get(f"{base}.scales")
+    if qzeros is None or scales is None or {qweight.dtype, qzeros.dtype} != {np.dtype(np.int32)}:
+        raise MissingWeightsError(f"{base}.qweight needs int32 {base}.qweight and {base}.qzeros "
+                                  f"and {base}.scales (AutoAWQ's GEMM layout)")
+    if not np.isfinite(scales).all():
+        raise MissingWeightsError(f"{base}.scales holds NaN or infinite values; the checkpoint "
+                                  "is corrupt")
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scales.astype(np.float32)}
 
 
 class _SafetensorsReader:
