@@ -21,6 +21,7 @@ from starlette.responses import Response
 from jaxpaged.chat_utils import ChatTemplateError, encode_chat, render_chat
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling_params import MAX_LOGPROBS
+from jaxpaged.structured_output.grammar import after_reasoning
 from jaxpaged.server.chat_output import ChoiceOutputParser, assistant_message, delta_messages
 from jaxpaged.server.errors import bad_request, error_body
 from jaxpaged.server.protocol import (ChatChoice, ChatChunkChoice,
@@ -128,6 +129,12 @@ class OpenAIServingChat(OpenAIServing):
         schema = forced_call_schema(body, tool_choice)
         if schema is not None:      # "required" / a named function: the format is enforced
             params = with_forced_call(params, schema)
+        reasoning = parser().reasoning
+        if reasoning is not None and params.structured_outputs is not None:
+            opening = reasoning.grammar_opening()     # the grammar starts after the reasoning
+            if opening is not None:
+                params = dataclasses.replace(params, structured_outputs=after_reasoning(
+                    params.structured_outputs, reasoning.start, reasoning.end, opening))
         request_id = self.request_id(raw_request, "chatcmpl")
         return await self.respond(
             raw_request, body, request_id, [prompt], [params], "messages",

@@ -291,3 +291,38 @@ def test_a_grammar_that_fails_to_compile_ends_its_sequence_only(stories, monkeyp
     assert outs[0].outputs[0].token_ids == [2] and outs[0].outputs[0].finish_reason == "stop"
     alone = stories.generate(["Once"], free, use_tqdm=False)[0]
     assert outs[1].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("opening, expected", [
+    # (think block, body), (body alone), (no opening tag, then body), (an open block)
+    ("inside", [True, False, True, False]),
+    ("optional", [True, True, False, False]),
+    ("untagged_reasoning", [True, False, True, False]),
+])
+def test_after_reasoning_puts_the_grammar_behind_the_think_block(opening, expected):
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from jaxpaged.structured_output.grammar import after_reasoning, serialize
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(TOKENIZERS, "qwen2"))
+    ll = llguidance.hf.from_tokenizer(tok)
+    specs = {'{"a":1}': StructuredOutputsParams(json={"type": "object", "properties": {
+        "a": {"type": "integer"}}, "required": ["a"]}, disable_any_whitespace=True),
+             "123-ab": StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2}"),
+             "no way": StructuredOutputsParams(choice=["yes", "no way"])}
+    for body, params in specs.items():
+        grammar = serialize(after_reasoning(params, "<think>", "</think>", opening))
+        got = []
+        for pieces in (["<think>\nhm, x</think>\n\n", body], [body], ["hm</think>", body],
+                       ["<think>hm"]):
+            matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
+            ids = [t for p in pieces for t in tok.encode(p, add_special_tokens=False)]
+            got.append(all(matcher.consume_token(t) for t in ids) and matcher.is_accepting())
+        assert got == expected, (body, opening)
+        assert not all(llguidance.LLMatcher(ll, serialize(params), log_level=0).consume_token(t)
+                       for t in tok.encode("hm</think>", add_special_tokens=False))
+    grammar_kind = StructuredOutputsParams(grammar='start: "x"')
+    assert after_reasoning(grammar_kind, "<think>", "</think>", "inside") is grammar_kind
+    with pytest.raises(ValueError, match="opening"):
+        after_reasoning(specs["123-ab"], "<think>", "</think>", "sometimes")

@@ -104,3 +104,70 @@ def validate(params: StructuredOutputsParams) -> None:
 @functools.lru_cache(maxsize=256)
 def _validation_error(key: str) -> str:
     return llguidance.LLMatcher.validate_grammar(_serialize(key), None)
+
+
+#: How the output may begin a reasoning block (:func:`after_reasoning`).
+REASONING_OPENINGS = ("inside", "optional", "untagged_reasoning")
+
+
+def after_reasoning(params: StructuredOutputsParams, start: str, end: str,
+                    opening: str) -> StructuredOutputsParams:
+    """``params``' grammar behind a reasoning block, as one Lark grammar: free text up to the
+    ``end`` tag (llguidance's ``stop`` on a rule), optional whitespace, then the constrained
+    output. vLLM starts the grammar once its reasoning parser sees the end of the reasoning
+    (``vllm/v1/structured_output/__init__.py``, ``should_advance``); here the same effect
+    is in the grammar, so the engine needs nothing more.
+
+    Args:
+        params: the request's structured output (``json``, ``json_object``, ``regex`` or
+            ``choice``; a ``grammar`` is returned as it is: it constrains from the first
+            token).
+        start, end: the block's tags (``<think>``, ``</think>``).
+        opening: ``"inside"``: the prompt opened the block, so the output reasons first;
+            ``"optional"``: the output may open it with ``start``, else it has none;
+            ``"untagged_reasoning"``: it may open it with ``start``, and reasons until
+            ``end`` either way (DeepSeek-R1's models).
+
+    Raises:
+        SamplingParamsError: as :func:`serialize` (a JSON schema that is not JSON).
+        ValueError: an unknown ``opening``.
+    """
+    if opening not in REASONING_OPENINGS:
+        raise ValueError(f"opening must be one of {REASONING_OPENINGS}, got {opening!r}")
+    body = _lark_body(params)
+    if body is None:
+        return params
+    think = f"{json.dumps(start)} think_text"
+    lead = {"inside": "think_text", "optional": f"({think})?",
+            "untagged_reasoning": f"{json.dumps(start)}? think_text"}[opening]
+    return StructuredOutputsParams(grammar=(
+        f"start: {lead} /[ \\t\\n]*/ body\n"
+        f"think_text[stop={json.dumps(end)}]: /(.|\\n)*/\n"
+        f"body: {body}\n"))
+
+
+def _lark_body(params: StructuredOutputsParams) -> str | None:
+    """``params``' constraint as a Lark expression (None for a ``grammar``)."""
+    kind, spec = params.kind, getattr(params, params.kind)
+    if kind in ("json", "json_object"):
+        schema = {"type": "object"} if kind == "json_object" else spec
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise SamplingParamsError("structured_outputs.json",
+                                          f"is not valid JSON: {e}") from None
+        schema = copy.deepcopy(schema)
+        if params.disable_additional_properties:
+            _close_objects(schema)
+        options = {"whitespace_flexible": not params.disable_any_whitespace}
+        if params.whitespace_pattern is not None:
+            options["whitespace_pattern"] = params.whitespace_pattern
+        if isinstance(schema, dict):
+            schema["x-guidance"] = {**options, **schema.get("x-guidance", {})}
+        return "%json " + json.dumps(schema)
+    if kind == "regex":
+        return "/" + spec.replace("/", "\\/") + "/"
+    if kind == "choice":
+        return " | ".join(json.dumps(c) for c in spec)
+    return None

@@ -42,6 +42,16 @@ class ThinkReasoningParser:
         self.state = initial_state(prompt_tail, self.start, self.end)
         self._buffer = ""
 
+    def grammar_opening(self) -> str | None:
+        """How a structured output's grammar must let the output begin in this state
+        (:func:`jaxpaged.structured_output.grammar.after_reasoning`'s ``opening``), or None
+        when the reasoning already ended (the grammar applies from the first token)."""
+        if self.state == REASONING:
+            return "inside"
+        if self.state == AWAIT:
+            return "optional" if self.untagged == CONTENT else "untagged_reasoning"
+        return None
+
     def feed(self, text: str) -> tuple[str, str]:
         """``(reasoning, content)`` of the next text delta (either may be empty)."""
         self._buffer += text

@@ -323,3 +323,27 @@ def test_required_and_named_choices_are_enforced_on_a_model_that_knows_no_tools(
             entry["arguments"] += delta.function.arguments or ""
     assert [(e["name"], json.loads(e["arguments"])) for e in streamed.values()] == [
         (c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("prefill", [True, False])
+def test_structured_outputs_start_after_the_reasoning(server, client, monkeypatch, caplog,
+                                                      prefill):
+    # A think block then the JSON: the grammar admits every token of it only because the
+    # server puts the schema behind the reasoning (after_reasoning); without a reasoning
+    # parser the same tokens break the grammar at the first one.
+    text = ("" if prefill else "<think>") + 'plan it</think>\n{"city":"Paris"}'
+    n = force(monkeypatch, server, {"think-json": text})["think-json"]
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"]}
+    fields = {"response_format": {"type": "json_schema",
+                                  "json_schema": {"name": "w", "schema": schema}},
+              "extra_body": {"chat_template_kwargs": {"prefill_think": prefill}}}
+    refused = "structured output: the grammar refused"
+    with server.configured(reasoning_parser="qwen3"), caplog.at_level("WARNING"):
+        m = ask(client, "think-json", n, **fields).choices[0].message
+    assert (m.model_extra["reasoning"], m.content) == ("plan it", '\n{"city":"Paris"}')
+    assert not [r for r in caplog.records if refused in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        ask(client, "think-json", n, **fields)
+    assert [r for r in caplog.records if refused in r.getMessage()]
