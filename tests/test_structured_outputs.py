@@ -294,10 +294,11 @@ def test_a_grammar_that_fails_to_compile_ends_its_sequence_only(stories, monkeyp
 
 
 @pytest.mark.parametrize("opening, expected", [
-    # (think block, body), (body alone), (no opening tag, then body), (an open block)
-    ("inside", [True, False, True, False]),
-    ("optional", [True, True, False, False]),
-    ("untagged_reasoning", [True, False, True, False]),
+    # (think block, body), (body alone), (no opening tag, then body), (an open block),
+    # (blank space, then body: no block, so the constraint holds from the first token)
+    ("inside", [True, False, True, False, False]),
+    ("optional", [True, True, False, False, False]),
+    ("untagged_reasoning", [True, False, True, False, False]),
 ])
 def test_after_reasoning_puts_the_grammar_behind_the_think_block(opening, expected):
     import llguidance.hf
@@ -310,12 +311,13 @@ def test_after_reasoning_puts_the_grammar_behind_the_think_block(opening, expect
     specs = {'{"a":1}': StructuredOutputsParams(json={"type": "object", "properties": {
         "a": {"type": "integer"}}, "required": ["a"]}, disable_any_whitespace=True),
              "123-ab": StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2}"),
+             "a/b": StructuredOutputsParams(regex=r"a\/b"),     # an escaped slash stays one
              "no way": StructuredOutputsParams(choice=["yes", "no way"])}
     for body, params in specs.items():
         grammar = serialize(after_reasoning(params, "<think>", "</think>", opening))
         got = []
         for pieces in (["<think>\nhm, x</think>\n\n", body], [body], ["hm</think>", body],
-                       ["<think>hm"]):
+                       ["<think>hm"], [" \n", body]):
             matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
             ids = [t for p in pieces for t in tok.encode(p, add_special_tokens=False)]
             got.append(all(matcher.consume_token(t) for t in ids) and matcher.is_accepting())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 
 import llguidance
 
@@ -137,11 +138,13 @@ def after_reasoning(params: StructuredOutputsParams, start: str, end: str,
     body = _lark_body(params)
     if body is None:
         return params
-    think = f"{json.dumps(start)} think_text"
-    lead = {"inside": "think_text", "optional": f"({think})?",
-            "untagged_reasoning": f"{json.dumps(start)}? think_text"}[opening]
+    # After the block, at most a few blank characters (Qwen3 writes "\n\n"); without one,
+    # the constraint holds from the first token.
+    think = "think_text /[ \\t\\n]{0,4}/"
+    lead = {"inside": think, "optional": f"({json.dumps(start)} {think})?",
+            "untagged_reasoning": f"{json.dumps(start)}? {think}"}[opening]
     return StructuredOutputsParams(grammar=(
-        f"start: {lead} /[ \\t\\n]*/ body\n"
+        f"start: {lead} body\n"
         f"think_text[stop={json.dumps(end)}]: /(.|\\n)*/\n"
         f"body: {body}\n"))
 
@@ -166,8 +169,8 @@ def _lark_body(params: StructuredOutputsParams) -> str | None:
         if isinstance(schema, dict):
             schema["x-guidance"] = {**options, **schema.get("x-guidance", {})}
         return "%json " + json.dumps(schema)
-    if kind == "regex":
-        return "/" + spec.replace("/", "\\/") + "/"
+    if kind == "regex":     # a Lark regex literal: every unescaped "/" escaped
+        return "/" + re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", spec) + "/"
     if kind == "choice":
         return " | ".join(json.dumps(c) for c in spec)
     return None
