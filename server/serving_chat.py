@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from jaxpaged.chat_utils import ChatTemplateError, encode_chat, render_chat
 from jaxpaged.outputs import CompletionOutput, RequestOutput
-from jaxpaged.sampling_params import MAX_LOGPROBS
+from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParamsError
 from jaxpaged.structured_output.grammar import after_reasoning
 from jaxpaged.server.chat_output import ChoiceOutputParser, assistant_message, delta_messages
 from jaxpaged.server.errors import bad_request, error_body
@@ -133,8 +133,11 @@ class OpenAIServingChat(OpenAIServing):
         if reasoning is not None and params.structured_outputs is not None:
             opening = reasoning.grammar_opening()     # the grammar starts after the reasoning
             if opening is not None:
-                params = dataclasses.replace(params, structured_outputs=after_reasoning(
-                    params.structured_outputs, reasoning.start, reasoning.end, opening))
+                try:
+                    params = dataclasses.replace(params, structured_outputs=after_reasoning(
+                        params.structured_outputs, reasoning.start, reasoning.end, opening))
+                except SamplingParamsError as e:     # the wrapped grammar did not compile
+                    raise bad_request(e.detail, "response_format") from None
         request_id = self.request_id(raw_request, "chatcmpl")
         return await self.respond(
             raw_request, body, request_id, [prompt], [params], "messages",
