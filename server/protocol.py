@@ -191,10 +191,15 @@ class ChatCompletionRequest(SamplingFields):
 # ---- responses --------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int | None = None
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -331,6 +336,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "jaxpaged"
     root: str | None = None
+    #: The base model an adapter applies to (vLLM's field); None for a base model.
+    parent: str | None = None
     max_model_len: int | None = None
 
 

@@ -44,7 +44,7 @@ from jaxpaged.outputs import Logprob, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from jaxpaged.server.config import ServerConfig
 from jaxpaged.server.errors import APIError, bad_request
-from jaxpaged.server.protocol import SamplingFields, TopLogprob, UsageInfo
+from jaxpaged.server.protocol import SamplingFields, TopLogprob
 
 logger = logging.getLogger("server")
 
@@ -116,9 +116,10 @@ class OpenAIServing:
                               f"{max_model_len} tokens (the maximum model length) of this "
                               f"tokenizer can hold", param)
 
-    @property
-    def model_name(self) -> str:
-        return self.config.served_model_names[0]
+    def model_name(self, requested: str | None) -> str:
+        """The ``model`` a response reports: the name the request asked for (any alias of
+        ``--served-model-name``), else the first served name (vLLM's ``_get_model_name``)."""
+        return requested or self.config.served_model_names[0]
 
     def check_model(self, name: str | None) -> None:
         """Raises APIError 404 (``model_not_found``) for a model that is not served."""
@@ -374,13 +375,6 @@ def sampling_error(e: SamplingParamsError, param_names: dict[str, str] | None = 
     SamplingParams names to request names, e.g. ``logprobs`` -> ``top_logprobs`` for chat)."""
     param = (param_names or {}).get(e.param, e.param)
     return bad_request(param + e.detail[len(e.param):], param)
-
-
-def usage(prompts: list[PreparedPrompt], completion_tokens: int) -> UsageInfo:
-    """Token counts of a response (the prompts counted once each, whatever ``n``)."""
-    num_prompt = sum(len(p.token_ids) for p in prompts)
-    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=completion_tokens,
-                     total_tokens=num_prompt + completion_tokens)
 
 
 def clamp_logprob(value: float) -> float:

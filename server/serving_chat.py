@@ -28,8 +28,8 @@ from jaxpaged.server.protocol import (ChatChoice, ChatChunkChoice,
                                       ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                       DeltaMessage, TokenLogprob)
 from jaxpaged.server.reasoning import REASONING_PARSERS
-from jaxpaged.server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, off_loop, sse,
-                                     usage)
+from jaxpaged.server.serving import OpenAIServing, PreparedPrompt, clamp_logprob, off_loop, sse
+from jaxpaged.server.usage import cached_tokens, usage
 from jaxpaged.server.tool_calls import (conversation_message, forced_call_schema,
                                         template_tools, tool_choice_of, tool_parser_for)
 
@@ -161,8 +161,10 @@ class OpenAIServingChat(OpenAIServing):
                                       finish_reason=p.finish_reason(self._finish(prompt, out)),
                                       stop_reason=out.stop_reason))
             completion_tokens += len(ids_out)
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=usage([prompt], completion_tokens))
+        cached = cached_tokens(self.engine.args.enable_prefix_caching, [final.num_cached_tokens])
+        return ChatCompletionResponse(id=request_id, model=self.model_name(body.model),
+                                      choices=choices,
+                                      usage=usage([prompt], completion_tokens, cached))
 
     @staticmethod
     def _finish(prompt: PreparedPrompt, out: CompletionOutput) -> str | None:
@@ -186,19 +188,20 @@ class OpenAIServingChat(OpenAIServing):
                                         top_logprobs=self.top_logprobs(entry, k, as_ids)))
         return out.text, out.token_ids, ChatLogprobs(content=content)
 
-    def _chunk(self, request_id: str, choice: ChatChunkChoice) -> str:
-        return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice]))
+    def _chunk(self, request_id: str, model: str, choice: ChatChunkChoice) -> str:
+        return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))
 
     async def _stream(self, request_id: str, body: ChatCompletionRequest, prompt: PreparedPrompt,
                       streams, raw_request: Request, parser) -> AsyncIterator[str]:
-        parsers = [parser() for _ in range(body.n)]
+        parsers, model = [parser() for _ in range(body.n)], self.model_name(body.model)
         for index in range(body.n):
-            yield self._chunk(request_id, ChatChunkChoice(
+            yield self._chunk(request_id, model, ChatChunkChoice(
                 index=index, delta=DeltaMessage(role="assistant", content="")))
-        completion_tokens = 0
+        completion_tokens, num_cached = 0, 0
         async with self.abort_on_disconnect(raw_request, streams):
             try:
                 async for out in streams[0]:
+                    num_cached = out.num_cached_tokens
                     for seq in out.outputs:
                         text, ids_out, logprobs = self._content(body, prompt, seq)
                         completion_tokens += len(ids_out)
@@ -212,7 +215,7 @@ class OpenAIServingChat(OpenAIServing):
                             deltas = [DeltaMessage(content="")]
                         for i, message in enumerate(deltas):
                             last = finish if i == len(deltas) - 1 else None
-                            yield self._chunk(request_id, ChatChunkChoice(
+                            yield self._chunk(request_id, model, ChatChunkChoice(
                                 index=seq.index, delta=message,
                                 logprobs=logprobs if i == 0 else None, finish_reason=last,
                                 stop_reason=seq.stop_reason if last else None))
@@ -220,6 +223,7 @@ class OpenAIServingChat(OpenAIServing):
                 yield sse(error_body(self.request_error(e)))
         opts = body.stream_options
         if opts is not None and opts.include_usage:
-            yield sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[],
-                                          usage=usage([prompt], completion_tokens)))
+            cached = cached_tokens(self.engine.args.enable_prefix_caching, [num_cached])
+            yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[],
+                                          usage=usage([prompt], completion_tokens, cached)))
         yield sse("[DONE]")

@@ -17,7 +17,8 @@ from jaxpaged.server.errors import bad_request, error_body
 from jaxpaged.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                       CompletionResponse, PromptLogprob)
 from jaxpaged.server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, merge_streams,
-                                     off_loop, sse, usage)
+                                     off_loop, sse)
+from jaxpaged.server.usage import cached_tokens, usage
 
 #: OpenAI's default ``max_tokens`` for legacy completions.
 DEFAULT_MAX_TOKENS = 16
@@ -61,8 +62,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice.index = i * body.n + out.index
                 choices.append(choice)
                 completion_tokens += n_tokens
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                  usage=usage(prompts, completion_tokens))
+        cached = cached_tokens(self.engine.args.enable_prefix_caching,
+                               (f.num_cached_tokens for f in finals))
+        return CompletionResponse(id=request_id, model=self.model_name(body.model),
+                                  choices=choices, usage=usage(prompts, completion_tokens, cached))
 
     def _prepare_prompts(self, body: CompletionRequest) -> list[PreparedPrompt]:
         prompt = body.prompt
@@ -165,9 +168,15 @@ class OpenAIServingCompletion(OpenAIServing):
             else:
                 lp.tokens.append(text)
                 lp.token_logprobs.append(clamp_logprob(entry[token_id].logprob))
-                top = {self.token_text(t, v, as_ids): clamp_logprob(v.logprob)
-                       for t, v in entry.items() if v.rank is not None and
-                       (v.rank <= body.logprobs or t == token_id)}
+                # the token's own entry is keyed by its text in ``tokens`` (an echoed prompt
+                # token's share of the prompt may differ from its decoded piece) and wins a
+                # clash with another token decoding to the same text
+                top = {}
+                for t, v in entry.items():
+                    if t == token_id:
+                        top[text] = lp.token_logprobs[-1]
+                    elif v.rank is not None and v.rank <= body.logprobs:
+                        top.setdefault(self.token_text(t, v, as_ids), clamp_logprob(v.logprob))
                 lp.top_logprobs.append(top)
             lp.text_offset.append(offset)
             offset += len(text)
@@ -176,11 +185,14 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, request_id: str, body: CompletionRequest,
                       prompts: list[PreparedPrompt], streams, raw_request: Request
                       ) -> AsyncIterator[str]:
+        model = self.model_name(body.model)
         offsets: dict[int, int] = {}     # per choice index: where its next text starts
+        num_cached: dict[int, int] = {}  # per prompt: its prefix-cache hits
         completion_tokens = 0
         async with self.abort_on_disconnect(raw_request, streams):
             try:
                 async for i, out in merge_streams(streams):
+                    num_cached[i] = out.num_cached_tokens
                     choices = []
                     for seq in out.outputs:
                         index = i * body.n + seq.index
@@ -191,13 +203,14 @@ class OpenAIServingCompletion(OpenAIServing):
                         if choice.text or choice.finish_reason or choice.logprobs:
                             choices.append(choice)
                     if choices:
-                        yield sse(CompletionResponse(id=request_id, model=self.model_name,
+                        yield sse(CompletionResponse(id=request_id, model=model,
                                                      choices=choices))
             except Exception as e:   # noqa: BLE001 - the stream has started: report in-band
                 yield sse(error_body(self.request_error(e)))
         opts = body.stream_options
         if opts is not None and opts.include_usage:
-            yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[],
-                                         usage=usage(prompts, completion_tokens)))
+            cached = cached_tokens(self.engine.args.enable_prefix_caching, num_cached.values())
+            yield sse(CompletionResponse(id=request_id, model=model, choices=[],
+                                         usage=usage(prompts, completion_tokens, cached)))
         yield sse("[DONE]")
 
