@@ -142,8 +142,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
             completion.check_text_length(body.prompt, "prompt")
             ids = await off_loop(tokenizer.encode, body.prompt, add_special_tokens=special)
         else:
-            ids = await off_loop(chat.render, body.messages, body.add_generation_prompt,
-                                 add_special_tokens=bool(body.add_special_tokens))
+            ids = await chat.render_request(body, bool(body.add_special_tokens))
         return JSONResponse(TokenizeResponse(count=len(ids), tokens=ids,
                                              max_model_len=engine.engine.max_model_len).model_dump())
 

@@ -358,13 +358,19 @@ class ErrorResponse(BaseModel):
 
 
 class TokenizeRequest(_Request):
-    """``POST /tokenize``: a ``prompt`` or chat ``messages`` (rendered with the template)."""
+    """``POST /tokenize``: a ``prompt`` or chat ``messages``, rendered with every rendering
+    argument the chat route takes (vLLM's ``TokenizeChatRequest``), so the ids are the ones
+    chat runs."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
 
 
 class TokenizeResponse(BaseModel):

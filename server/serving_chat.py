@@ -26,7 +26,7 @@ from jaxpaged.server.errors import bad_request, error_body
 from jaxpaged.server.protocol import (ChatChoice, ChatChunkChoice,
                                       ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatLogprobs, ChatMessage,
-                                      DeltaMessage, TokenLogprob)
+                                      DeltaMessage, TokenizeRequest, TokenLogprob)
 from jaxpaged.server.reasoning import REASONING_PARSERS
 from jaxpaged.server.serving import OpenAIServing, PreparedPrompt, clamp_logprob, off_loop, sse
 from jaxpaged.server.usage import cached_tokens, usage
@@ -79,6 +79,27 @@ class OpenAIServingChat(OpenAIServing):
                               "messages")
         return ids
 
+    async def render_request(self, body: ChatCompletionRequest | TokenizeRequest,
+                             add_special_tokens: bool) -> list[int]:
+        """Prompt ids of a chat request's conversation, or a ``/tokenize`` request's: the
+        same rendering arguments (``add_generation_prompt``, ``continue_final_message``,
+        ``chat_template``, ``chat_template_kwargs`` over ``--default-chat-template-kwargs``,
+        ``tools``), so ``/tokenize`` answers the ids chat runs.
+
+        Raises:
+            APIError 400: a ``chat_template`` without ``--trust-request-chat-template``;
+                as :meth:`render`.
+        """
+        if body.chat_template is not None and not self.config.trust_request_chat_template:
+            raise bad_request("a chat_template in the request is refused: this server renders "
+                              "only its own template (start it with "
+                              "--trust-request-chat-template to accept them)", "chat_template")
+        template_kwargs = {**(self.config.default_chat_template_kwargs or {}),
+                           **(body.chat_template_kwargs or {})}
+        return await off_loop(self.render, body.messages, body.add_generation_prompt,
+                              body.continue_final_message, template_kwargs, add_special_tokens,
+                              body.chat_template, template_tools(body))
+
     async def create(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
         """Answer one chat request (JSON, or SSE when ``stream``).
 
@@ -89,10 +110,6 @@ class OpenAIServingChat(OpenAIServing):
         """
         self.check_model(body.model)
         self.check_request(body)
-        if body.chat_template is not None and not self.config.trust_request_chat_template:
-            raise bad_request("a chat_template in the request is refused: this server renders "
-                              "only its own template (start it with "
-                              "--trust-request-chat-template to accept them)", "chat_template")
         if body.top_logprobs is not None:
             if not body.logprobs:
                 raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
@@ -100,11 +117,7 @@ class OpenAIServingChat(OpenAIServing):
                 raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
                                   f"{body.top_logprobs}", "top_logprobs")
         tool_choice = tool_choice_of(body, self.config)
-        template_kwargs = {**(self.config.default_chat_template_kwargs or {}),
-                           **(body.chat_template_kwargs or {})}
-        ids = await off_loop(self.render, body.messages, body.add_generation_prompt,
-                             body.continue_final_message, template_kwargs,
-                             body.add_special_tokens, body.chat_template, template_tools(body))
+        ids = await self.render_request(body, body.add_special_tokens)
         if body.max_completion_tokens is not None:
             limit_param, requested = "max_completion_tokens", body.max_completion_tokens
         else:

@@ -78,3 +78,45 @@ def test_an_alias_is_answered_with_its_own_name(http, client):
     cards = http.get("/v1/models").json()["data"]
     assert [(c["id"], c["parent"]) for c in cards] == [(MODEL, None), ("alias", None)]
     assert client.models.retrieve("alias").parent is None
+
+
+#: Reads every rendering argument: tools, a template variable, the generation prompt.
+RENDER_TEMPLATE = ("{% if tools %}tools: {{ tools | map(attribute='function.name') | join(',') }}"
+                   "\n{% endif %}{{ preamble | default('') }}{% for m in messages %}"
+                   "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                   "{% if add_generation_prompt %}assistant:{% endif %}")
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_tokenize_messages_renders_what_chat_runs(http, live_server, monkeypatch):
+    ran = []
+    add_request = live_server.engine.add_request
+
+    async def spy(request_id, prompt, *args, **kwargs):
+        ran.append(prompt["prompt_token_ids"])
+        return await add_request(request_id, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(live_server.engine, "add_request", spy)
+    user = {"role": "user", "content": "Lily"}
+    cases = [
+        {"messages": [user]},
+        {"messages": [user, {"role": "assistant", "content": "Once upon"}],
+         "add_generation_prompt": False, "continue_final_message": True},
+        {"messages": [user], "add_generation_prompt": False},
+        {"messages": [user], "chat_template": RENDER_TEMPLATE, "tools": [TOOL],
+         "chat_template_kwargs": {"preamble": "Stories.\n"}},
+        {"messages": [user], "add_special_tokens": True},
+    ]
+    texts = []
+    with live_server.configured(trust_request_chat_template=True):
+        for case in cases:
+            ids = http.post("/tokenize", json=case).json()["tokens"]
+            r = http.post("/v1/chat/completions", json={
+                **case, "model": MODEL, "max_tokens": 1, "temperature": 0, "tool_choice": "none"})
+            assert r.status_code == 200, r.text
+            assert ran.pop() == ids and r.json()["usage"]["prompt_tokens"] == len(ids)
+            texts.append(http.post("/detokenize", json={"tokens": ids}).json()["prompt"])
+    assert texts[1].endswith("assistant: Once upon")           # left open, no newline
+    assert texts[3].startswith("tools: get_weather\nStories.\nuser: Lily")
+    assert len(set(texts)) == len(texts)                        # each argument took effect
