@@ -105,8 +105,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         return await chat.create(await parse(request, ChatCompletionRequest), request)
 
     def cards() -> list[ModelCard]:
-        max_len = engine.engine.max_model_len if engine.is_ready else None
-        return [ModelCard(id=name, root=engine.args.model, max_model_len=max_len)
+        facts = {}
+        if engine.is_ready:
+            e = engine.engine
+            facts = dict(max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size,
+                         eos_token_ids=sorted(e.output_processor.eos_token_ids))
+        return [ModelCard(id=name, root=engine.args.model, **facts)
                 for name in config.served_model_names]
 
     async def models(request: Request) -> Response:

@@ -339,6 +339,11 @@ class ModelCard(BaseModel):
     #: The base model an adapter applies to (vLLM's field); None for a base model.
     parent: str | None = None
     max_model_len: int | None = None
+    #: Extra fields (jaxpaged's, in vLLM's style): every id that ends a sequence (the model
+    #: config's, generation config's and tokenizer's EOS ids, sorted) and the model's
+    #: vocabulary size (valid token ids are ``[0, vocab_size)``); null while loading.
+    eos_token_ids: list[int] | None = None
+    vocab_size: int | None = None
 
 
 class ModelList(BaseModel):

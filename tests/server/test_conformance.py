@@ -120,3 +120,14 @@ def test_tokenize_messages_renders_what_chat_runs(http, live_server, monkeypatch
     assert texts[1].endswith("assistant: Once upon")           # left open, no newline
     assert texts[3].startswith("tools: get_weather\nStories.\nuser: Lily")
     assert len(set(texts)) == len(texts)                        # each argument took effect
+
+
+def test_models_report_eos_ids_and_vocab_size(http, client):
+    """The bundled model's config.json: ``eos_token_id`` 2, ``vocab_size`` 512."""
+    for card in http.get("/v1/models").json()["data"]:
+        assert (card["eos_token_ids"], card["vocab_size"], card["max_model_len"]) == (
+            [2], 512, 128)
+    card = client.models.retrieve(MODEL)
+    assert card.eos_token_ids == [2] and card.vocab_size == 512
+    assert http.post("/detokenize", json={"tokens": [card.vocab_size - 1]}).status_code == 200
+    assert http.post("/detokenize", json={"tokens": [card.vocab_size]}).status_code == 400
