@@ -55,7 +55,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
 
     def too_large() -> APIError:
         return APIError(413, f"the request body exceeds {config.max_request_body_bytes} bytes",
-                        "invalid_request_error", None, "request_too_large")
+                        "invalid_request_error")
 
     async def parse(request: Request, model: type[BaseModel]):
         declared = request.headers.get("content-length", "")
@@ -67,7 +67,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
             # (text/plain, a form) never reaches the engine
             raise APIError(415, f"the request body must be JSON (Content-Type: "
                                 f"application/json), got Content-Type {media_type!r}",
-                           "invalid_request_error", None, "unsupported_media_type")
+                           "invalid_request_error")
         body = bytearray()
         try:
             async for chunk in request.stream():   # a chunked body (or a lying length)
@@ -244,7 +244,7 @@ class APIKeyMiddleware:
                     and scheme.lower() == b"bearer"):
                 response = error_response(APIError(
                     401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                    "invalid_request_error", None, "invalid_api_key"))
+                    "invalid_request_error"))
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

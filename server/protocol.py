@@ -355,7 +355,8 @@ class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: int | str | None = None
+    #: The HTTP status (vLLM's ``ErrorInfo.code``).
+    code: int
 
 
 class ErrorResponse(BaseModel):

@@ -126,7 +126,7 @@ class OpenAIServing:
         if name and name not in self.config.served_model_names:
             raise APIError(404, f"The model `{name}` does not exist; this server serves "
                                 f"{self.config.served_model_names}.", "NotFoundError",
-                           "model", "model_not_found")
+                           "model")
 
     @staticmethod
     def request_id(raw_request: Request, prefix: str) -> str:
@@ -295,7 +295,7 @@ class OpenAIServing:
         if isinstance(e, RequestTimeoutError):
             return APIError(504, f"the request did not finish within --request-timeout="
                                  f"{self.config.request_timeout:g} s and was aborted",
-                            "timeout_error", None, "request_timeout")
+                            "timeout_error")
         return engine_error(e)
 
     async def respond(self, raw_request: Request, body: SamplingFields, request_id: str,
@@ -394,7 +394,7 @@ def engine_error(e: BaseException) -> APIError:
     if isinstance(e, (EngineNotReadyError, EngineDeadError)):
         return APIError(503, str(e), "service_unavailable")
     if isinstance(e, TooManyPendingRequestsError):
-        return APIError(429, str(e), "rate_limit_error", None, "rate_limit_exceeded",
+        return APIError(429, str(e), "rate_limit_error", None,
                         {"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(e, RequestFailedError):
         return APIError(500, str(e), "internal_server_error")
