@@ -37,6 +37,13 @@ logger = logging.getLogger("server")
 
 #: Paths that need the API key (when one is set); health, metrics and version stay open.
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+#: OpenAI routes this server does not serve, and why (their 404 says so, not "Not Found").
+UNSERVED_ROUTES = {
+    "/v1/embeddings": "this server runs a generative model and serves no embeddings",
+    "/v1/responses": "this server does not serve the Responses API",
+    "/v1/audio/": "this model accepts text only",
+    "/v1/images/": "this model accepts text only",
+}
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
@@ -183,8 +190,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(exc.status_code, f"{exc.detail}: {request.method} "
-                                                        f"{request.url.path}", kind))
+        path, detail = request.url.path, exc.detail
+        why = next((w for p, w in UNSERVED_ROUTES.items() if path.startswith(p)), None)
+        if exc.status_code == 404 and why is not None:
+            detail = (f"{why}; it serves /v1/completions and /v1/chat/completions. "
+                      f"{request.method} {path} is not available")
+            return error_response(APIError(404, detail, kind))
+        return error_response(APIError(exc.status_code, f"{detail}: {request.method} {path}",
+                                       kind))
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         return error_response(APIError(500, f"internal error: {exc!r}", "internal_server_error"))

@@ -17,6 +17,7 @@ import time
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictStr
+from pydantic_core import PydanticCustomError
 
 
 def _integral(value):
@@ -37,6 +38,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool | None = None
+    #: vLLM's: with ``include_usage``, every chunk carries the usage so far.
+    continuous_usage_stats: bool | None = None
 
 
 class SamplingFields(_Request):
@@ -70,6 +73,8 @@ class SamplingFields(_Request):
     allowed_token_ids: list[Int] | None = None
     bad_words: list[str] | None = None
     return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: Int | None = None    # keep the last N prompt tokens (-1: the context)
+    return_token_ids: bool = False               # prompt_token_ids and each choice's token_ids
     cache_salt: str | None = None
     priority: Int = 0
     # Known fields of features this server lacks: refused with a 400 when set.
@@ -112,6 +117,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     prompt_logprobs: Int | None = None
     add_special_tokens: bool = True
+    prompt_embeds: Any = None                    # refused: prompts are text or token ids
 
 
 class TextPart(_Request):
@@ -158,9 +164,19 @@ class ToolCallIn(_Request):
     function: FunctionCallIn
 
 
+def _text_parts_only(value):
+    """Refuse a non-text content part with a message that says why (not a union's error)."""
+    for part in value if isinstance(value, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in (None, "text"):
+            raise PydanticCustomError("text_only", "a content part of type '{kind}' is not "
+                                      "supported: this model accepts text only", {"kind": kind})
+    return value
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts_only)] = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -182,6 +198,13 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
+    # vLLM's extras (echo the final message, prompt logprobs); output kinds other than text
+    # and fields of features this server lacks are refused
+    echo: bool = False
+    prompt_logprobs: Int | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    web_search_options: Any = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -222,6 +245,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None    # with return_token_ids
+    token_ids: list[int] | None = None           # with return_token_ids
 
 
 def _now() -> int:
@@ -279,6 +304,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None           # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -288,6 +314,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None    # with return_token_ids
 
 
 class DeltaFunctionCall(BaseModel):
@@ -319,6 +347,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None           # with return_token_ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -328,6 +357,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None    # the first chunk's, with return_token_ids
 
 
 class ModelCard(BaseModel):

@@ -15,10 +15,12 @@ from starlette.responses import Response
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.server.errors import bad_request, error_body
 from jaxpaged.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                      CompletionResponse, PromptLogprob)
+                                      CompletionResponse)
 from jaxpaged.server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, merge_streams,
                                      off_loop, sse)
 from jaxpaged.server.usage import cached_tokens, usage
+from jaxpaged.server.vllm_extras import (check_refused, continuous_usage, prompt_logprobs_json,
+                                         truncate_prompt)
 
 #: OpenAI's default ``max_tokens`` for legacy completions.
 DEFAULT_MAX_TOKENS = 16
@@ -36,6 +38,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         self.check_model(body.model)
         self.check_request(body)
+        check_refused(body)
         if body.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")
         if body.best_of is not None and body.best_of != body.n:
@@ -84,6 +87,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 if not p:
                     raise bad_request("prompt must not be empty (no token ids)", "prompt")
                 text, ids = None, list(p)
+            truncated = truncate_prompt(ids, body.truncate_prompt_tokens,
+                                        self.engine.engine.max_model_len)
+            if len(truncated) < len(ids):     # echo the prompt that ran
+                text, ids = None, truncated
             max_tokens = self.resolve_max_tokens(
                 len(ids), body.max_tokens,
                 self.engine.engine.generation_defaults.get("max_tokens", DEFAULT_MAX_TOKENS),
@@ -126,10 +133,11 @@ class OpenAIServingCompletion(OpenAIServing):
                                   finish_reason=finish,
                                   stop_reason=None if score_only else out.stop_reason)
         if first and body.prompt_logprobs is not None and final.prompt_logprobs is not None:
-            choice.prompt_logprobs = [None if e is None else {
-                str(t): PromptLogprob(logprob=clamp_logprob(v.logprob), rank=v.rank,
-                                      decoded_token=v.decoded_token) for t, v in e.items()}
-                for e in final.prompt_logprobs]
+            choice.prompt_logprobs = prompt_logprobs_json(final.prompt_logprobs)
+        if body.return_token_ids:
+            choice.token_ids = list(ids)
+            if first:
+                choice.prompt_token_ids = prompt.token_ids
         return choice, len(ids), end
 
     def _prompt_token_texts(self, ids: list[int]) -> list[str]:
@@ -188,7 +196,7 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.model_name(body.model)
         offsets: dict[int, int] = {}     # per choice index: where its next text starts
         num_cached: dict[int, int] = {}  # per prompt: its prefix-cache hits
-        completion_tokens = 0
+        completion_tokens, per_prompt = 0, [0] * len(prompts)
         async with self.abort_on_disconnect(raw_request, streams):
             try:
                 async for i, out in merge_streams(streams):
@@ -200,11 +208,15 @@ class OpenAIServingCompletion(OpenAIServing):
                             body, prompts[i], out, seq, offsets.get(index))
                         choice.index = index
                         completion_tokens += n_tokens
-                        if choice.text or choice.finish_reason or choice.logprobs:
+                        per_prompt[i] += n_tokens
+                        if choice.text or choice.finish_reason or choice.logprobs or \
+                                choice.token_ids:
                             choices.append(choice)
                     if choices:
-                        yield sse(CompletionResponse(id=request_id, model=model,
-                                                     choices=choices))
+                        chunk = CompletionResponse(id=request_id, model=model, choices=choices)
+                        if continuous_usage(body):    # vLLM: this prompt's counts so far
+                            chunk.usage = usage([prompts[i]], per_prompt[i])
+                        yield sse(chunk)
             except Exception as e:   # noqa: BLE001 - the stream has started: report in-band
                 yield sse(error_body(self.request_error(e)))
         opts = body.stream_options
