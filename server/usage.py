@@ -12,13 +12,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from jaxpaged.server.protocol import PromptTokensDetails, UsageInfo
+from jaxpaged.server.serving import PreparedPrompt
 
 
-def usage(prompts: list, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
+def usage(prompts: list[PreparedPrompt], completion_tokens: int,
+          cached_tokens: int | None = None) -> UsageInfo:
     """Token counts of a response (the prompts counted once each, whatever ``n``).
 
     Args:
-        prompts: the request's ``PreparedPrompt`` s.
+        prompts: the request's prompts.
         completion_tokens: generated tokens over all choices.
         cached_tokens: prompt tokens served from the prefix cache, summed over the prompts
             (None: prefix caching is off, no ``prompt_tokens_details``).
