@@ -75,6 +75,8 @@ class SamplingFields(_Request):
     return_tokens_as_token_ids: bool = False
     truncate_prompt_tokens: Int | None = None    # keep the last N prompt tokens (-1: the context)
     return_token_ids: bool = False               # prompt_token_ids and each choice's token_ids
+    logits_processors: Any = None                # refused: no custom logits processors
+    vllm_xargs: Any = None                       # refused: their arguments
     cache_salt: str | None = None
     priority: Int = 0
     # Known fields of features this server lacks: refused with a 400 when set.
@@ -202,6 +204,8 @@ class ChatCompletionRequest(SamplingFields):
     # and fields of features this server lacks are refused
     echo: bool = False
     prompt_logprobs: Int | None = None
+    include_reasoning: bool = True               # False: the reasoning is left out
+    documents: list[dict[str, Any]] | None = None   # the template's ``documents`` (RAG)
     modalities: list[str] | None = None
     audio: Any = None
     web_search_options: Any = None
@@ -407,6 +411,7 @@ class TokenizeRequest(_Request):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
+    documents: list[dict[str, Any]] | None = None
 
 
 class TokenizeResponse(BaseModel):

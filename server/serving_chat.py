@@ -86,7 +86,7 @@ class OpenAIServingChat(OpenAIServing):
         """Prompt ids of a chat request's conversation, or a ``/tokenize`` request's: the
         same rendering arguments (``add_generation_prompt``, ``continue_final_message``,
         ``chat_template``, ``chat_template_kwargs`` over ``--default-chat-template-kwargs``,
-        ``tools``), so ``/tokenize`` answers the ids chat runs.
+        ``tools``, ``documents``), so ``/tokenize`` answers the ids chat runs.
 
         Raises:
             APIError 400: a ``chat_template`` without ``--trust-request-chat-template``;
@@ -98,6 +98,8 @@ class OpenAIServingChat(OpenAIServing):
                               "--trust-request-chat-template to accept them)", "chat_template")
         template_kwargs = {**(self.config.default_chat_template_kwargs or {}),
                            **(body.chat_template_kwargs or {})}
+        if body.documents is not None:
+            template_kwargs["documents"] = body.documents
         return await off_loop(self.render, body.messages, body.add_generation_prompt,
                               body.continue_final_message, template_kwargs, add_special_tokens,
                               body.chat_template, template_tools(body))
@@ -175,8 +177,10 @@ class OpenAIServingChat(OpenAIServing):
         for out in final.outputs:
             text, ids_out, logprobs = self._content(body, prompt, out)
             p = parser()
-            message = assistant_message(p.parse(text), p.reasoning is not None or
-                                        p.tools is not None)
+            parsed = p.parse(text)
+            if not body.include_reasoning:
+                parsed.reasoning = ""
+            message = assistant_message(parsed, p.reasoning is not None or p.tools is not None)
             if body.echo and echo_text(body.messages):
                 message.content = echo_text(body.messages) + (message.content or "")
             choices.append(ChatChoice(index=out.index, message=message, logprobs=logprobs,
@@ -253,6 +257,8 @@ class OpenAIServingChat(OpenAIServing):
                         if finish:
                             delta.extend(p.finish())
                             finish = p.finish_reason(finish)
+                        if not body.include_reasoning:
+                            delta.reasoning = ""
                         deltas = delta_messages(delta)
                         token_ids = list(ids_out) if body.return_token_ids else None
                         if not deltas and (finish or token_ids or

@@ -12,11 +12,13 @@ Honoured (``vllm/entrypoints/openai/protocol.py`` and ``serving_*.py``):
 - chat ``echo``: the final message's content, when it is the assistant's (the message being
   continued), put in front of each choice's content (a stream sends it as the first content);
 - chat ``prompt_logprobs``: ``prompt_logprobs`` on the response (refused when streaming, as
-  vLLM does).
+  vLLM does);
+- chat ``include_reasoning: false``: the ``--reasoning-parser``'s reasoning left out of the
+  message and the stream; chat ``documents``: the template's ``documents`` variable.
 
 Refused with a 400 naming the field: output modalities other than text, ``audio``, non-text
 content parts ("this model accepts text only", checked by the schema), ``prompt_embeds``,
-``web_search_options``.
+``web_search_options``, ``logits_processors``, ``vllm_xargs``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ def check_refused(body: SamplingFields) -> None:
         raise bad_request("audio output is not supported: this model accepts text only",
                           "audio")
     for name, why in (("prompt_embeds", "prompts are text or token ids"),
-                      ("web_search_options", "this server has no web search")):
+                      ("web_search_options", "this server has no web search"),
+                      ("logits_processors", "this server runs no custom logits processors"),
+                      ("vllm_xargs", "this server runs no custom logits processors")):
         if getattr(body, name, None) is not None:
             raise bad_request(f"{name} is not supported: {why}", name)
     n = body.truncate_prompt_tokens

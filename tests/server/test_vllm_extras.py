@@ -156,3 +156,34 @@ def test_unserved_openai_routes_say_why(http, path, why):
     assert r.status_code == 404
     e = r.json()["error"]
     assert why in e["message"] and "/v1/chat/completions" in e["message"] and e["code"] == 404
+
+
+def test_include_reasoning_false_leaves_the_reasoning_out(http, live_server):
+    with live_server.configured(reasoning_parser="deepseek_r1"):   # untagged output: reasoning
+        full = chat(http)["choices"][0]["message"]
+        quiet = chat(http, include_reasoning=False)["choices"][0]["message"]
+        events = sse_events(http.post("/v1/chat/completions", json={
+            **GREEDY, "messages": USER, "stream": True, "include_reasoning": False}))[:-1]
+    assert full["reasoning"] and full["content"] is None
+    assert quiet["reasoning"] is None and quiet["reasoning_content"] is None
+    assert quiet["content"] is None
+    assert all(e["choices"][0]["delta"].get("reasoning") is None for e in events)
+
+
+def test_documents_reach_the_template(http, live_server):
+    template = ("{% for d in documents %}doc: {{ d.text }}\n{% endfor %}"
+                "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+    body = {"messages": USER, "chat_template": template,
+            "documents": [{"title": "a", "text": "Lily has a dog."}]}
+    with live_server.configured(trust_request_chat_template=True):
+        ids = http.post("/tokenize", json=body).json()["tokens"]
+        out = chat(http, return_token_ids=True, **body)
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"].startswith(
+        "doc: Lily has a dog.\nuser: Lily")
+    assert out["prompt_token_ids"] == ids
+
+
+@pytest.mark.parametrize("field", ["logits_processors", "vllm_xargs"])
+def test_logits_processor_fields_are_refused(http, field):
+    error(http.post("/v1/completions", json={**GREEDY, "prompt": "x", field: ["a.b"]}),
+          field, "logits processors")
