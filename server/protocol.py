@@ -77,6 +77,7 @@ class SamplingFields(_Request):
     return_token_ids: bool = False               # prompt_token_ids and each choice's token_ids
     logits_processors: Any = None                # refused: no custom logits processors
     vllm_xargs: Any = None                       # refused: their arguments
+    request_id: str | None = None                # the id, unless X-Request-Id names it
     cache_salt: str | None = None
     priority: Int = 0
     # Known fields of features this server lacks: refused with a 400 when set.

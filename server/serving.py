@@ -129,21 +129,24 @@ class OpenAIServing:
                            "model")
 
     @staticmethod
-    def request_id(raw_request: Request, prefix: str) -> str:
-        """``{prefix}-{X-Request-Id}`` when the client sent that header (vLLM's
-        ``_base_request_id``), else ``{prefix}-{uuid4 hex}``.
+    def request_id(raw_request: Request, prefix: str, body_id: str | None = None) -> str:
+        """``{prefix}-{X-Request-Id}`` when the client sent that header, else
+        ``{prefix}-{body_id}`` (the body's ``request_id``), else ``{prefix}-{uuid4 hex}``
+        (vLLM's ``_base_request_id``).
 
         Raises:
-            APIError: 400 for a header that is empty, longer than 128 characters or holds
+            APIError: 400 for an id that is empty, longer than 128 characters or holds
                 anything but printable ASCII without spaces. (An id still in use is refused
                 by the engine when the request is added: 400.)
         """
-        given = raw_request.headers.get("x-request-id")
+        header = raw_request.headers.get("x-request-id")
+        given = body_id if header is None else header
         if given is None:
             return f"{prefix}-{uuid.uuid4().hex}"
         if not _REQUEST_ID_HEADER.fullmatch(given):
-            raise bad_request("the X-Request-Id header must be 1 to 128 printable ASCII "
-                              "characters without spaces")
+            name = "the X-Request-Id header" if header is not None else "request_id"
+            raise bad_request(f"{name} must be 1 to 128 printable ASCII characters without "
+                              "spaces", None if header is not None else "request_id")
         return f"{prefix}-{given}"
 
     def check_request(self, body: SamplingFields) -> None:

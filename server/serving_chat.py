@@ -154,7 +154,7 @@ class OpenAIServingChat(OpenAIServing):
         #             StructuredOutputsParams(json=schema)))
         # Until then the output is only parsed (RequiredToolParser / NamedToolParser).
         forced_call_schema(body, tool_choice)       # its 400 (conflicting $defs) applies now
-        request_id = self.request_id(raw_request, "chatcmpl")
+        request_id = self.request_id(raw_request, "chatcmpl", body.request_id)
         return await self.respond(
             raw_request, body, request_id, [prompt], [params], "messages",
             lambda streams: self._stream(request_id, body, prompt, streams, raw_request,

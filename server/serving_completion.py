@@ -50,7 +50,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs = body.logprobs
         params = [self.sampling_params(body, p.max_tokens, body.logprobs, prompt_logprobs,
                                        body.stream) for p in prompts]
-        request_id = self.request_id(raw_request, "cmpl")
+        request_id = self.request_id(raw_request, "cmpl", body.request_id)
         return await self.respond(
             raw_request, body, request_id, prompts, params, "prompt",
             lambda streams: self._stream(request_id, body, prompts, streams, raw_request),

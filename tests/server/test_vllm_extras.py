@@ -187,3 +187,13 @@ def test_documents_reach_the_template(http, live_server):
 def test_logits_processor_fields_are_refused(http, field):
     error(http.post("/v1/completions", json={**GREEDY, "prompt": "x", field: ["a.b"]}),
           field, "logits processors")
+
+
+def test_request_id_field_names_the_request(http):
+    assert completion(http, prompt="x", request_id="job-7")["id"] == "cmpl-job-7"
+    assert chat(http, request_id="job-8")["id"] == "chatcmpl-job-8"
+    r = http.post("/v1/completions", json={**GREEDY, "prompt": "x", "request_id": "job-9"},
+                  headers={"X-Request-Id": "hdr-9"})
+    assert r.json()["id"] == "cmpl-hdr-9"             # the header wins, as in vLLM
+    error(http.post("/v1/completions", json={**GREEDY, "prompt": "x", "request_id": "a b"}),
+          "request_id", "request_id", "128")
