@@ -37,6 +37,13 @@ logger = logging.getLogger("server")
 
 #: Paths that need the API key (when one is set); health, metrics and version stay open.
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+#: OpenAI routes this server does not serve, and why (their 404 says so, not "Not Found").
+UNSERVED_ROUTES = {
+    "/v1/embeddings": "this server runs a generative model and serves no embeddings",
+    "/v1/responses": "this server does not serve the Responses API",
+    "/v1/audio/": "this model accepts text only",
+    "/v1/images/": "this model accepts text only",
+}
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
@@ -55,7 +62,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
 
     def too_large() -> APIError:
         return APIError(413, f"the request body exceeds {config.max_request_body_bytes} bytes",
-                        "invalid_request_error", None, "request_too_large")
+                        "invalid_request_error")
 
     async def parse(request: Request, model: type[BaseModel]):
         declared = request.headers.get("content-length", "")
@@ -67,7 +74,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
             # (text/plain, a form) never reaches the engine
             raise APIError(415, f"the request body must be JSON (Content-Type: "
                                 f"application/json), got Content-Type {media_type!r}",
-                           "invalid_request_error", None, "unsupported_media_type")
+                           "invalid_request_error")
         body = bytearray()
         try:
             async for chunk in request.stream():   # a chunked body (or a lying length)
@@ -105,8 +112,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         return await chat.create(await parse(request, ChatCompletionRequest), request)
 
     def cards() -> list[ModelCard]:
-        max_len = engine.engine.max_model_len if engine.is_ready else None
-        return [ModelCard(id=name, root=engine.args.model, max_model_len=max_len)
+        facts = {}
+        if engine.is_ready:
+            e = engine.engine
+            facts = dict(max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size,
+                         eos_token_ids=sorted(e.output_processor.eos_token_ids))
+        return [ModelCard(id=name, root=engine.args.model, **facts)
                 for name in config.served_model_names]
 
     async def models(request: Request) -> Response:
@@ -142,8 +153,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
             completion.check_text_length(body.prompt, "prompt")
             ids = await off_loop(tokenizer.encode, body.prompt, add_special_tokens=special)
         else:
-            ids = await off_loop(chat.render, body.messages, body.add_generation_prompt,
-                                 add_special_tokens=bool(body.add_special_tokens))
+            ids = await chat.render_request(body, bool(body.add_special_tokens))
         return JSONResponse(TokenizeResponse(count=len(ids), tokens=ids,
                                              max_model_len=engine.engine.max_model_len).model_dump())
 
@@ -180,8 +190,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(exc.status_code, f"{exc.detail}: {request.method} "
-                                                        f"{request.url.path}", kind))
+        path, detail = request.url.path, exc.detail
+        why = next((w for p, w in UNSERVED_ROUTES.items() if path.startswith(p)), None)
+        if exc.status_code == 404 and why is not None:
+            detail = (f"{why}; it serves /v1/completions and /v1/chat/completions. "
+                      f"{request.method} {path} is not available")
+            return error_response(APIError(404, detail, kind))
+        return error_response(APIError(exc.status_code, f"{detail}: {request.method} {path}",
+                                       kind))
 
     async def internal_error(request: Request, exc: Exception) -> Response:
         return error_response(APIError(500, f"internal error: {exc!r}", "internal_server_error"))
@@ -241,7 +257,7 @@ class APIKeyMiddleware:
                     and scheme.lower() == b"bearer"):
                 response = error_response(APIError(
                     401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                    "invalid_request_error", None, "invalid_api_key"))
+                    "invalid_request_error"))
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

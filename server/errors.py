@@ -22,16 +22,17 @@ class APIError(Exception):
         message: what went wrong, in words the client can act on.
         type: OpenAI's error type (``invalid_request_error``, ...).
         param: the request parameter at fault, if any.
-        code: OpenAI's error code (defaults to ``status``).
         headers: extra response headers (``Retry-After`` of a 429).
+
+    The body's ``code`` is always the HTTP status (an integer), as vLLM's ``ErrorInfo``
+    has it; ``type`` tells failures apart.
     """
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: int | str | None = None,
-                 headers: dict[str, str] | None = None):
+                 param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type, param
-        self.code = status if code is None else code
+        self.code = status
         self.headers = headers
 
 

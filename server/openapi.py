@@ -81,6 +81,7 @@ FIELD_RANGES = {
     "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "stop": {"minLength": 1}, "cache_salt": {"minLength": 1},
+    "truncate_prompt_tokens": {"minimum": -1, "not": {"const": 0}},
 }
 #: Constraints on the items of list (and map) fields.
 ITEM_RANGES = {"stop": {"minLength": 1}, "bad_words": {"minLength": 1},

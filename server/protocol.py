@@ -16,6 +16,7 @@ import time
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictStr
+from pydantic_core import PydanticCustomError
 
 
 def _integral(value):
@@ -36,6 +37,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool | None = None
+    #: vLLM's: with ``include_usage``, every chunk carries the usage so far.
+    continuous_usage_stats: bool | None = None
 
 
 class JsonSchemaFormat(_Request):
@@ -85,6 +88,11 @@ class SamplingFields(_Request):
     allowed_token_ids: list[Int] | None = None
     bad_words: list[str] | None = None
     return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: Int | None = None    # keep the last N prompt tokens (-1: the context)
+    return_token_ids: bool = False               # prompt_token_ids and each choice's token_ids
+    logits_processors: Any = None                # refused: no custom logits processors
+    vllm_xargs: Any = None                       # refused: their arguments
+    request_id: str | None = None                # the id, unless X-Request-Id names it
     cache_salt: str | None = None
     priority: Int = 0
     # Structured outputs (server/structured.py): OpenAI's field, vLLM's, and vLLM's older ones.
@@ -126,6 +134,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     prompt_logprobs: Int | None = None
     add_special_tokens: bool = True
+    prompt_embeds: Any = None                    # refused: prompts are text or token ids
 
 
 class TextPart(_Request):
@@ -172,9 +181,19 @@ class ToolCallIn(_Request):
     function: FunctionCallIn
 
 
+def _text_parts_only(value):
+    """Refuse a non-text content part with a message that says why (not a union's error)."""
+    for part in value if isinstance(value, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in (None, "text"):
+            raise PydanticCustomError("text_only", "a content part of type '{kind}' is not "
+                                      "supported: this model accepts text only", {"kind": kind})
+    return value
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts_only)] = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -196,6 +215,15 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
+    # vLLM's extras (echo the final message, prompt logprobs); output kinds other than text
+    # and fields of features this server lacks are refused
+    echo: bool = False
+    prompt_logprobs: Int | None = None
+    include_reasoning: bool = True               # False: the reasoning is left out
+    documents: list[dict[str, Any]] | None = None   # the template's ``documents`` (RAG)
+    modalities: list[str] | None = None
+    audio: Any = None
+    web_search_options: Any = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -205,10 +233,15 @@ class ChatCompletionRequest(SamplingFields):
 # ---- responses --------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int | None = None
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -231,6 +264,8 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None    # with return_token_ids
+    token_ids: list[int] | None = None           # with return_token_ids
 
 
 def _now() -> int:
@@ -288,6 +323,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None           # with return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -297,6 +333,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None    # with return_token_ids
 
 
 class DeltaFunctionCall(BaseModel):
@@ -328,6 +366,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None           # with return_token_ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -337,6 +376,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None    # the first chunk's, with return_token_ids
 
 
 class ModelCard(BaseModel):
@@ -345,7 +385,14 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "jaxpaged"
     root: str | None = None
+    #: The base model an adapter applies to (vLLM's field); None for a base model.
+    parent: str | None = None
     max_model_len: int | None = None
+    #: Extra fields (jaxpaged's, in vLLM's style): every id that ends a sequence (the model
+    #: config's, generation config's and tokenizer's EOS ids, sorted) and the model's
+    #: vocabulary size (valid token ids are ``[0, vocab_size)``); null while loading.
+    eos_token_ids: list[int] | None = None
+    vocab_size: int | None = None
 
 
 class ModelList(BaseModel):
@@ -357,7 +404,8 @@ class ErrorInfo(BaseModel):
     message: str
     type: str
     param: str | None = None
-    code: int | str | None = None
+    #: The HTTP status (vLLM's ``ErrorInfo.code``).
+    code: int
 
 
 class ErrorResponse(BaseModel):
@@ -365,13 +413,20 @@ class ErrorResponse(BaseModel):
 
 
 class TokenizeRequest(_Request):
-    """``POST /tokenize``: a ``prompt`` or chat ``messages`` (rendered with the template)."""
+    """``POST /tokenize``: a ``prompt`` or chat ``messages``, rendered with every rendering
+    argument the chat route takes (vLLM's ``TokenizeChatRequest``), so the ids are the ones
+    chat runs."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    documents: list[dict[str, Any]] | None = None
 
 
 class TokenizeResponse(BaseModel):

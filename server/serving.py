@@ -44,7 +44,7 @@ from jaxpaged.outputs import Logprob, RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from jaxpaged.server.config import ServerConfig
 from jaxpaged.server.errors import APIError, bad_request
-from jaxpaged.server.protocol import SamplingFields, TopLogprob, UsageInfo
+from jaxpaged.server.protocol import SamplingFields, TopLogprob
 from jaxpaged.server.structured import structured_outputs_params
 
 logger = logging.getLogger("server")
@@ -117,33 +117,37 @@ class OpenAIServing:
                               f"{max_model_len} tokens (the maximum model length) of this "
                               f"tokenizer can hold", param)
 
-    @property
-    def model_name(self) -> str:
-        return self.config.served_model_names[0]
+    def model_name(self, requested: str | None) -> str:
+        """The ``model`` a response reports: the name the request asked for (any alias of
+        ``--served-model-name``), else the first served name (vLLM's ``_get_model_name``)."""
+        return requested or self.config.served_model_names[0]
 
     def check_model(self, name: str | None) -> None:
         """Raises APIError 404 (``model_not_found``) for a model that is not served."""
         if name and name not in self.config.served_model_names:
             raise APIError(404, f"The model `{name}` does not exist; this server serves "
                                 f"{self.config.served_model_names}.", "NotFoundError",
-                           "model", "model_not_found")
+                           "model")
 
     @staticmethod
-    def request_id(raw_request: Request, prefix: str) -> str:
-        """``{prefix}-{X-Request-Id}`` when the client sent that header (vLLM's
-        ``_base_request_id``), else ``{prefix}-{uuid4 hex}``.
+    def request_id(raw_request: Request, prefix: str, body_id: str | None = None) -> str:
+        """``{prefix}-{X-Request-Id}`` when the client sent that header, else
+        ``{prefix}-{body_id}`` (the body's ``request_id``), else ``{prefix}-{uuid4 hex}``
+        (vLLM's ``_base_request_id``).
 
         Raises:
-            APIError: 400 for a header that is empty, longer than 128 characters or holds
+            APIError: 400 for an id that is empty, longer than 128 characters or holds
                 anything but printable ASCII without spaces. (An id still in use is refused
                 by the engine when the request is added: 400.)
         """
-        given = raw_request.headers.get("x-request-id")
+        header = raw_request.headers.get("x-request-id")
+        given = body_id if header is None else header
         if given is None:
             return f"{prefix}-{uuid.uuid4().hex}"
         if not _REQUEST_ID_HEADER.fullmatch(given):
-            raise bad_request("the X-Request-Id header must be 1 to 128 printable ASCII "
-                              "characters without spaces")
+            name = "the X-Request-Id header" if header is not None else "request_id"
+            raise bad_request(f"{name} must be 1 to 128 printable ASCII characters without "
+                              "spaces", None if header is not None else "request_id")
         return f"{prefix}-{given}"
 
     def check_request(self, body: SamplingFields) -> None:
@@ -295,7 +299,7 @@ class OpenAIServing:
         if isinstance(e, RequestTimeoutError):
             return APIError(504, f"the request did not finish within --request-timeout="
                                  f"{self.config.request_timeout:g} s and was aborted",
-                            "timeout_error", None, "request_timeout")
+                            "timeout_error")
         return engine_error(e)
 
     async def respond(self, raw_request: Request, body: SamplingFields, request_id: str,
@@ -377,13 +381,6 @@ def sampling_error(e: SamplingParamsError, param_names: dict[str, str] | None = 
     return bad_request(param + e.detail[len(e.param):], param)
 
 
-def usage(prompts: list[PreparedPrompt], completion_tokens: int) -> UsageInfo:
-    """Token counts of a response (the prompts counted once each, whatever ``n``)."""
-    num_prompt = sum(len(p.token_ids) for p in prompts)
-    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=completion_tokens,
-                     total_tokens=num_prompt + completion_tokens)
-
-
 def clamp_logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
@@ -401,7 +398,7 @@ def engine_error(e: BaseException) -> APIError:
     if isinstance(e, (EngineNotReadyError, EngineDeadError)):
         return APIError(503, str(e), "service_unavailable")
     if isinstance(e, TooManyPendingRequestsError):
-        return APIError(429, str(e), "rate_limit_error", None, "rate_limit_exceeded",
+        return APIError(429, str(e), "rate_limit_error", None,
                         {"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(e, RequestFailedError):
         return APIError(500, str(e), "internal_server_error")

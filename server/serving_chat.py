@@ -27,10 +27,12 @@ from jaxpaged.server.errors import bad_request, error_body
 from jaxpaged.server.protocol import (ChatChoice, ChatChunkChoice,
                                       ChatCompletionChunk, ChatCompletionRequest,
                                       ChatCompletionResponse, ChatLogprobs, ChatMessage,
-                                      DeltaMessage, TokenLogprob)
+                                      DeltaMessage, TokenizeRequest, TokenLogprob)
 from jaxpaged.server.reasoning import REASONING_PARSERS
-from jaxpaged.server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, off_loop, sse,
-                                     usage)
+from jaxpaged.server.serving import OpenAIServing, PreparedPrompt, clamp_logprob, off_loop, sse
+from jaxpaged.server.usage import cached_tokens, usage
+from jaxpaged.server.vllm_extras import (check_refused, continuous_usage, echo_text,
+                                         prompt_logprobs_json, truncate_prompt)
 from jaxpaged.server.tool_calls import (conversation_message, forced_call_schema,
                                         template_tools, tool_choice_of, tool_parser_for,
                                         with_forced_call)
@@ -81,6 +83,29 @@ class OpenAIServingChat(OpenAIServing):
                               "messages")
         return ids
 
+    async def render_request(self, body: ChatCompletionRequest | TokenizeRequest,
+                             add_special_tokens: bool) -> list[int]:
+        """Prompt ids of a chat request's conversation, or a ``/tokenize`` request's: the
+        same rendering arguments (``add_generation_prompt``, ``continue_final_message``,
+        ``chat_template``, ``chat_template_kwargs`` over ``--default-chat-template-kwargs``,
+        ``tools``, ``documents``), so ``/tokenize`` answers the ids chat runs.
+
+        Raises:
+            APIError 400: a ``chat_template`` without ``--trust-request-chat-template``;
+                as :meth:`render`.
+        """
+        if body.chat_template is not None and not self.config.trust_request_chat_template:
+            raise bad_request("a chat_template in the request is refused: this server renders "
+                              "only its own template (start it with "
+                              "--trust-request-chat-template to accept them)", "chat_template")
+        template_kwargs = {**(self.config.default_chat_template_kwargs or {}),
+                           **(body.chat_template_kwargs or {})}
+        if body.documents is not None:
+            template_kwargs["documents"] = body.documents
+        return await off_loop(self.render, body.messages, body.add_generation_prompt,
+                              body.continue_final_message, template_kwargs, add_special_tokens,
+                              body.chat_template, template_tools(body))
+
     async def create(self, body: ChatCompletionRequest, raw_request: Request) -> Response:
         """Answer one chat request (JSON, or SSE when ``stream``).
 
@@ -91,10 +116,10 @@ class OpenAIServingChat(OpenAIServing):
         """
         self.check_model(body.model)
         self.check_request(body)
-        if body.chat_template is not None and not self.config.trust_request_chat_template:
-            raise bad_request("a chat_template in the request is refused: this server renders "
-                              "only its own template (start it with "
-                              "--trust-request-chat-template to accept them)", "chat_template")
+        check_refused(body)
+        if body.prompt_logprobs is not None and body.stream:
+            raise bad_request("prompt_logprobs are not available when stream=true",
+                              "prompt_logprobs")
         if body.top_logprobs is not None:
             if not body.logprobs:
                 raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
@@ -102,11 +127,8 @@ class OpenAIServingChat(OpenAIServing):
                 raise bad_request(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
                                   f"{body.top_logprobs}", "top_logprobs")
         tool_choice = tool_choice_of(body, self.config)
-        template_kwargs = {**(self.config.default_chat_template_kwargs or {}),
-                           **(body.chat_template_kwargs or {})}
-        ids = await off_loop(self.render, body.messages, body.add_generation_prompt,
-                             body.continue_final_message, template_kwargs,
-                             body.add_special_tokens, body.chat_template, template_tools(body))
+        ids = truncate_prompt(await self.render_request(body, body.add_special_tokens),
+                              body.truncate_prompt_tokens, self.engine.engine.max_model_len)
         if body.max_completion_tokens is not None:
             limit_param, requested = "max_completion_tokens", body.max_completion_tokens
         else:
@@ -116,7 +138,7 @@ class OpenAIServingChat(OpenAIServing):
             "messages", limit_param)
         prompt = PreparedPrompt(None, ids, max_tokens)
         k = (body.top_logprobs or 0) if body.logprobs else None
-        params = self.sampling_params(body, max_tokens, k, None, body.stream,
+        params = self.sampling_params(body, max_tokens, k, body.prompt_logprobs, body.stream,
                                       {"logprobs": "top_logprobs", "max_tokens": limit_param})
         tail = None
         if self.config.reasoning_parser:     # the reasoning parser's initial state reads it
@@ -138,7 +160,7 @@ class OpenAIServingChat(OpenAIServing):
                         params.structured_outputs, reasoning.start, reasoning.end, opening))
                 except SamplingParamsError as e:     # the wrapped grammar did not compile
                     raise bad_request(e.detail, "response_format") from None
-        request_id = self.request_id(raw_request, "chatcmpl")
+        request_id = self.request_id(raw_request, "chatcmpl", body.request_id)
         return await self.respond(
             raw_request, body, request_id, [prompt], [params], "messages",
             lambda streams: self._stream(request_id, body, prompt, streams, raw_request,
@@ -161,14 +183,26 @@ class OpenAIServingChat(OpenAIServing):
         for out in final.outputs:
             text, ids_out, logprobs = self._content(body, prompt, out)
             p = parser()
-            message = assistant_message(p.parse(text), p.reasoning is not None or
-                                        p.tools is not None)
+            parsed = p.parse(text)
+            if not body.include_reasoning:
+                parsed.reasoning = ""
+            message = assistant_message(parsed, p.reasoning is not None or p.tools is not None)
+            if body.echo and echo_text(body.messages):
+                message.content = echo_text(body.messages) + (message.content or "")
             choices.append(ChatChoice(index=out.index, message=message, logprobs=logprobs,
                                       finish_reason=p.finish_reason(self._finish(prompt, out)),
-                                      stop_reason=out.stop_reason))
+                                      stop_reason=out.stop_reason,
+                                      token_ids=list(ids_out) if body.return_token_ids else None))
             completion_tokens += len(ids_out)
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=usage([prompt], completion_tokens))
+        cached = cached_tokens(self.engine.args.enable_prefix_caching, [final.num_cached_tokens])
+        response = ChatCompletionResponse(id=request_id, model=self.model_name(body.model),
+                                          choices=choices,
+                                          usage=usage([prompt], completion_tokens, cached))
+        if body.prompt_logprobs is not None and final.prompt_logprobs is not None:
+            response.prompt_logprobs = prompt_logprobs_json(final.prompt_logprobs)
+        if body.return_token_ids:
+            response.prompt_token_ids = prompt.token_ids
+        return response
 
     @staticmethod
     def _finish(prompt: PreparedPrompt, out: CompletionOutput) -> str | None:
@@ -192,40 +226,62 @@ class OpenAIServingChat(OpenAIServing):
                                         top_logprobs=self.top_logprobs(entry, k, as_ids)))
         return out.text, out.token_ids, ChatLogprobs(content=content)
 
-    def _chunk(self, request_id: str, choice: ChatChunkChoice) -> str:
-        return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice]))
+    @staticmethod
+    def _chunk(request_id: str, model: str, choice: ChatChunkChoice, **fields) -> str:
+        """One SSE chunk of one choice (``fields``: the chunk's ``usage``,
+        ``prompt_token_ids``)."""
+        return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice], **fields))
 
     async def _stream(self, request_id: str, body: ChatCompletionRequest, prompt: PreparedPrompt,
                       streams, raw_request: Request, parser) -> AsyncIterator[str]:
-        parsers = [parser() for _ in range(body.n)]
+        parsers, model = [parser() for _ in range(body.n)], self.model_name(body.model)
+        counts = [0] * body.n                # each choice's tokens so far
+
+        def extra(index: int) -> dict:       # vLLM's continuous usage: this choice's counts
+            return {"usage": usage([prompt], counts[index])} if continuous_usage(body) else {}
+
+        echo = echo_text(body.messages) if body.echo else ""
         for index in range(body.n):
-            yield self._chunk(request_id, ChatChunkChoice(
-                index=index, delta=DeltaMessage(role="assistant", content="")))
-        completion_tokens = 0
+            ids = {"prompt_token_ids": prompt.token_ids} if body.return_token_ids else {}
+            yield self._chunk(request_id, model, ChatChunkChoice(
+                index=index, delta=DeltaMessage(role="assistant", content="")),
+                **extra(index), **ids)
+            if echo:
+                yield self._chunk(request_id, model, ChatChunkChoice(
+                    index=index, delta=DeltaMessage(content=echo)), **extra(index))
+        completion_tokens, num_cached = 0, 0
         async with self.abort_on_disconnect(raw_request, streams):
             try:
                 async for out in streams[0]:
+                    num_cached = out.num_cached_tokens
                     for seq in out.outputs:
                         text, ids_out, logprobs = self._content(body, prompt, seq)
                         completion_tokens += len(ids_out)
+                        counts[seq.index] += len(ids_out)
                         p, finish = parsers[seq.index], self._finish(prompt, seq)
                         delta = p.feed(text)
                         if finish:
                             delta.extend(p.finish())
                             finish = p.finish_reason(finish)
+                        if not body.include_reasoning:
+                            delta.reasoning = ""
                         deltas = delta_messages(delta)
-                        if not deltas and (finish or (logprobs is not None and logprobs.content)):
+                        token_ids = list(ids_out) if body.return_token_ids else None
+                        if not deltas and (finish or token_ids or
+                                           (logprobs is not None and logprobs.content)):
                             deltas = [DeltaMessage(content="")]
                         for i, message in enumerate(deltas):
                             last = finish if i == len(deltas) - 1 else None
-                            yield self._chunk(request_id, ChatChunkChoice(
+                            yield self._chunk(request_id, model, ChatChunkChoice(
                                 index=seq.index, delta=message,
                                 logprobs=logprobs if i == 0 else None, finish_reason=last,
-                                stop_reason=seq.stop_reason if last else None))
+                                stop_reason=seq.stop_reason if last else None,
+                                token_ids=token_ids if i == 0 else None), **extra(seq.index))
             except Exception as e:   # noqa: BLE001 - the stream has started: report in-band
                 yield sse(error_body(self.request_error(e)))
         opts = body.stream_options
         if opts is not None and opts.include_usage:
-            yield sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[],
-                                          usage=usage([prompt], completion_tokens)))
+            cached = cached_tokens(self.engine.args.enable_prefix_caching, [num_cached])
+            yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[],
+                                          usage=usage([prompt], completion_tokens, cached)))
         yield sse("[DONE]")

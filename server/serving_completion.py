@@ -15,9 +15,12 @@ from starlette.responses import Response
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.server.errors import bad_request, error_body
 from jaxpaged.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                                      CompletionResponse, PromptLogprob)
+                                      CompletionResponse)
 from jaxpaged.server.serving import (OpenAIServing, PreparedPrompt, clamp_logprob, merge_streams,
-                                     off_loop, sse, usage)
+                                     off_loop, sse)
+from jaxpaged.server.usage import cached_tokens, usage
+from jaxpaged.server.vllm_extras import (check_refused, continuous_usage, prompt_logprobs_json,
+                                         truncate_prompt)
 
 #: OpenAI's default ``max_tokens`` for legacy completions.
 DEFAULT_MAX_TOKENS = 16
@@ -35,6 +38,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         self.check_model(body.model)
         self.check_request(body)
+        check_refused(body)
         if body.suffix is not None:
             raise bad_request("suffix is not supported", "suffix")
         if body.best_of is not None and body.best_of != body.n:
@@ -46,7 +50,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_logprobs = body.logprobs
         params = [self.sampling_params(body, p.max_tokens, body.logprobs, prompt_logprobs,
                                        body.stream) for p in prompts]
-        request_id = self.request_id(raw_request, "cmpl")
+        request_id = self.request_id(raw_request, "cmpl", body.request_id)
         return await self.respond(
             raw_request, body, request_id, prompts, params, "prompt",
             lambda streams: self._stream(request_id, body, prompts, streams, raw_request),
@@ -61,8 +65,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice.index = i * body.n + out.index
                 choices.append(choice)
                 completion_tokens += n_tokens
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                  usage=usage(prompts, completion_tokens))
+        cached = cached_tokens(self.engine.args.enable_prefix_caching,
+                               (f.num_cached_tokens for f in finals))
+        return CompletionResponse(id=request_id, model=self.model_name(body.model),
+                                  choices=choices, usage=usage(prompts, completion_tokens, cached))
 
     def _prepare_prompts(self, body: CompletionRequest) -> list[PreparedPrompt]:
         prompt = body.prompt
@@ -81,6 +87,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 if not p:
                     raise bad_request("prompt must not be empty (no token ids)", "prompt")
                 text, ids = None, list(p)
+            truncated = truncate_prompt(ids, body.truncate_prompt_tokens,
+                                        self.engine.engine.max_model_len)
+            if len(truncated) < len(ids):     # echo the prompt that ran
+                text, ids = None, truncated
             max_tokens = self.resolve_max_tokens(
                 len(ids), body.max_tokens,
                 self.engine.engine.generation_defaults.get("max_tokens", DEFAULT_MAX_TOKENS),
@@ -123,10 +133,11 @@ class OpenAIServingCompletion(OpenAIServing):
                                   finish_reason=finish,
                                   stop_reason=None if score_only else out.stop_reason)
         if first and body.prompt_logprobs is not None and final.prompt_logprobs is not None:
-            choice.prompt_logprobs = [None if e is None else {
-                str(t): PromptLogprob(logprob=clamp_logprob(v.logprob), rank=v.rank,
-                                      decoded_token=v.decoded_token) for t, v in e.items()}
-                for e in final.prompt_logprobs]
+            choice.prompt_logprobs = prompt_logprobs_json(final.prompt_logprobs)
+        if body.return_token_ids:
+            choice.token_ids = list(ids)
+            if first:
+                choice.prompt_token_ids = prompt.token_ids
         return choice, len(ids), end
 
     def _prompt_token_texts(self, ids: list[int]) -> list[str]:
@@ -165,9 +176,15 @@ class OpenAIServingCompletion(OpenAIServing):
             else:
                 lp.tokens.append(text)
                 lp.token_logprobs.append(clamp_logprob(entry[token_id].logprob))
-                top = {self.token_text(t, v, as_ids): clamp_logprob(v.logprob)
-                       for t, v in entry.items() if v.rank is not None and
-                       (v.rank <= body.logprobs or t == token_id)}
+                # the token's own entry is keyed by its text in ``tokens`` (an echoed prompt
+                # token's share of the prompt may differ from its decoded piece) and wins a
+                # clash with another token decoding to the same text
+                top = {}
+                for t, v in entry.items():
+                    if t == token_id:
+                        top[text] = lp.token_logprobs[-1]
+                    elif v.rank is not None and v.rank <= body.logprobs:
+                        top.setdefault(self.token_text(t, v, as_ids), clamp_logprob(v.logprob))
                 lp.top_logprobs.append(top)
             lp.text_offset.append(offset)
             offset += len(text)
@@ -176,11 +193,14 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, request_id: str, body: CompletionRequest,
                       prompts: list[PreparedPrompt], streams, raw_request: Request
                       ) -> AsyncIterator[str]:
+        model = self.model_name(body.model)
         offsets: dict[int, int] = {}     # per choice index: where its next text starts
-        completion_tokens = 0
+        num_cached: dict[int, int] = {}  # per prompt: its prefix-cache hits
+        completion_tokens, per_prompt = 0, [0] * len(prompts)
         async with self.abort_on_disconnect(raw_request, streams):
             try:
                 async for i, out in merge_streams(streams):
+                    num_cached[i] = out.num_cached_tokens
                     choices = []
                     for seq in out.outputs:
                         index = i * body.n + seq.index
@@ -188,16 +208,21 @@ class OpenAIServingCompletion(OpenAIServing):
                             body, prompts[i], out, seq, offsets.get(index))
                         choice.index = index
                         completion_tokens += n_tokens
-                        if choice.text or choice.finish_reason or choice.logprobs:
+                        per_prompt[i] += n_tokens
+                        if choice.text or choice.finish_reason or choice.logprobs or \
+                                choice.token_ids:
                             choices.append(choice)
                     if choices:
-                        yield sse(CompletionResponse(id=request_id, model=self.model_name,
-                                                     choices=choices))
+                        chunk = CompletionResponse(id=request_id, model=model, choices=choices)
+                        if continuous_usage(body):    # vLLM: this prompt's counts so far
+                            chunk.usage = usage([prompts[i]], per_prompt[i])
+                        yield sse(chunk)
             except Exception as e:   # noqa: BLE001 - the stream has started: report in-band
                 yield sse(error_body(self.request_error(e)))
         opts = body.stream_options
         if opts is not None and opts.include_usage:
-            yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[],
-                                         usage=usage(prompts, completion_tokens)))
+            cached = cached_tokens(self.engine.args.enable_prefix_caching, num_cached.values())
+            yield sse(CompletionResponse(id=request_id, model=model, choices=[],
+                                         usage=usage(prompts, completion_tokens, cached)))
         yield sse("[DONE]")
 

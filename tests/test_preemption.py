@@ -24,3 +24,10 @@ def test_small_pool_preempts_and_matches_large_pool():
         assert len(g.outputs[0].token_ids) == 48
     kv = small.engine.kv_cache_manager
     assert kv.num_free_pages == kv.num_usable_pages == 20
+    # A resumed sequence's own recomputed pages are not prefix-cache hits (issue 24): the
+    # counters and cached_tokens equal the large pool's, the resumptions counted apart.
+    large_stats, stats = large.engine.kv_cache_manager.stats, kv.stats
+    assert stats.preempted_queries > 0 and stats.preempted_hits > 0
+    assert (stats.queries, stats.hits) == (large_stats.queries, large_stats.hits)
+    assert stats.queries == sum(len(g.prompt_token_ids) for g in got)
+    assert [g.num_cached_tokens for g in got] == [e.num_cached_tokens for e in expected]

@@ -57,6 +57,11 @@ class PrefixCacheStats:
     queries: int = 0
     hits: int = 0
     evictions: int = 0
+    #: Lookups of preempted requests resuming, kept apart: their hits are mostly the pages they
+    #: computed themselves before preemption (vLLM's ``preempted_queries`` /
+    #: ``preempted_hits``), so counting them would inflate the hit rate.
+    preempted_queries: int = 0
+    preempted_hits: int = 0
 
 
 @dataclass(slots=True)
@@ -169,12 +174,20 @@ class KVCacheManager:
         table.num_cached_pages = len(table.pages)
         return len(table.pages) * s
 
-    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int,
+                             preempted: bool = False) -> None:
         """Count one admitted request's lookup in :attr:`stats`: ``num_tokens`` tokens
         queried, ``num_hit_tokens`` of them served from the cache (the scheduler calls it once
-        per admission, so a request that waits and retries is counted once)."""
-        self.stats.queries += num_tokens
-        self.stats.hits += num_hit_tokens
+        per admission, so a request that waits and retries is counted once). A ``preempted``
+        request resuming is counted in ``preempted_queries`` / ``preempted_hits`` only, as
+        vLLM v1's ``KVCacheManager.get_computed_blocks`` does: its own recomputed pages are
+        not prefix-cache hits."""
+        if preempted:
+            self.stats.preempted_queries += num_tokens
+            self.stats.preempted_hits += num_hit_tokens
+        else:
+            self.stats.queries += num_tokens
+            self.stats.hits += num_hit_tokens
 
     def _register_full_pages(self, table: _Table, token_ids: list[int], num_tokens: int,
                              extra_keys: tuple) -> None:

@@ -221,7 +221,8 @@ class Scheduler:
             partial += not completes_prompt
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = req.num_computed_tokens
-            self.kv.record_prefix_lookup(req.num_tokens, req.num_computed_tokens)
+            self.kv.record_prefix_lookup(req.num_tokens, req.num_computed_tokens,
+                                         preempted=req.num_preemptions > 0)
             self.waiting.pop(j)
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -44,7 +44,8 @@ def test_integral_numbers_are_integers(http):
     r = http.post("/v1/completions", json={"prompt": [1.0, 403.0], "max_tokens": 2.0, "n": 1.0,
                                            "temperature": 0, "seed": 3.0, "top_k": -1.0})
     assert r.status_code == 200, r.text
-    assert r.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    assert r.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
     for bad in ({"max_tokens": 2.5}, {"max_tokens": "2"}, {"max_tokens": True}, {"n": 1.5}):
         r = http.post("/v1/completions", json={"prompt": "x", **bad})
         assert r.status_code == 400 and "integer" in r.json()["error"]["message"], (bad, r.text)

@@ -33,7 +33,7 @@ def test_not_ready_answers_503():
 
 def test_oversized_body_gets_413(http):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * MAX_BODY_BYTES})
-    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
     assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x",
                                               "max_tokens": 1}).status_code == 200
 
@@ -116,7 +116,7 @@ def test_jaxpaged_serve_command_with_api_key(tmp_path):
         assert set(codes) <= {503, 200}
         assert listening_addresses(port) == {"127.0.0.1"}      # the default --host
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
-        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401
         r = httpx.get(url + "/v1/models", headers={"Authorization": "bearer s3cret"})
         assert r.status_code == 200          # the scheme is case-insensitive
         wrong = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)

@@ -83,7 +83,7 @@ def test_models_and_alias(client):
     ids = [m.id for m in client.models.list().data]
     assert ids == [MODEL, "alias"]
     out = client.completions.create(model="alias", prompt="Once", max_tokens=2, temperature=0)
-    assert out.model == MODEL and len(out.choices) == 1
+    assert out.model == "alias" and len(out.choices) == 1
 
 
 def test_sdk_errors_are_readable(client):

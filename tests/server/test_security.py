@@ -46,7 +46,7 @@ def test_protected_routes_need_the_key(keyed, method, path, authorization):
     headers = {} if authorization is None else {"Authorization": authorization}
     r = keyed.request(method, path, headers=headers, json={"model": MODEL, "prompt": "x"})
     assert r.status_code == 401
-    assert r.json()["error"]["code"] == "invalid_api_key"
+    assert r.json()["error"]["code"] == 401
 
 
 @pytest.mark.parametrize("method, path", PROTECTED)
@@ -72,7 +72,7 @@ def test_declared_oversized_body_is_refused_before_it_is_read(live_server):
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                      b"Content-Type: application/json\r\nContent-Length: 10000000000\r\n\r\n")
         head = sock.recv(65536).decode()          # answered although no body byte was sent
-    assert head.startswith("HTTP/1.1 413") and "request_too_large" in head
+    assert head.startswith("HTTP/1.1 413") and '"code":413' in head
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
@@ -84,7 +84,7 @@ def test_chunked_oversized_body_gets_413(http, path):
         yield b'"}'
 
     r = http.post(path, content=chunks(), headers={"content-type": "application/json"})
-    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
     assert f"{MAX_BODY_BYTES} bytes" in r.json()["error"]["message"]
     assert http.post("/tokenize", json={"prompt": "x"}).status_code == 200
 
