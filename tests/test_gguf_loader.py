@@ -234,3 +234,25 @@ def test_served_model_name_of_a_gguf_is_its_file_name():
         ["SmolLM2-135M-Instruct.Q4_1.gguf"]
     assert names("--model", "/models/llama") == ["/models/llama"]
     assert names("--model", "/m/x.gguf", "--served-model-name", "x") == ["x"]
+
+
+@pytest.mark.parametrize("merges", [None, ["t t"]])
+def test_broken_tokenizer_metadata_is_a_typed_error(tmp_path, merges):
+    # A BPE ("gpt2") tokenizer with no merges or scores, or merges of tokens it does not
+    # have: transformers' converter raises a KeyError / tokenizers' Exception, reported as
+    # a BadGGUFError naming the file.
+    from jaxpaged.models.gguf_tokenizer import gguf_tokenizer
+
+    path = str(tmp_path / "model.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(VOCAB)])
+    if merges is not None:
+        w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    with pytest.raises(BadGGUFError, match="model.gguf.*tokenizer metadata does not make a "
+                                           "tokenizer"):
+        gguf_tokenizer(path)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from jaxpaged.models.gguf_loader import metadata, open_gguf
+from jaxpaged.models.gguf_loader import BadGGUFError, metadata, open_gguf
 
 #: transformers' tokenizer arguments named after the token *ids* the GGUF stores.
 _SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
@@ -28,6 +28,9 @@ def gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
         BadGGUFError / UnsupportedModelError: the file cannot be read (:func:`open_gguf`).
         FileNotFoundError: the file has no tokenizer transformers can build (no
             ``tokenizer.ggml.tokens``, or a ``tokenizer.ggml.model`` it does not know).
+        BadGGUFError: tokenizer metadata that contradicts itself (a special-token id outside
+            the vocabulary, a BPE tokenizer without merges or scores, merges of unknown
+            tokens).
     """
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING,
                                                                         convert_gguf_tokenizer)
@@ -45,10 +48,16 @@ def gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
         init_kwargs.setdefault("add_bos_token", True)
     for arg, key in _SPECIAL_TOKEN_IDS.items():
         token_id = meta.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and not 0 <= token_id < len(vocab["tokens"]):
+            raise BadGGUFError(f"{path!r}: tokenizer.ggml.{key} = {token_id} is not one of its "
+                               f"{len(vocab['tokens'])} tokens")
         init_kwargs[arg] = None if token_id is None else vocab["tokens"][token_id]
     try:
         backend, extra = convert_gguf_tokenizer(meta["general.architecture"], vocab)
-    except ValueError as e:
+        return TokenizersBackend(tokenizer_object=backend, **init_kwargs, **extra)
+    except ValueError as e:     # transformers' converter: a tokenizer model it does not know
         raise FileNotFoundError(f"no usable tokenizer in {path!r}: {e}; pass --tokenizer "
                                 "DIR") from e
-    return TokenizersBackend(tokenizer_object=backend, **init_kwargs, **extra)
+    except Exception as e:     # noqa: BLE001 - missing keys, merges naming unknown tokens, ...
+        raise BadGGUFError(f"{path!r}: its tokenizer metadata does not make a tokenizer "
+                           f"({type(e).__name__}: {e}); pass --tokenizer DIR") from e
