@@ -238,3 +238,24 @@ def test_token_tables_are_per_tokenizer_and_keep_none_alive():
         assert special_ids(gpt2) == {gpt2.eos_token_id}       # <|endoftext|> only
         del gpt2
         gc.collect()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("skip", [True, False])
+def test_ids_added_at_once_read_as_added_one_by_one(path, skip):
+    # add_tokens (final-only outputs render at the end) against add_token for each, after a
+    # prefix added one by one (min_tokens / a stop token's text before the rest), with and
+    # without the final flush (an abort does not flush).
+    tok = _load(path)
+    rng = np.random.default_rng([len(tok), skip, 7])
+    for prompt, ids in cases(tok, rng):
+        for head in (0, 5):
+            for final in (True, False):
+                texts, flushed = reference_texts(tok, prompt, ids,
+                                                 skip_special_tokens=skip,
+                                                 spaces_between_special_tokens=True)
+                detok = IncrementalDetokenizer(tok, prompt, skip)
+                for t in ids[:head]:
+                    detok.add_token(t)
+                detok.add_tokens(ids[head:], final=final)
+                assert detok.text == (flushed if final else texts[-1]), (prompt, ids, head)

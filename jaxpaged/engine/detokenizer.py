@@ -188,6 +188,26 @@ class IncrementalDetokenizer:
         self._append(new)
         return self._match_stop(before + new)
 
+    def add_tokens(self, token_ids: list[int], final: bool) -> None:
+        """Append ids at once (no stop strings looked for) with one decode of the whole
+        output: the text :meth:`add_token` for each, then :meth:`flush` if ``final``, would
+        give (the rule :attr:`text` follows: the decode after the context of the ids up to
+        any open byte-fallback run, trailing U+FFFD held back unless ``final``). For an
+        output that nobody reads while it runs and no stop string can cut (final-only
+        outputs): one backend decode at the end instead of one per token."""
+        ids = self._ids
+        ids.extend(token_ids)
+        if final:
+            self._closed = len(ids)
+        else:
+            for i in range(len(ids) - 1, self._closed - 1, -1):
+                if ids[i] not in self._run_ids:
+                    self._closed = i + 1
+                    break
+        text = self._decoded(self._closed)
+        self._windowed = False     # (the window no longer follows the ids)
+        self._append((text if final else text.rstrip(_REPLACEMENT))[self._num_chars:])
+
     def flush(self) -> None:
         """At the end of generation, release text held back for an incomplete UTF-8
         character, rendered as the full decode renders it (with U+FFFD)."""

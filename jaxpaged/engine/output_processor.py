@@ -37,6 +37,10 @@ class SequenceState:
 
     request: Request
     detokenizer: IncrementalDetokenizer
+    #: Ids whose text is not rendered yet, for a sequence whose text nobody reads before it
+    #: finishes (final-only output, no stop strings): rendered at once when it finishes
+    #: (``IncrementalDetokenizer.add_tokens``); None: rendered token by token.
+    pending: list[int] | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     sent_chars: int = 0
@@ -123,7 +127,8 @@ class OutputProcessor:
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens,
                                        p.stop_strings, p.include_stop_str_in_output,
                                        p.spaces_between_special_tokens)
-        state = SequenceState(req, detok)
+        state = SequenceState(req, detok, [] if p.output_kind is _FINAL_ONLY
+                              and not p.stop_strings else None)
         if p.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self.groups[req.group_id].seqs.append(state)
@@ -162,14 +167,23 @@ class OutputProcessor:
             state.logprobs.append(entry)
             state.cumulative_logprob += lp
         stop = None
+        pending = state.pending
         if num_output < p.min_tokens:
-            state.detokenizer.add_token(token, check_stop=False)
+            if pending is None:
+                state.detokenizer.add_token(token, check_stop=False)
+            else:
+                pending.append(token)
         elif not p.ignore_eos and token in self.eos_token_ids:
             stop = ("stop", None)
         elif p.stop_token_ids and token in p.stop_token_ids:
             stop = ("stop", token)
             if p.include_stop_str_in_output:
-                state.detokenizer.add_token(token, check_stop=False)
+                if pending is None:
+                    state.detokenizer.add_token(token, check_stop=False)
+                else:
+                    pending.append(token)
+        elif pending is not None:       # (no stop strings: nothing to match)
+            pending.append(token)
         else:
             matched = state.detokenizer.add_token(token)
             if matched is not None:
@@ -177,7 +191,11 @@ class OutputProcessor:
         if stop is None and (num_output >= req.max_tokens or num_ids >= self.max_model_len):
             stop = ("length", None)
         if stop is not None and not isinstance(stop[1], str):
-            state.detokenizer.flush()    # (a stop string cut the text: nothing to release)
+            if pending is None:
+                state.detokenizer.flush()    # (a stop string cut the text: nothing to release)
+            else:
+                state.detokenizer.add_tokens(pending, final=True)
+                state.pending = None
         return stop
 
     def add_prompt_logprobs(self, request_id: str, start: int,
@@ -221,6 +239,9 @@ class OutputProcessor:
         for s in seqs:
             req = s.request
             reason = req.finish_reason
+            if s.pending is not None:    # finished without a stop rule (abort, error)
+                s.detokenizer.add_tokens(s.pending, final=False)
+                s.pending = None
             text = s.detokenizer.visible_text(reason is not None)
             if delta:   # only what is new; no copy of what was sent before
                 if s.sent_final or (len(text) == s.sent_chars and reason is None
