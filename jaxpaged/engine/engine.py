@@ -6,9 +6,8 @@
 ``scheduler.update_from_output(scheduler_output, runner_output)`` (fork parallel-sampling
 requests, append and detokenize tokens, stop rules, free finished sequences), then the
 requests' outputs; with async scheduling the third call of step N-1 comes after step N's
-dispatch. The device side is assembled once by
-``jaxpaged.runner.worker``. Callers drive it themselves (``add_request`` / ``step`` /
-``abort_request``) or through :class:`jaxpaged.LLM`.
+dispatch. The device side is assembled once by ``jaxpaged.runner.worker``. Callers drive it
+themselves (``add_request`` / ``step`` / ``abort_request``) or through :class:`jaxpaged.LLM`.
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.distributed.multihost import check_same_everywhere
-from jaxpaged.distributed.multihost import initialize as initialize_multihost
+from jaxpaged.distributed.multihost import check_same_everywhere, initialize as initialize_multihost
 from jaxpaged.distributed.step_sync import install_signal_handlers, stop_requested_anywhere
 from jaxpaged.distributed.tensor_parallel import request_host_devices
 from jaxpaged.engine.arg_utils import EngineArgs
