@@ -1,13 +1,11 @@
 """LLM.chat through transformers' chat templates; generation_config defaults."""
 
 import json
-import os
-import shutil
 
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from tests.conftest import TOKENIZERS
+from tests.helpers.qwen_random import write_qwen_random
 
 CONVERSATION = [{"role": "system", "content": "You tell short stories."},
                 {"role": "user", "content": "Tell me about Lily."}]
@@ -35,12 +33,7 @@ def test_model_without_template_needs_one(stories_llm):
 def qwen_like(tmp_path_factory):
     """A tiny random model with Qwen2's real tokenizer and chat template."""
     d = tmp_path_factory.mktemp("qwen_like")
-    for f in os.listdir(os.path.join(TOKENIZERS, "qwen2")):
-        shutil.copy(os.path.join(TOKENIZERS, "qwen2", f), d)
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 151646, "hidden_size": 16,
-        "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "max_position_embeddings": 256, "eos_token_id": 151645}))
+    write_qwen_random(d, 151646)
     (d / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}))
     return LLM(model=str(d), load_format="dummy", enforce_eager=True, max_num_seqs=4,

@@ -4,7 +4,6 @@ the bundled model and on a random-weight model with Qwen2's real tokenizer."""
 import json
 import os
 import re
-import shutil
 
 import jax.numpy as jnp
 import jsonschema
@@ -17,6 +16,7 @@ from jaxpaged.sampling.sampler import SamplingMetadata, apply_token_bitmask, sam
 from jaxpaged.sampling_params import (RequestOutputKind, SamplingParamsError,
                                       StructuredOutputsParams)
 from tests.conftest import TOKENIZERS
+from tests.helpers.qwen_random import write_qwen_random
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "minLength": 1, "maxLength": 8},
@@ -228,14 +228,8 @@ def test_streamed_deltas_join_to_valid_json(stories):
 def qwen_random(tmp_path_factory):
     """A random-weight model with Qwen2's real tokenizer (151646 tokens; its vocabulary
     padded to 151680 logits: the tail must stay masked)."""
-    d = tmp_path_factory.mktemp("qwen_random")
-    for f in os.listdir(os.path.join(TOKENIZERS, "qwen2")):
-        shutil.copy(os.path.join(TOKENIZERS, "qwen2", f), d)
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 151680, "hidden_size": 16,
-        "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "max_position_embeddings": 256, "eos_token_id": 151645}))
-    return LLM(model=str(d), load_format="dummy", enforce_eager=True, max_num_seqs=8,
+    d = write_qwen_random(tmp_path_factory.mktemp("qwen_random"), 151680)
+    return LLM(model=d, load_format="dummy", enforce_eager=True, max_num_seqs=8,
                max_model_len=256)
 
 

@@ -53,6 +53,26 @@ def cache_key(params: StructuredOutputsParams) -> str:
                       sort_keys=True)
 
 
+def _schema(kind: str, spec, close_objects: bool):
+    """The JSON schema of a ``json`` (a dict, or its JSON text) or ``json_object`` spec,
+    closed (``disable_additional_properties``) on a copy if asked.
+
+    Raises:
+        SamplingParamsError: JSON text that does not parse (``structured_outputs.json``).
+    """
+    schema = {"type": "object"} if kind == "json_object" else spec
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise SamplingParamsError("structured_outputs.json",
+                                      f"is not valid JSON: {e}") from None
+    if close_objects:
+        schema = copy.deepcopy(schema)
+        _close_objects(schema)
+    return schema
+
+
 def serialize(params: StructuredOutputsParams) -> str:
     """The llguidance grammar (its JSON text) of ``params``.
 
@@ -69,16 +89,7 @@ def _serialize(key: str) -> str:
     if whitespace is not None:
         options["whitespace_pattern"] = whitespace
     if kind in ("json", "json_object"):
-        schema = {"type": "object"} if kind == "json_object" else spec
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as e:
-                raise SamplingParamsError("structured_outputs.json",
-                                          f"is not valid JSON: {e}") from None
-        if close_objects:
-            schema = copy.deepcopy(schema)
-            _close_objects(schema)
+        schema = _schema(kind, spec, close_objects)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         except ValueError as e:
@@ -153,16 +164,7 @@ def _lark_body(params: StructuredOutputsParams) -> str | None:
     """``params``' constraint as a Lark expression (None for a ``grammar``)."""
     kind, spec = params.kind, getattr(params, params.kind)
     if kind in ("json", "json_object"):
-        schema = {"type": "object"} if kind == "json_object" else spec
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as e:
-                raise SamplingParamsError("structured_outputs.json",
-                                          f"is not valid JSON: {e}") from None
-        schema = copy.deepcopy(schema)
-        if params.disable_additional_properties:
-            _close_objects(schema)
+        schema = copy.deepcopy(_schema(kind, spec, params.disable_additional_properties))
         options = {"whitespace_flexible": not params.disable_any_whitespace}
         if params.whitespace_pattern is not None:
             options["whitespace_pattern"] = params.whitespace_pattern
