@@ -27,7 +27,7 @@ from jaxpaged.layers.attention import AttentionBackend, BatchLayout
 from jaxpaged.sampling.logits_adjust import (LogitsAdjustment, needs_adjustment, no_adjustment,
                                              pack, row_adjustment)
 from jaxpaged.sampling.sampler import SamplingMetadata
-from jaxpaged.structured_output.manager import all_allowed, grammar_bitmask
+from jaxpaged.structured_output.manager import grammar_bitmask
 
 _SEED_MASK = 0xFFFFFFFFFFFFFFFF
 _UNKNOWN = [0]      # the stand-in id of a token not on the host yet
@@ -84,8 +84,9 @@ class StepInputs:
 
 jax.tree_util.register_dataclass(
     StepInputs, data_fields=["input_ids", "positions", "logits_indices", "attn_metadata",
-                             "sampling", "adjust", "token_bitmask", "prompt_targets", "prev_token_index",
-                             "with_logprobs", "with_prompt_logprobs"], meta_fields=[])
+                             "sampling", "adjust", "token_bitmask", "prompt_targets",
+                             "prev_token_index", "with_logprobs", "with_prompt_logprobs"],
+    meta_fields=[])
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,8 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
                  eos_token_ids: frozenset[int],
                  pad_sizes: Callable[[int, int, int, int, bool], tuple[int, int, int]],
                  prev_rows: Callable[[], dict[str, int]], bitmask_words: int,
-                 adjust_capacity: int = 16) -> PreparedStep:
+                 free_bitmask: Callable[[int], object], adjust_capacity: int = 16
+                 ) -> PreparedStep:
     """Pad and pack one scheduled step.
 
     Args:
@@ -130,6 +132,9 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
             dispatched before this one (called only when a sequence decodes a token not on
             the host yet, see :attr:`StepInputs.prev_token_index`).
         bitmask_words: int32 words of a grammar bitmask row (``ceil(V / 32)``).
+        free_bitmask: ``rows -> [rows, bitmask_words]`` int32 with every bit set, the mask of
+            a step with no structured-output row (the runner keeps one on the device per row
+            bucket, so such steps copy nothing to it).
         adjust_capacity: K and A of the logit adjustments (more only for a row that needs
             more entries, which makes a new step shape).
 
@@ -234,7 +239,7 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
                    if s.samples and s.request.structured_output_request is not None
                    for r in range(cu_rows[i], cu_rows[i + 1])]
     token_bitmask = (grammar_bitmask(constrained, b_pad, bitmask_words) if constrained
-                     else all_allowed(b_pad, bitmask_words))
+                     else free_bitmask(b_pad))
 
     prompt_targets = np.zeros(t_pad, np.int32)
     if with_prompt:     # each row's next prompt token (a chunk's last one: the next chunk's)

@@ -126,6 +126,7 @@ class ModelRunner:
             jax.tree.map(lambda a: a.sharding, self._kv_caches), self._replicated)
         self._prev_tokens = jax.device_put(np.zeros(num_rows, np.int32), self._replicated)
         self._prev_rows: Callable[[], dict[str, int]] = dict
+        self._free_bitmasks: dict[int, jax.Array] = {}
 
     def set_kv_scales(self, scales: KVScales) -> None:
         """Give layer i's attention ``scales[i]`` (after a calibration,
@@ -210,6 +211,7 @@ class ModelRunner:
                                 backend=self._backend, eos_token_ids=self._eos_token_ids,
                                 pad_sizes=self._pad_sizes, prev_rows=self._prev_rows,
                                 bitmask_words=num_words(self._limits.vocab_size),
+                                free_bitmask=self._free_bitmask,
                                 adjust_capacity=self._limits.max_adjust_entries)
         forward, sampler = self._executables_for(prepared.layout, prepared.inputs)
         logits, prompt, self._kv_caches = forward(
@@ -235,6 +237,15 @@ class ModelRunner:
              inputs.adjust.allowed_ids.shape[1]), self._programs.sample, logits,
             sample_inputs(inputs), self._prev_tokens)
         return forward, sampler
+
+    def _free_bitmask(self, rows: int) -> jax.Array:
+        """The all-allowed grammar bitmask of ``rows`` rows, on the device (made once per row
+        bucket: a step without structured outputs copies no mask to the device)."""
+        mask = self._free_bitmasks.get(rows)
+        if mask is None:
+            mask = self._free_bitmasks[rows] = jax.device_put(
+                all_allowed(rows, num_words(self._limits.vocab_size)), self._replicated)
+        return mask
 
     def _compiled(self, key: tuple, program, *args):
         """``program`` compiled for ``args`` (kept under ``key``)."""
