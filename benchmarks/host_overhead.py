@@ -37,7 +37,7 @@ import time
 import numpy as np
 
 from jaxpaged.benchmarks.datasets import ROOT, random_requests
-from jaxpaged.benchmarks.results import cpu_model, write_outputs
+from jaxpaged.benchmarks.results import add_cost, add_cost_arg, cpu_model, write_outputs
 from jaxpaged.benchmarks.throughput import shifted
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.sampling_params import RequestOutputKind
@@ -62,6 +62,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "model's where the checkout has none)")
     parser.add_argument("--per-step", action="store_true", help="print every step's figures")
     parser.add_argument("--output-json", default=None)
+    add_cost_arg(parser)
 
 
 def model_runner(engine):
@@ -168,6 +169,7 @@ def measure_mode(engine_args: EngineArgs, args: argparse.Namespace,
         results[name] = {
             "output_kind": kind.name.lower(), "elapsed_s": elapsed, "num_steps": len(steps),
             "num_decode_steps": len(decode), "num_tokens": sum(s["num_seqs"] for s in steps),
+            "num_prompt_tokens": sum(q.prompt_len for q in requests),
             "num_compilations_during_run": llm.engine.stats().num_compilations - compilations,
             "decode": summary, "steps": steps}
     return results
@@ -253,6 +255,10 @@ def main(args: argparse.Namespace) -> dict:
                             "ratio": per_token[str(max(args.detok_lengths))]["mean_us"]
                             / per_token[str(min(args.detok_lengths))]["mean_us"]}
     print_table(result, args.per_step)
+    timed = result["modes"]["async"]   # the engine's default mode
+    outputs = args.num_requests * args.output_len   # every request runs to output_len
+    add_cost(result, args.cost_per_hour, timed["elapsed_s"], outputs,
+             outputs + timed["num_prompt_tokens"])
     write_outputs(result, args.output_json)
     return result
 

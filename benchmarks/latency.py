@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxpaged import LLM
 from jaxpaged.benchmarks.datasets import random_requests
-from jaxpaged.benchmarks.results import PERCENTILES, write_outputs
+from jaxpaged.benchmarks.results import PERCENTILES, add_cost, add_cost_arg, write_outputs
 from jaxpaged.benchmarks.throughput import run_requests
 from jaxpaged.engine.arg_utils import EngineArgs
 
@@ -28,6 +28,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters-warmup", type=int, default=1)
     parser.add_argument("--num-iters", type=int, default=5)
     parser.add_argument("--output-json", default=None)
+    add_cost_arg(parser)
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -55,5 +56,8 @@ def main(args: argparse.Namespace) -> dict:
     print(f"Avg latency: {result['avg_latency']:.4f} s over {args.num_iters} iterations")
     for p, v in result["percentiles"].items():
         print(f"{p}% percentile latency: {v:.4f} s")
+    tokens = args.batch_size * args.output_len
+    add_cost(result, args.cost_per_hour, result["avg_latency"], tokens,
+             tokens + args.batch_size * args.input_len)
     write_outputs(result, args.output_json)
     return result

@@ -32,6 +32,37 @@ def write_outputs(result: dict, output_json: str | None) -> None:
     print(json.dumps(result, separators=(",", ":")))
 
 
+def add_cost_arg(parser) -> None:
+    """``--cost-per-hour USD``: the machine's price, for :func:`add_cost`."""
+    parser.add_argument("--cost-per-hour", type=float, default=None, metavar="USD",
+                        help="the machine's price in USD per hour: report the cost per "
+                             "million output and total tokens")
+
+
+def add_cost(result: dict, cost_per_hour: float | None, seconds: float, output_tokens: int,
+             total_tokens: int) -> None:
+    """Add ``cost_per_million_output_tokens`` and ``cost_per_million_total_tokens`` (USD) to
+    ``result`` and print them, for ``output_tokens`` and ``total_tokens`` (prompt and output)
+    processed in ``seconds`` of wall time on a machine that costs ``cost_per_hour`` USD an hour:
+    ``cost_per_hour * seconds / 3600 / tokens * 1e6``. Nothing when ``cost_per_hour`` is None.
+
+    Raises:
+        ValueError: ``cost_per_hour`` not a positive finite number.
+    """
+    if cost_per_hour is None:
+        return
+    if not (np.isfinite(cost_per_hour) and cost_per_hour > 0):
+        raise ValueError(f"--cost-per-hour must be a positive number of USD, got {cost_per_hour}")
+    dollars = cost_per_hour * seconds / 3600
+    result["cost_per_hour"] = cost_per_hour
+    for name, tokens in (("output", output_tokens), ("total", total_tokens)):
+        result[f"cost_per_million_{name}_tokens"] = dollars / tokens * 1e6 if tokens else None
+    per = {k: result[f"cost_per_million_{k}_tokens"] for k in ("output", "total")}
+    text = ", ".join(f"${v:.4f} per million {k} tokens" if v is not None else f"no {k} tokens"
+                     for k, v in per.items())
+    print(f"Cost at ${cost_per_hour:g}/hour: {text}")
+
+
 def plot_next_to(json_path: str, draw) -> str | None:
     """``draw(png_path)`` for the PNG beside ``json_path``; skipped (None) without matplotlib
     (``pip install -e ".[bench]"``)."""

@@ -23,7 +23,8 @@ import numpy as np
 
 from jaxpaged.benchmarks.datasets import SampleRequest, add_dataset_args, requests_from_args
 from jaxpaged.benchmarks.plots import plot_serve_latencies
-from jaxpaged.benchmarks.results import distribution, plot_next_to, write_outputs
+from jaxpaged.benchmarks.results import (add_cost, add_cost_arg, distribution, plot_next_to,
+                                         write_outputs)
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL
 from jaxpaged.tokenizer import load_tokenizer
 
@@ -43,6 +44,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="the server's limit (default: read from /v1/models)")
     add_dataset_args(parser)
     parser.add_argument("--output-json", default=None)
+    add_cost_arg(parser)
 
 
 @dataclass
@@ -237,6 +239,8 @@ def main(args: argparse.Namespace) -> dict:
               "ttfts": [r.ttft for r in results],
               "tpots": [(r.e2e - r.ttft) / (r.output_tokens - 1) if r.ok and r.output_tokens > 1
                         else 0.0 for r in results]}
+    add_cost(result, args.cost_per_hour, duration, summary["total_output_tokens"],
+             summary["total_input_tokens"] + summary["total_output_tokens"])
     write_outputs(result, args.output_json)
     if args.output_json:
         plot_next_to(args.output_json, lambda path: plot_serve_latencies(result, path))

@@ -21,7 +21,7 @@ import time
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.benchmarks.datasets import random_requests
-from jaxpaged.benchmarks.results import cpu_model, write_outputs
+from jaxpaged.benchmarks.results import add_cost, add_cost_arg, cpu_model, write_outputs
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.sampling_params import StructuredOutputsParams
 
@@ -37,6 +37,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output-json", default=None)
+    add_cost_arg(parser)
 
 
 def _timed(llm: LLM, prompts: list, params: SamplingParams) -> tuple[float, int]:
@@ -84,5 +85,8 @@ def main(args: argparse.Namespace) -> dict:
               "cost": 1 - constrained_rate / free_rate, "rates": rates}
     print(f"free {free_rate:.0f} tok/s, constrained {constrained_rate:.0f} tok/s: "
           f"cost {100 * result['cost']:.1f} % (batch {args.num_requests}, {result['cpu']})")
+    seconds = expected / constrained_rate   # a constrained pass: the dearer of the two
+    add_cost(result, args.cost_per_hour, seconds, expected,
+             expected + args.num_requests * args.prompt_len)
     write_outputs(result, args.output_json)
     return result

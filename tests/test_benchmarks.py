@@ -26,10 +26,16 @@ def test_bench_throughput_small(tmp_path, capsys):
     out = tmp_path / "tp.json"
     args = build_parser().parse_args(
         ["bench", "throughput", *SMALL_ENGINE, "--num-prompts", "8", "--random-input-len", "20",
-         "--random-output-len", "6", "--output-json", str(out)])
+         "--random-output-len", "6", "--cost-per-hour", "3.6", "--output-json", str(out)])
     throughput.main(args)
     result = json.loads(out.read_text())
     assert result["num_requests"] == 8 and result["total_output_tokens"] == 48
+    # $3.6 an hour is $0.001 a second: the cost of the timed pass over its tokens, per million.
+    dollars = result["elapsed_time"] * 0.001
+    assert result["cost_per_hour"] == 3.6
+    assert result["cost_per_million_output_tokens"] == pytest.approx(dollars / 48 * 1e6)
+    assert result["cost_per_million_total_tokens"] == pytest.approx(
+        dollars / result["total_num_tokens"] * 1e6)
     for key in ("elapsed_time", "requests_per_second", "tokens_per_second",
                 "output_tokens_per_second", "warmup_time"):
         assert result[key] > 0, key
@@ -39,6 +45,10 @@ def test_bench_throughput_small(tmp_path, capsys):
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[0].startswith("Start-up: ") and printed[0].endswith(
         "compilations during the timed run: 0")
+    assert printed[-2] == (f"Cost at $3.6/hour: "
+                           f"${result['cost_per_million_output_tokens']:.4f} per million output "
+                           f"tokens, ${result['cost_per_million_total_tokens']:.4f} per million "
+                           f"total tokens")
     assert json.loads(printed[-1]) == result
 
 
@@ -46,9 +56,15 @@ def test_bench_latency_small(tmp_path):
     out = tmp_path / "lat.json"
     args = build_parser().parse_args(
         ["bench", "latency", *SMALL_ENGINE, "--input-len", "12", "--output-len", "4",
-         "--batch-size", "2", "--num-iters", "3", "--output-json", str(out)])
+         "--batch-size", "2", "--num-iters", "3", "--cost-per-hour", "7.2",
+         "--output-json", str(out)])
     latency.main(args)
     result = json.loads(out.read_text())
+    # One batch: 2 x 4 output tokens and 2 x 12 prompt tokens in avg_latency seconds.
+    assert result["cost_per_million_output_tokens"] == pytest.approx(
+        result["avg_latency"] * 0.002 / 8 * 1e6)
+    assert result["cost_per_million_total_tokens"] == pytest.approx(
+        result["avg_latency"] * 0.002 / 32 * 1e6)
     assert len(result["latencies"]) == 3 and result["avg_latency"] > 0
     assert set(result["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
     assert all(v > 0 for v in result["percentiles"].values())
@@ -59,9 +75,14 @@ def test_bench_host_overhead_small(tmp_path):
     args = build_parser().parse_args(
         ["bench", "host-overhead", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
          "--num-requests", "8", "--output-len", "4", "--detok-lengths", "32", "8",
-         "--output-json", str(out)])
+         "--cost-per-hour", "1", "--output-json", str(out)])
     result = host_overhead.main(args)
     assert json.loads(out.read_text()) == result
+    timed = result["modes"]["async"]
+    assert result["cost_per_million_output_tokens"] == pytest.approx(
+        timed["elapsed_s"] / 3600 / 32 * 1e6)
+    assert result["cost_per_million_total_tokens"] == pytest.approx(
+        timed["elapsed_s"] / 3600 / (32 + timed["num_prompt_tokens"]) * 1e6)
     assert set(result["modes"]) == {"sync", "sync-cumulative", "sync-delta", "async"}
     assert {m: mode["output_kind"] for m, mode in result["modes"].items()} == {
         "sync": "final_only", "sync-cumulative": "cumulative", "sync-delta": "delta",
@@ -90,6 +111,17 @@ def test_bench_host_overhead_small(tmp_path):
     assert all(0 < t["median_us"] and 0 < t["mean_us"] for t in detok["per_token"].values())
     assert detok["ratio"] == pytest.approx(detok["per_token"]["32"]["mean_us"]
                                            / detok["per_token"]["8"]["mean_us"])
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_cost_per_hour_must_be_positive(value, capsys):
+    from jaxpaged.benchmarks.results import add_cost
+
+    with pytest.raises(ValueError, match="--cost-per-hour must be a positive number"):
+        add_cost({}, float(value), 1.0, 1, 1)
+    result = {}
+    add_cost(result, None, 1.0, 1, 1)     # no price: no cost fields
+    assert result == {}
 
 
 def test_w1_recipe():
@@ -257,9 +289,12 @@ def test_bench_structured_outputs_small(tmp_path):
     out = tmp_path / "so.json"
     args = build_parser().parse_args(
         ["bench", "structured-outputs", *SMALL_ENGINE, "--enforce-eager", "--num-requests", "4",
-         "--output-len", "5", "--repeats", "1", "--output-json", str(out)])
+         "--output-len", "5", "--repeats", "1", "--cost-per-hour", "36",
+         "--output-json", str(out)])
     result = structured_outputs.main(args)
     assert json.loads(out.read_text()) == result
+    seconds = 20 / result["constrained_tokens_per_second"]     # 4 x 5 tokens, constrained
+    assert result["cost_per_million_output_tokens"] == pytest.approx(seconds * 0.01 / 20 * 1e6)
     assert result["free_tokens_per_second"] > 0 and result["constrained_tokens_per_second"] > 0
     assert result["cost"] == 1 - (result["constrained_tokens_per_second"]
                                   / result["free_tokens_per_second"])

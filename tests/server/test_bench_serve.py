@@ -14,11 +14,14 @@ def test_bench_serve_small(live_server, tmp_path, rate):
     args = build_parser().parse_args(
         ["bench", "serve", "--base-url", live_server.url, "--num-prompts", "12",
          "--random-input-len", "16", "--random-output-len", "8", "--request-rate", rate,
-         "--max-concurrency", "6", "--output-json", str(out)])
+         "--max-concurrency", "6", "--cost-per-hour", "2.5", "--output-json", str(out)])
     serve.main(args)
     result = json.loads(out.read_text())
     assert result["completed"] == 12 and result["failed"] == 0, result["errors"]
     assert result["total_output_tokens"] == 12 * 8 and result["total_input_tokens"] == 12 * 16
+    dollars = 2.5 * result["duration"] / 3600
+    assert result["cost_per_million_output_tokens"] == pytest.approx(dollars / 96 * 1e6)
+    assert result["cost_per_million_total_tokens"] == pytest.approx(dollars / 288 * 1e6)
     for key in ("duration", "request_throughput", "output_throughput", "total_token_throughput",
                 "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
                 "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms"):
