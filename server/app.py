@@ -1,8 +1,10 @@
 """The Starlette application: routes, API-key check, body limit, error mapping, lifespan.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (200 only once the model is loaded and warmed up; 503 while loading and from
-the moment the engine has died; it never waits on the engine), ``GET /version``, ``GET /metrics``
+``GET /health`` (liveness: 200 only once the model is loaded and warmed up, and while a
+graceful shutdown drains; 503 while loading and from the moment the engine has died; it never
+waits on the engine), ``GET /ready`` (readiness: as ``/health``, but 503 from the moment a
+shutdown begins, so a load balancer stops sending new requests), ``GET /version``, ``GET /metrics``
 (Prometheus text), ``POST /tokenize``, ``POST /detokenize``, ``GET /openapi.json``.
 Every error, the framework's included, is answered in OpenAI's shape (``server/errors.py``).
 """
@@ -130,6 +132,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
 
     async def health(request: Request) -> Response:
         try:
+            engine.check_alive()
+        except Exception as e:
+            return error_response(engine_error(e))
+        return Response(status_code=200)
+
+    async def readiness(request: Request) -> Response:
+        try:
             engine.check_ready()
         except Exception as e:
             return error_response(engine_error(e))
@@ -178,6 +187,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/ready", readiness, methods=["GET"]),
         Route("/version", version_route, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),

@@ -30,6 +30,9 @@ class ServerConfig:
             output's ``<think>`` block returned as ``reasoning``.
         default_chat_template_kwargs: template variables of every chat request (the
             request's ``chat_template_kwargs`` override them).
+        shutdown_timeout: seconds a shutdown (SIGTERM, Ctrl-C) waits for the running requests
+            to finish while new ones get 503; 0: end them at once (vLLM's
+            ``--shutdown-timeout``).
     """
 
     served_model_names: list[str]
@@ -44,3 +47,4 @@ class ServerConfig:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     default_chat_template_kwargs: dict | None = None
+    shutdown_timeout: float = 0.0

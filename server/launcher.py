@@ -8,6 +8,7 @@ printed and the process exits with status 1.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -84,6 +85,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help='chat template variables of every request, a JSON object (e.g. '
                         '\'{"enable_thinking": false}\'); a request\'s chat_template_kwargs '
                         'override them')
+    g.add_argument("--shutdown-timeout", type=_seconds, default=0.0,
+                   help="on SIGTERM or Ctrl-C, seconds to let the running requests finish "
+                        "while new ones get HTTP 503 and /ready turns 503 (default 0: end "
+                        "them at once)")
     return parser
 
 
@@ -115,6 +120,13 @@ def _positive_seconds(text: str) -> float:
     value = float(text)
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
     return value
 
 
@@ -166,7 +178,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser,
-                        default_chat_template_kwargs=args.default_chat_template_kwargs)
+                        default_chat_template_kwargs=args.default_chat_template_kwargs,
+                        shutdown_timeout=args.shutdown_timeout)
 
 
 def make_server(engine_args: EngineArgs, config: ServerConfig, log_stats: bool = True):
@@ -209,7 +222,8 @@ def run_server(args: argparse.Namespace) -> int:
             return 1
     server = GracefulServer(engine, uvicorn.Config(
         app, host=args.host, port=args.port, log_level="info",
-        access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5))
+        access_log=not args.disable_uvicorn_access_log, timeout_graceful_shutdown=5),
+        config.shutdown_timeout)
     multihost = engine_args.num_processes > 1
 
     def stop_if_load_fails():
@@ -267,16 +281,33 @@ def _stop_the_starting_job(engine: AsyncEngine) -> None:
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn's server, ending every running request as soon as shutdown begins (so streams
-    close with an error event and ``[DONE]`` and waiting clients get a 503 in time, instead
-    of being cut when the graceful-shutdown period runs out)."""
+    """uvicorn's server with a drain before it stops: for up to ``shutdown_timeout`` seconds
+    the running requests go on while new ones get 503 (and ``/ready`` 503, ``/health`` still
+    200), the listening socket still open; then every request still running ends (streams
+    close with an error event and ``[DONE]``, waiting clients get a 503 in time, instead of
+    being cut when uvicorn's graceful-shutdown period runs out). vLLM's
+    ``--shutdown-timeout`` (vllm-project/vllm#36666) behaves the same way."""
 
-    def __init__(self, engine: AsyncEngine, config: uvicorn.Config):
+    def __init__(self, engine: AsyncEngine, config: uvicorn.Config,
+                 shutdown_timeout: float = 0.0):
         super().__init__(config)
         self._engine = engine
+        self.shutdown_timeout = shutdown_timeout
 
     async def shutdown(self, sockets=None) -> None:
-        self._engine.stop_requests()
+        engine = self._engine
+        if self.shutdown_timeout > 0 and engine.is_ready:
+            engine.begin_drain()
+            deadline = time.monotonic() + self.shutdown_timeout
+            logger.info("draining: %d requests running, waiting up to %.0f s",
+                        engine.num_open_streams, self.shutdown_timeout)
+            while (engine.num_open_streams and time.monotonic() < deadline
+                   and not self.force_exit):    # a second Ctrl-C: stop now
+                await asyncio.sleep(0.05)
+            if engine.num_open_streams:
+                logger.warning("drain timed out: ending %d running requests",
+                               engine.num_open_streams)
+        engine.stop_requests()
         await super().shutdown(sockets)
 
 
@@ -297,7 +328,7 @@ class ServerThread:
         self.sock.bind((host, 0))
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
         self.server = GracefulServer(self.engine, uvicorn.Config(
-            app, log_level="warning", timeout_graceful_shutdown=2))
+            app, log_level="warning", timeout_graceful_shutdown=2), config.shutdown_timeout)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)
 

@@ -24,8 +24,10 @@ OPERATIONS = [
     ("post", "/v1/chat/completions", "Create a chat completion (SSE of ChatCompletionChunk "
      "when stream is true)", ChatCompletionRequest, ChatCompletionResponse),
     ("get", "/v1/models", "List the served models", None, ModelList),
-    ("get", "/health", "200 once the model is loaded and warmed up; 503 while loading and "
-     "once the engine has died", None, None),
+    ("get", "/health", "Liveness: 200 once the model is loaded and warmed up, and while a "
+     "shutdown drains; 503 while loading and once the engine has died", None, None),
+    ("get", "/ready", "Readiness: 200 while new requests are taken; 503 while loading, while "
+     "a shutdown drains (--shutdown-timeout) and once the engine has died", None, None),
     ("get", "/version", "The server's version", None, VersionResponse),
     ("get", "/metrics", "Prometheus metrics (text exposition format)", None, None),
     ("post", "/tokenize", "Tokenize a prompt or chat messages", TokenizeRequest,
@@ -123,9 +125,10 @@ def openapi_document(app_version: str) -> dict:
             op["responses"]["200"]["content"].update(EVENT_STREAM)
             op["responses"].update({code: error(text) for code, text in GENERATION_ERRORS.items()})
             op["parameters"] = [REQUEST_ID_HEADER]
-        if path == "/health":
-            op["responses"].update({"500": error("The engine has failed"),
-                                    "503": error("The model is still loading")})
+        if path in ("/health", "/ready"):
+            op["responses"].update({"500": error("The engine has failed"), "503": error(
+                "The model is still loading" + (", or the server is draining"
+                                                if path == "/ready" else ""))})
         paths.setdefault(path, {})[method] = op
     return {"openapi": "3.1.0",
             "info": {"title": "jaxpaged OpenAI-compatible API", "version": app_version},

@@ -91,6 +91,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._draining = False
         self._multihost = args.num_processes > 1
 
     # ---- state ----------------------------------------------------------------------------
@@ -101,11 +102,25 @@ class AsyncEngine:
         return self._ready.is_set() and self.error is None
 
     def check_ready(self) -> Engine | DataParallelEngine:
-        """The engine, if it can take requests.
+        """The engine, if it can take new requests.
 
         Raises:
             EngineDeadError: the engine failed (or failed to load).
+            EngineStoppedError: shutting down, or draining (:meth:`begin_drain`).
             EngineNotReadyError: still loading.
+        """
+        engine = self.check_alive()
+        if self._draining:
+            raise EngineStoppedError("the server is shutting down: it finishes the requests "
+                                     "it has and takes no new ones")
+        return engine
+
+    def check_alive(self) -> Engine | DataParallelEngine:
+        """The engine, if it is warmed up and running (taking new requests or draining).
+
+        Raises:
+            EngineDeadError / EngineNotReadyError: as :meth:`check_ready`.
+            EngineStoppedError: shutting down (running requests ended).
         """
         if self.error is not None:
             raise self._dead_error()
@@ -114,6 +129,11 @@ class AsyncEngine:
         if not self._ready.is_set():
             raise EngineNotReadyError("the model is still loading")
         return self.engine
+
+    @property
+    def is_draining(self) -> bool:
+        """True from :meth:`begin_drain` on."""
+        return self._draining
 
     def _dead_error(self) -> EngineDeadError:
         return EngineDeadError(f"the engine failed: {self.error!r}")
@@ -136,6 +156,12 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
         self._thread.start()
+
+    def begin_drain(self) -> None:
+        """Refuse new requests (:meth:`check_ready` raises :class:`EngineStoppedError`) and
+        let the running ones finish; :attr:`num_open_streams` counts them down. Call from the
+        event loop when a graceful shutdown begins (``--shutdown-timeout``)."""
+        self._draining = True
 
     def stop_requests(self) -> None:
         """Refuse new requests and end every running one now (its stream raises

@@ -68,6 +68,63 @@ def test_shutdown_ends_running_requests_cleanly():
     assert status == 503 and "shutting down" in json.loads(text)["error"]["message"]
 
 
+def wait_until(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("shutdown_timeout, drained", [(30.0, True), (0.3, False)])
+def test_shutdown_timeout_drains_running_requests(shutdown_timeout, drained):
+    """--shutdown-timeout: the running requests finish (or, past the timeout, end as without
+    it) while a new request gets 503, /ready 503 and /health 200."""
+    server = LiveServer(engine_args(max_num_seqs=4), ServerConfig(
+        [MODEL], shutdown_timeout=shutdown_timeout)).start()
+    assert httpx.get(server.url + "/ready").status_code == 200
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 40, "ignore_eos": True}
+    results = {}
+
+    def call(name, stream):
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            r = c.post("/v1/completions", json={**body, "stream": stream})
+            results[name] = (r.status_code, r.text)
+
+    with server.slow_steps(0.05):
+        threads = [threading.Thread(target=call, args=(n, n == "stream"))
+                   for n in ("stream", "plain")]
+        for t in threads:
+            t.start()
+        wait_until(lambda: len(server.engine.engine.scheduler.running) == 2)
+        stopper = threading.Thread(target=server.stop)
+        stopper.start()
+        wait_until(lambda: server.engine.is_draining)
+        if drained:
+            late = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+            assert late.status_code == 503, late.text
+            assert "takes no new ones" in late.json()["error"]["message"]
+            assert httpx.get(server.url + "/ready").status_code == 503
+            assert httpx.get(server.url + "/health").status_code == 200
+        for t in threads:
+            t.join()
+        stopper.join()
+    status, text = results["plain"]
+    if drained:
+        assert status == 200, text
+        choice = json.loads(text)["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert json.loads(text)["usage"]["completion_tokens"] == 40
+        status, text = results["stream"]
+        chunks = [json.loads(line[6:]) for line in text.splitlines()
+                  if line.startswith("data: {")]
+        assert status == 200 and text.rstrip().endswith("data: [DONE]")
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert "shutting down" not in text
+    else:   # 0.3 s is less than 40 steps of 50 ms: the drain ends them
+        assert status == 503 and "shutting down" in json.loads(text)["error"]["message"]
+        assert "shutting down" in results["stream"][1]
+
+
 def wait_health(url, proc, timeout=120):
     codes = []
     deadline = time.monotonic() + timeout
