@@ -3,7 +3,8 @@
 * ``jaxpaged generate [ENGINE FLAGS] [SAMPLING FLAGS] PROMPT...`` prints completions.
 * ``jaxpaged serve [MODEL] [ENGINE FLAGS] [SERVER FLAGS]`` runs the OpenAI-compatible server
   (``server/``).
-* ``jaxpaged bench {throughput,latency,serve,soak,host-overhead,structured-outputs} ...``
+* ``jaxpaged bench {throughput,latency,serve,soak,host-overhead,structured-outputs,
+  scheduling-policy} ...``
   runs a benchmark (``benchmarks/``).
 """
 
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
 
     from jaxpaged.benchmarks import host_overhead, latency, serve as serve_bench, soak, throughput
-    from jaxpaged.benchmarks import structured_outputs
+    from jaxpaged.benchmarks import scheduling_policy, structured_outputs
     bench = sub.add_parser("bench", help="benchmarks (vllm bench equivalents)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     for name, module, text in (
@@ -69,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("host-overhead", host_overhead, "host time per engine step outside the device "
                                              "call, and detokenization cost per token"),
             ("structured-outputs", structured_outputs, "throughput of grammar-constrained "
-                                                       "against free decoding")):
+                                                       "against free decoding"),
+            ("scheduling-policy", scheduling_policy, "short requests' latency under fcfs "
+                                                     "and sjf on a mixed workload")):
         module.add_cli_args(kinds.add_parser(name, help=text))
     return parser
 
@@ -93,11 +96,12 @@ def _main(argv: list[str] | None) -> int:
     logging.getLogger("jax").setLevel(logging.WARNING)   # backend probing is not news
     if args.command == "bench":
         from jaxpaged.benchmarks import host_overhead, latency, serve as serve_bench, soak, throughput
-        from jaxpaged.benchmarks import structured_outputs
+        from jaxpaged.benchmarks import scheduling_policy, structured_outputs
 
         module = {"throughput": throughput, "latency": latency, "serve": serve_bench,
                   "soak": soak, "host-overhead": host_overhead,
-                  "structured-outputs": structured_outputs}
+                  "structured-outputs": structured_outputs,
+                  "scheduling-policy": scheduling_policy}
         try:
             module[args.bench_command].main(args)
         except (ValueError, FileNotFoundError, RuntimeError) as e:

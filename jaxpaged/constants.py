@@ -17,4 +17,4 @@ ATTENTION_BACKENDS = ("auto", "xla", "pallas")
 #: vLLM's names (``jaxpaged.layers.attention.base`` defines the pool).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 #: ``--scheduling-policy`` choices.
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")

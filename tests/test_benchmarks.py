@@ -298,3 +298,25 @@ def test_bench_structured_outputs_small(tmp_path):
     assert result["free_tokens_per_second"] > 0 and result["constrained_tokens_per_second"] > 0
     assert result["cost"] == 1 - (result["constrained_tokens_per_second"]
                                   / result["free_tokens_per_second"])
+
+
+def test_bench_scheduling_policy_sjf_serves_short_requests_sooner(tmp_path):
+    from jaxpaged.benchmarks import scheduling_policy
+
+    out = tmp_path / "sched.json"
+    args = build_parser().parse_args(
+        ["bench", "scheduling-policy", "--max-num-seqs", "4", "--max-num-batched-tokens", "512",
+         "--sjf-aging-requests", "32", "--num-short", "12", "--num-long", "8",
+         "--long-input-len", "64", "--long-output-len", "32", "--output-json", str(out)])
+    result = scheduling_policy.main(args)
+    assert json.loads(out.read_text()) == result
+    fcfs, sjf = result["policies"]["fcfs"], result["policies"]["sjf"]
+    assert fcfs["max_overtaken"] == 0                       # first come, first served
+    assert 0 < sjf["max_overtaken"] <= 32                   # the aging bound holds
+    # Counted in engine steps (independent of the machine's speed): short requests finish
+    # sooner under sjf, long ones later.
+    assert sjf["median_short_e2e_steps"] < fcfs["median_short_e2e_steps"]
+    assert sjf["median_long_e2e_steps"] >= fcfs["median_long_e2e_steps"]
+    assert result["short_median_e2e_ratio"] == pytest.approx(
+        sjf["median_short_e2e_s"] / fcfs["median_short_e2e_s"])
+

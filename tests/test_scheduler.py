@@ -150,6 +150,60 @@ def test_priority_policy_orders_waiting_and_preempts_lowest_priority():
     assert reqs[0].status is RequestStatus.RUNNING
 
 
+def sjf_scheduler(num_pages=64, max_num_seqs=8, aging=4):
+    kv = KVCacheManager(num_pages=num_pages, page_size=4, enable_prefix_caching=False)
+    return scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=1000,
+                                     max_model_len=100, policy="sjf",
+                                     sjf_aging_requests=aging), kv)
+
+
+def test_sjf_orders_by_remaining_work_plus_aging():
+    s = sjf_scheduler()
+    # (prompt, max_tokens): remaining work 90, 10, 50, 10, 10, 10 tokens; with K = 4 and
+    # max_model_len 100 the keys are arrival + 4 * work / 100: 3.6, 1.4, 4.0, 3.4, 4.4, 5.4.
+    for i, (prompt, max_tokens) in enumerate([(60, 30), (5, 5), (40, 10), (5, 5), (5, 5),
+                                              (5, 5)]):
+        r = make(f"r{i}", prompt, max_tokens=max_tokens)
+        r.arrival = i
+        add(s, r)
+    assert [r.request_id for r in s.waiting] == ["r1", "r3", "r0", "r2", "r4", "r5"]
+
+
+def test_sjf_bound_no_request_is_overtaken_by_k_later_arrivals():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for aging in (0, 1, 8, 32):
+        s = sjf_scheduler(aging=aging)
+        for i in range(200):
+            prompt = int(rng.integers(1, 80))
+            r = make(f"r{i}", prompt, max_tokens=int(rng.integers(1, 101 - prompt)))
+            r.arrival = i
+            add(s, r)
+        arrivals = [r.arrival for r in s.waiting]
+        overtaken_by = [sum(a > arrivals[i] for a in arrivals[:i]) for i in range(200)]
+        assert max(overtaken_by) < max(aging, 1)     # K = 0: exactly first come first served
+        if aging == 0:
+            assert arrivals == list(range(200))
+        if aging == 32:
+            assert max(overtaken_by) >= 8            # short jobs do overtake long ones
+
+
+def test_sjf_preempts_the_running_request_last_in_its_order():
+    s = sjf_scheduler(num_pages=9, max_num_seqs=3, aging=50)   # 8 usable pages of 4 tokens
+    for i, (prompt, max_tokens) in enumerate([(8, 80), (8, 4), (8, 30)]):
+        r = make(f"r{i}", prompt, max_tokens=max_tokens)
+        r.arrival = i
+        add(s, r)
+    out = s.schedule()
+    assert {x.request.request_id for x in out.scheduled} == {"r0", "r1", "r2"}   # 6 pages
+    while not out.preempted:
+        run_step(s, out)
+        out = s.schedule()
+    # r0 has the most work left (80 tokens to go against 30 and 4), so it gives its pages.
+    assert [r.request_id for r in out.preempted] == ["r0"]
+
+
 def test_partial_prefill_limits():
     kv = KVCacheManager(num_pages=64, page_size=4, enable_prefix_caching=False)
     s = scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=20, max_model_len=64,

@@ -59,8 +59,12 @@ class EngineArgs:
         max_num_partial_prefills: most prompts mid-prefill (chunked) at once.
         long_prefill_token_threshold: most prompt tokens one request prefills per step
             (0: no cap beyond the step budget).
-        scheduling_policy: ``fcfs`` or ``priority`` (lower ``priority`` first; preemption
-            takes the lowest-priority, newest request).
+        scheduling_policy: ``fcfs``, ``priority`` (lower ``priority`` first; preemption
+            takes the lowest-priority, newest request) or ``sjf`` (shortest job first, aged:
+            ``jaxpaged.engine.scheduler``).
+        sjf_aging_requests: under ``sjf``, the most requests that arrived after a request
+            and are scheduled before it (a request of ``max_model_len`` tokens is overtaken
+            by at most this many later arrivals; 0 is fcfs).
         gpu_memory_utilization: fraction of GPU memory for weights, activations and KV pool.
         enforce_eager: skip the start-up precompile of every step shape (compile lazily).
         async_scheduling: schedule and dispatch each step while the previous one runs on
@@ -102,6 +106,7 @@ class EngineArgs:
     max_num_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
+    sjf_aging_requests: int = 64
     gpu_memory_utilization: float = 0.92
     enforce_eager: bool = False
     async_scheduling: bool = True
@@ -148,6 +153,9 @@ class EngineArgs:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"EngineArgs.scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
+        if not isinstance(self.sjf_aging_requests, int) or self.sjf_aging_requests < 0:
+            raise ValueError("EngineArgs.sjf_aging_requests must be an integer >= 0, got "
+                             f"{self.sjf_aging_requests!r}")
         if not (isinstance(self.gpu_memory_utilization, (int, float))
                 and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError("EngineArgs.gpu_memory_utilization must be in (0, 1], "
@@ -213,7 +221,11 @@ class EngineArgs:
         g.add_argument("--long-prefill-token-threshold", type=int,
                        default=d.long_prefill_token_threshold)
         g.add_argument("--scheduling-policy", default=d.scheduling_policy,
-                       choices=SCHEDULING_POLICIES)
+                       choices=SCHEDULING_POLICIES,
+                       help="fcfs; priority (lower first); sjf: shortest job (remaining "
+                            "prompt + max_tokens) first, aged by --sjf-aging-requests")
+        g.add_argument("--sjf-aging-requests", type=int, default=d.sjf_aging_requests,
+                       help="sjf: at most this many later arrivals overtake a request")
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
         g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                        help="skip the start-up precompile of every step shape and compile "

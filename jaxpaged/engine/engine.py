@@ -142,7 +142,8 @@ class Engine:
             max_model_len=self.max_model_len,
             max_num_partial_prefills=args.max_num_partial_prefills,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
-            policy=args.scheduling_policy), self.kv_cache_manager, self.output_processor)
+            policy=args.scheduling_policy, sjf_aging_requests=args.sjf_aging_requests),
+            self.kv_cache_manager, self.output_processor)
         if not args.enforce_eager:
             self.runner.precompile(should_stop=stop_requested_anywhere)
         self._stats = StatsRecorder()

@@ -9,9 +9,22 @@ the next step; finished ones leave at once. A waiting request first takes the lo
 prefix of its tokens (automatic prefix caching) and computes only the rest.
 
 When a running sequence cannot get a page, a victim is preempted by recompute — the newest
-running sequence (``fcfs``), or the lowest-priority, newest one (``priority``): its pages are
-released and it goes back to the waiting queue with ``num_computed_tokens = 0`` and its
-generated tokens kept, so nothing is lost or doubled when it resumes.
+running sequence (``fcfs``), the lowest-priority, newest one (``priority``), or the one last
+in ``sjf`` order: its pages are released and it goes back to the waiting queue with
+``num_computed_tokens = 0`` and its generated tokens kept, so nothing is lost or doubled when
+it resumes.
+
+``sjf`` (shortest job first with aging) orders the waiting queue by
+``arrival + K * remaining / max_model_len``: ``arrival`` the request's arrival number,
+``remaining`` the tokens it has left to process (prompt and outputs not in the pool, plus
+``max_tokens`` minus its outputs so far), ``K`` = ``sjf_aging_requests``. A request that
+arrived ``d`` requests later sorts ahead only if its remaining work is shorter by more than
+``d * max_model_len / K`` tokens, so **at most K requests that arrived after a request are
+scheduled before it** (aging: the bound is the same whatever the load, and no request
+starves). The key does not change while a request waits, so the queue stays sorted on insert.
+(Shortest-job-first for LLM serving with a starvation guard: Fu et al., "Efficient LLM
+Scheduling by Learning to Rank", NeurIPS 2024; here the job length is the request's own bound,
+not a prediction.)
 
 References: Yu et al., "Orca: A Distributed Serving System for Transformer-Based Generative
 Models" (OSDI 2022), section 3.2 (iteration-level scheduling); Agrawal et al., "Taming
@@ -43,7 +56,8 @@ class SchedulerConfig:
         max_model_len: most tokens (prompt + output) of one sequence.
         max_num_partial_prefills: most prompts mid-prefill at once.
         long_prefill_token_threshold: most prompt tokens one request prefills per step (0 = no cap).
-        policy: ``fcfs`` or ``priority``.
+        policy: ``fcfs``, ``priority`` or ``sjf``.
+        sjf_aging_requests: ``sjf``'s K (the module docstring).
     """
 
     max_num_seqs: int
@@ -52,6 +66,7 @@ class SchedulerConfig:
     max_num_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
+    sjf_aging_requests: int = 64
 
 
 class Scheduler:
@@ -83,7 +98,15 @@ class Scheduler:
         self.num_generation_tokens = 0
 
     def _queue_key(self, req: Request):
-        return (req.priority, req.arrival) if self.config.policy == "priority" else (req.arrival,)
+        policy = self.config.policy
+        if policy == "priority":
+            return (req.priority, req.arrival)
+        if policy == "sjf":
+            remaining = (len(req.all_token_ids) - req.num_computed_tokens
+                         + req.max_tokens - req.num_output_tokens)
+            return (req.arrival + self.config.sjf_aging_requests * remaining
+                    / self.config.max_model_len, req.arrival)
+        return (req.arrival,)
 
     def _enqueue(self, req: Request) -> None:
         """Insert into the waiting queue in policy order (arrival order for fcfs, so a
@@ -235,6 +258,8 @@ class Scheduler:
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival))
+        if self.config.policy == "sjf":
+            return max(self.running, key=self._queue_key)
         return self.running[-1]
 
     def waiting_for_grammars(self) -> list:
