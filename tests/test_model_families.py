@@ -78,6 +78,37 @@ def test_mixtral_experts_split_over_two_devices_match_transformers():
     assert out.outputs[0].token_ids == fixture(name, "greedy_tokens.npy").tolist()
 
 
+@pytest.mark.parametrize("devices, quantization", [(2, None), (4, None), (2, "int8")])
+def test_mixtral_expert_parallel_holds_whole_experts_and_matches_one_device(devices,
+                                                                           quantization):
+    name = "mixtral_moe"                       # 4 experts, top-2
+    common = dict(enforce_eager=True, model=fixture(name), tokenizer=DEFAULT_MODEL,
+                  max_num_seqs=4, block_size=8, quantization=quantization)
+    llm = LLM(**common, tensor_parallel_size=devices, enable_expert_parallel=True)
+    experts = llm.engine.runner._state["model"]["layers"][0]["block_sparse_moe"]["experts"]
+    for w in (experts["w1"], experts["w3"], experts["w2"]):
+        e, a, b = w.shape
+        assert {s.data.shape for s in w[...].addressable_shards} == {(e // devices, a, b)}
+    prompt = fixture(name, "greedy_prompt.npy").tolist()
+    out = [o.outputs[0].token_ids for o in llm.generate([prompt, prompt[:5]], GREEDY_32,
+                                                        use_tqdm=False)]
+    if quantization is None:
+        assert out[0] == fixture(name, "greedy_tokens.npy").tolist()    # transformers'
+    single = LLM(**common).generate([prompt, prompt[:5]], GREEDY_32, use_tqdm=False)
+    assert out == [o.outputs[0].token_ids for o in single]
+
+
+def test_expert_parallel_refuses_dense_models_and_uneven_splits():
+    from jaxpaged.distributed.tensor_parallel import TensorParallelError
+
+    with pytest.raises(TensorParallelError, match="needs a mixture-of-experts model"):
+        LLM(enforce_eager=True, model=fixture("llama3_rope_scaling"), tokenizer=DEFAULT_MODEL,
+            tensor_parallel_size=2, enable_expert_parallel=True)
+    with pytest.raises(TensorParallelError, match="does not divide the model's 4 experts"):
+        LLM(enforce_eager=True, model=fixture("mixtral_moe"), tokenizer=DEFAULT_MODEL,
+            tensor_parallel_size=8, enable_expert_parallel=True)
+
+
 def test_family_settings_parsed():
     mistral = ModelConfig.from_pretrained(fixture("mistral_sliding_window"))
     assert set(mistral.sliding_windows) == {8}

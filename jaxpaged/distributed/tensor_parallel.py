@@ -12,7 +12,10 @@ Models Using Model Parallelism", 2019, section 3):
   are gathered before sampling;
 - mixture-of-experts kernels (``experts.w1|w3`` [E, H, I], ``experts.w2`` [E, I, H]): every
   expert's intermediate columns split like a dense MLP's (w1/w3 column-, w2 row-parallel),
-  as vLLM's fused MoE layer does without expert parallelism; the router is replicated;
+  as vLLM's fused MoE layer does without expert parallelism; with expert parallelism
+  (``--enable-expert-parallel``) the expert dimension is split instead, each device holding
+  E / tp whole experts and their scales (``jaxpaged.models.mixtral``); the router is
+  replicated;
 - norms, and the biases and quantization scales (``--quantization``) of row-parallel
   projections: replicated (a column-parallel projection's split with its output features);
   so is any weight whose split dimension the mesh does not divide (e.g. an intermediate
@@ -70,23 +73,34 @@ class TensorParallel:
         kv_head_repeats: copies of each checkpoint KV head (1 unless ``size`` exceeds the
             model's KV head count).
         head_dim: the model's head width (to replicate KV-head columns).
+        expert_parallel: experts split whole over the mesh (see the module docstring).
     """
 
     mesh: Mesh
     size: int
     kv_head_repeats: int
     head_dim: int
+    expert_parallel: bool = False
 
     @classmethod
-    def create(cls, size: int, config: ModelConfig, devices: list | None = None
-               ) -> "TensorParallel":
+    def create(cls, size: int, config: ModelConfig, devices: list | None = None,
+               expert_parallel: bool = False) -> "TensorParallel":
         """Check ``size`` against the devices and the model, and build the mesh.
 
         Raises:
             TensorParallelError: fewer than ``size`` devices; query heads not divisible by
-                ``size``; KV heads and ``size`` not multiples of one another. (A vocabulary
-                that ``size`` does not divide is no error: its weights are replicated.)
+                ``size``; KV heads and ``size`` not multiples of one another; with
+                ``expert_parallel``, a model without experts or an expert count ``size``
+                does not divide. (A vocabulary that ``size`` does not divide is no error: its
+                weights are replicated.)
         """
+        if expert_parallel and not config.num_experts:
+            raise TensorParallelError("enable_expert_parallel needs a mixture-of-experts "
+                                      f"model; {config.architecture} has no experts")
+        if expert_parallel and config.num_experts % size:
+            raise TensorParallelError(f"enable_expert_parallel: tensor_parallel_size={size} "
+                                      f"does not divide the model's {config.num_experts} "
+                                      "experts")
         devices = list(jax.devices() if devices is None else devices)
         if not isinstance(size, int) or size < 1:
             raise TensorParallelError(f"tensor_parallel_size must be a positive integer, got {size!r}")
@@ -119,7 +133,8 @@ class TensorParallel:
                 f"{jax.process_count()} processes (each process runs the same step on its own "
                 "devices of one mesh)")
         repeats = max(1, size // kvh)
-        return cls(Mesh(np.array(devices[:size]), (TP_AXIS,)), size, repeats, config.head_dim)
+        return cls(Mesh(np.array(devices[:size]), (TP_AXIS,)), size, repeats, config.head_dim,
+                   expert_parallel and size > 1)
 
     def physical_config(self, config: ModelConfig) -> ModelConfig:
         """``config`` with the KV head count the devices hold together (replicas counted)."""
@@ -147,6 +162,8 @@ class TensorParallel:
             axis = len(shape) - 1                 # kernel [in, out] -> out; bias, scale [out]
         elif module in _ROW_PARALLEL and leaf == "kernel":
             axis = 0
+        elif module == "experts" and self.expert_parallel:
+            axis = 0                              # whole experts (and their scales)
         elif module == "experts":                 # the intermediate dimension
             axis = {"w1": 2, "w3": 2, "w2": 1, "w1_scale": 1, "w3_scale": 1}.get(leaf)
         elif module == "embed_tokens":

@@ -79,6 +79,9 @@ class EngineArgs:
             ``JAXPAGED_DISABLE_COMPILE_CACHE=1``).
         tensor_parallel_size: devices the model's heads and MLP columns are split over
             (``jaxpaged.distributed.tensor_parallel``).
+        enable_expert_parallel: a mixture-of-experts model's experts split whole over those
+            devices (each holds ``num_experts / tensor_parallel_size``) instead of each
+            expert's intermediate columns (vLLM's ``--enable-expert-parallel``).
         data_parallel_size: engine replicas, each on its own ``tensor_parallel_size``
             devices, sharing the requests (``jaxpaged.engine.data_parallel``).
         coordinator_address, num_processes, process_id: a multi-host job
@@ -112,6 +115,7 @@ class EngineArgs:
     async_scheduling: bool = True
     compilation_cache_dir: str | None = None
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     data_parallel_size: int = 1
     coordinator_address: str | None = None
     num_processes: int = 1
@@ -237,6 +241,9 @@ class EngineArgs:
                             "JAXPAGED_DISABLE_COMPILE_CACHE=1: off)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=d.tensor_parallel_size,
                        help="devices to split the model over (heads, MLP columns, KV pool)")
+        g.add_argument("--enable-expert-parallel", action="store_true",
+                       help="mixture-of-experts models: whole experts split over the "
+                            "--tensor-parallel-size devices instead of every expert's columns")
         g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
                        help="engine replicas, each on its own --tensor-parallel-size devices, "
                             "sharing the requests")

@@ -12,6 +12,17 @@ intermediate columns are split over the ``tp`` axis (w1/w3 column-parallel, w2 r
 see :mod:`jaxpaged.distributed.tensor_parallel`), so each device runs every expert on its
 slice and one all-reduce follows, as for a dense MLP.
 
+With expert parallelism (``--enable-expert-parallel``, :func:`use_expert_parallelism`) each
+of the N devices holds E / N whole experts instead and the block runs under ``shard_map``:
+the tokens are already on every device (attention's output is all-reduced), so dispatch
+needs no communication: each device routes every token (the replicated router), keeps the
+(token, expert) pairs of its own experts, sorted first, runs them through its experts (the
+other pairs sort last, past the groups' sum, where ``ragged_dot`` leaves zeros), scatters the
+weighted results into a [T, H] partial sum, and one ``psum`` over the axis combines the
+devices' parts: the same single all-reduce of [T, H] per layer as the column/row split. An
+all-to-all dispatch (DeepSpeed-MoE, GShard) would pay off only where the tokens are split over
+the devices (data-parallel attention), which this engine does not do.
+
 Checkpoint names are the Hub layout: ``block_sparse_moe.gate.weight`` [E, H] and
 ``block_sparse_moe.experts.{e}.w1|w3.weight`` [I, H], ``w2.weight`` [H, I]; the loader stacks
 each expert's tensors into the [E, in, out] :class:`ExpertWeights`. ``--quantization``
@@ -25,7 +36,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax import shard_map
+from jax.sharding import Mesh, PartitionSpec as P
+
 from jaxpaged.config import ModelConfig
+from jaxpaged.distributed.tensor_parallel import TP_AXIS
 from jaxpaged.layers.linear import linear
 from jaxpaged.layers.quantization import quantize_weight
 from jaxpaged.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -63,18 +78,37 @@ class MixtralExperts(nnx.Module):
             else:
                 setattr(self, name, ExpertWeights(weight.astype(dtype)))
 
-    def _matmul(self, name, x, group_sizes, row_experts):
-        y = jax.lax.ragged_dot(x, getattr(self, name)[...].astype(x.dtype), group_sizes)
-        if self.quantized:
-            y = (y * getattr(self, f"{name}_scale")[...][row_experts]).astype(x.dtype)
-        return y
+    def arrays(self) -> tuple:
+        """(w1, w3, w2) and, when quantized, their scales (w1_scale, w3_scale, w2_scale)."""
+        names = ("w1", "w3", "w2") + (("w1_scale", "w3_scale", "w2_scale")
+                                      if self.quantized else ())
+        return tuple(getattr(self, n)[...] for n in names)
 
     def __call__(self, x, group_sizes, row_experts):
         """x: [N, H] rows sorted by expert; group_sizes: [E] int32 rows per expert;
         row_experts: [N] int32 each row's expert -> [N, H]."""
-        gate = self._matmul("w1", x, group_sizes, row_experts)
-        up = self._matmul("w3", x, group_sizes, row_experts)
-        return self._matmul("w2", jax.nn.silu(gate) * up, group_sizes, row_experts)
+        return swiglu_experts(x, group_sizes, row_experts, *self.arrays())
+
+
+def swiglu_experts(x, group_sizes, row_experts, w1, w3, w2, *scales):
+    """E SwiGLU experts over rows grouped by expert: w2(silu(w1 x) * w3 x) per group.
+
+    Args:
+        x: [N, H] rows sorted by expert; rows past ``group_sizes.sum()`` come out as zeros.
+        group_sizes: [E] int32 rows per expert; row_experts: [N] int32 each row's expert
+            (indexes the scales; any valid index for the rows past the groups).
+        w1, w3: [E, H, I], w2: [E, I, H] kernels; scales: none, or their [E, out] float32
+            per-output-channel scales (8-bit kernels).
+
+    Returns:
+        [N, H] in x's dtype.
+    """
+    def matmul(h, w, scale):
+        y = jax.lax.ragged_dot(h, w.astype(h.dtype), group_sizes)
+        return y if scale is None else (y * scale[row_experts]).astype(h.dtype)
+
+    s1, s3, s2 = scales or (None, None, None)
+    return matmul(jax.nn.silu(matmul(x, w1, s1)) * matmul(x, w3, s3), w2, s2)
 
 
 class MixtralSparseMoeBlock(nnx.Module):
@@ -84,18 +118,53 @@ class MixtralSparseMoeBlock(nnx.Module):
         self.gate = linear(config.hidden_size, config.num_experts, False, dtype, rngs)
         self.experts = MixtralExperts(config, dtype, rngs)
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.expert_mesh: Mesh | None = None       # set by use_expert_parallelism
 
     def __call__(self, x):
         t = x.shape[0]
         probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)       # [T, E]
         weights, experts = jax.lax.top_k(probs, self.top_k)                      # [T, k]
         weights = (weights / weights.sum(-1, keepdims=True)).astype(x.dtype)
+        if self.expert_mesh is not None:
+            return self._expert_parallel(x, weights, experts)
         flat = experts.reshape(-1)                                               # [T * k]
         order = jnp.argsort(flat, stable=True)
         rows = order // self.top_k                                               # their tokens
         group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
         out = self.experts(x[rows], group_sizes, flat[order]) * weights.reshape(-1)[order][:, None]
         return jnp.zeros((t, x.shape[1]), x.dtype).at[rows].add(out)
+
+    def _expert_parallel(self, x, weights, experts):
+        """The block with E / N experts per device (module docstring): x [T, H], weights and
+        experts [T, k] (replicated) -> [T, H]."""
+        mesh, k = self.expert_mesh, self.top_k
+        local_count = self.num_experts // mesh.shape[TP_AXIS]
+        arrays = self.experts.arrays()
+
+        def per_device(x, weights, experts, *arrays):
+            flat = experts.reshape(-1) - jax.lax.axis_index(TP_AXIS) * local_count
+            mine = (flat >= 0) & (flat < local_count)
+            key = jnp.where(mine, flat, local_count)        # other devices' pairs sort last
+            order = jnp.argsort(key, stable=True)
+            rows = order // k
+            group_sizes = jnp.bincount(key, length=local_count + 1)[:local_count]
+            out = swiglu_experts(x[rows], group_sizes.astype(jnp.int32),
+                                 jnp.minimum(key[order], local_count - 1), *arrays)
+            out = out * jnp.where(mine, weights.reshape(-1), 0)[order][:, None]
+            return jax.lax.psum(jnp.zeros_like(x).at[rows].add(out), TP_AXIS)
+
+        split = tuple(P(TP_AXIS, *[None] * (a.ndim - 1)) for a in arrays)
+        return shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P(), *split),
+                         out_specs=P(), check_vma=False)(x, weights, experts, *arrays)
+
+
+def use_expert_parallelism(model: nnx.Module, mesh: Mesh) -> None:
+    """Run every MoE block of ``model`` expert-parallel over ``mesh``'s ``tp`` axis (its
+    expert kernels must be split on their expert dimension: ``TensorParallel`` with
+    ``expert_parallel``)."""
+    for _, module in model.iter_modules():
+        if isinstance(module, MixtralSparseMoeBlock):
+            module.expert_mesh = mesh
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):

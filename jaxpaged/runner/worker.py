@@ -26,6 +26,7 @@ from jaxpaged.runner.kv_sizing import check_pool_fits, num_kv_pages
 from jaxpaged.layers.attention import (allocate_kv_pool, get_attention_backend,
                                        kv_bytes_per_page, resolve_kv_cache_dtype)
 from jaxpaged.layers.attention.tensor_parallel import TensorParallelAttention
+from jaxpaged.models.mixtral import use_expert_parallelism
 from jaxpaged.models.loader import load_model
 from jaxpaged.runner.compile_cache import configure_compilation_cache, resolve_cache_dir
 from jaxpaged.runner.model_runner import ModelRunner, RunnerLimits
@@ -84,7 +85,8 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
     """
     cache_dir = resolve_cache_dir(args.compilation_cache_dir)
     configure_compilation_cache(cache_dir)
-    tp = TensorParallel.create(args.tensor_parallel_size, cfg, devices)
+    tp = TensorParallel.create(args.tensor_parallel_size, cfg, devices,
+                               args.enable_expert_parallel)
     kv_heads = tp.physical_config(cfg).num_kv_heads
     dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype)
     kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
@@ -96,6 +98,8 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
         backend = TensorParallelAttention(backend, tp.mesh)
     model = load_model(args.model, cfg, dtype=dtype, backend=backend,
                        load_format=args.load_format, seed=args.seed, tp=tp)
+    if tp.expert_parallel:
+        use_expert_parallelism(model, tp.mesh)
     page_size = args.block_size
     pages_per_seq = -(-max_model_len // page_size)
 
