@@ -194,9 +194,12 @@ def make_server(engine_args: EngineArgs, config: ServerConfig, log_stats: bool =
                                engine_args.trust_remote_code)
     prometheus = PrometheusStatLogger(
         config.served_model_names[0],
-        engine_args.max_model_len or model_config.max_position_embeddings)
+        engine_args.max_model_len or model_config.max_position_embeddings,
+        max_num_batched_tokens=engine_args.max_num_batched_tokens)
     loggers = [prometheus] + ([LoggingStatLogger()] if log_stats else [])
     engine = AsyncEngine(engine_args, loggers, config.max_pending_requests)
+    prometheus.watch_device_memory(
+        lambda: engine.engine.device_memory_used() if engine.is_ready else {})
     return engine, build_app(engine, config, tokenizer, prometheus.registry)
 
 

@@ -15,7 +15,11 @@ SNAPSHOT = SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage
 def iteration():
     return IterationStats(num_prompt_tokens=100, num_generation_tokens=7,
                           time_to_first_tokens=[0.05], inter_token_latencies=[0.02, 0.03],
-                          finished_requests=[FinishedRequestStats("stop", 1.5, 0.01, 100, 7)])
+                          finished_requests=[FinishedRequestStats("stop", 1.5, 0.01, 100, 7,
+                                                                  prefill_time=0.04,
+                                                                  decode_time=1.45,
+                                                                  inference_time=1.49)],
+                          step_tokens=[120, 3, 3])
 
 
 def test_log_line(caplog):
@@ -48,6 +52,18 @@ def test_prometheus_families():
                     (("finished_reason", "abort"), ("model_name", "m")))] == 0
     assert samples[("jaxpaged:inter_token_latency_seconds_count", m)] == 2
     assert samples[("jaxpaged:request_generation_tokens_sum", m)] == 7
+    assert samples[("jaxpaged:iteration_tokens_total_count", m)] == 3
+    assert samples[("jaxpaged:iteration_tokens_total_sum", m)] == 126
+    assert samples[("jaxpaged:iteration_tokens_total_bucket", (("le", "5.0"),) + m)] == 2
+    assert samples[("jaxpaged:num_batched_tokens", m)] == 0     # no step in the 2nd report
+    for phase, seconds in (("prefill", 0.04), ("decode", 1.45), ("inference", 1.49)):
+        assert samples[(f"jaxpaged:request_{phase}_time_seconds_sum", m)] == seconds
+    stat_logger.watch_device_memory(lambda: {"cpu:0": 123, "cpu:1": 456})
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(generate_latest(stat_logger.registry).decode())
+               for s in f.samples}
+    assert samples[("jaxpaged:device_memory_used_bytes",
+                    (("device", "cpu:1"), ("model_name", "m")))] == 456
 
 
 def test_token_buckets():

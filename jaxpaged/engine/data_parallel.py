@@ -131,6 +131,10 @@ class DataParallelEngine:
         """Preemptions since start-up, over all replicas."""
         return sum(r.num_preemptions for r in self.replicas)
 
+    def device_memory_used(self) -> dict[str, int]:
+        """Bytes in use on each device of every replica."""
+        return {d: n for r in self.replicas for d, n in r.device_memory_used().items()}
+
 
 def _devices(replica: int, tp: int, dp: int) -> list:
     devices = jax.devices()

@@ -26,6 +26,7 @@ from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.multihost import check_same_everywhere, initialize as initialize_multihost
 from jaxpaged.distributed.step_sync import install_signal_handlers, stop_requested_anywhere
 from jaxpaged.distributed.tensor_parallel import request_host_devices
+from jaxpaged.runner.device_memory import device_memory_used
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.gc_heap import CompileAwareHeapFreezer
 from jaxpaged.engine.generation_config import (eos_token_ids, generation_defaults,
@@ -304,6 +305,7 @@ class Engine:
             self.fault_injector(step_index, list(dict.fromkeys(
                 s.request.group_id for s in scheduler_output.scheduled)))
         scheduled_at = time.monotonic()
+        self._stats.iteration.step_tokens.append(scheduler_output.num_tokens)
         pending = self.runner.dispatch(scheduler_output)
         return _InFlight(scheduler_output, pending.result, scheduled_at, scheduler_output.forks)
 
@@ -403,3 +405,7 @@ class Engine:
     def num_preemptions(self) -> int:
         """Preemptions since start-up."""
         return self.scheduler.num_preemptions
+
+    def device_memory_used(self) -> dict[str, int]:
+        """Bytes in use on each of this engine's devices (``jaxpaged.runner.device_memory``)."""
+        return device_memory_used(self.runner.devices)

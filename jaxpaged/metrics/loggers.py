@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from jaxpaged.metrics.stats import IterationStats, SchedulerStats
 
@@ -44,15 +47,18 @@ class PrometheusStatLogger:
 
     Args:
         model_name: the ``model_name`` label (the served model name).
-        max_model_len: top of the token-count histograms' buckets.
+        max_model_len: top of the request-length histograms' buckets.
         registry: where the metrics live (a fresh ``CollectorRegistry`` by default, so that
             several engines in one process do not collide).
+        max_num_batched_tokens: top of ``iteration_tokens_total``'s buckets (default
+            ``max_model_len``).
     """
 
     PREFIX = "jaxpaged:"
 
     def __init__(self, model_name: str, max_model_len: int,
-                 registry: CollectorRegistry | None = None):
+                 registry: CollectorRegistry | None = None,
+                 max_num_batched_tokens: int | None = None):
         self.registry = registry or CollectorRegistry()
         p, labels = self.PREFIX, ["model_name"]
 
@@ -87,6 +93,18 @@ class PrometheusStatLogger:
         self.generation_len = make(Histogram, "request_generation_tokens",
                                    "Generated tokens of finished requests.",
                                    buckets=length_buckets)
+        self.iteration_tokens = make(Histogram, "iteration_tokens_total",
+                                     "Tokens (prefill and decode) per engine step.",
+                                     buckets=token_buckets(max_num_batched_tokens
+                                                           or max_model_len))
+        self.batched_tokens = make(Gauge, "num_batched_tokens",
+                                   "Tokens in the latest engine step (0: none since the "
+                                   "previous report).")
+        self.phase_times = {phase: make(Histogram, f"request_{phase}_time_seconds", doc,
+                                        buckets=REQUEST_LATENCY_BUCKETS) for phase, doc in (
+            ("prefill", "First scheduling to first token of a request."),
+            ("decode", "First token to finish of a request."),
+            ("inference", "First scheduling to finish of a request."))}
         self._model = model_name
         for reason in FINISH_REASONS:   # present (at 0) from the start
             self.success.labels(model_name, reason)
@@ -105,6 +123,9 @@ class PrometheusStatLogger:
             self.ttft.labels(m).observe(t)
         for t in it.inter_token_latencies:
             self.itl.labels(m).observe(t)
+        for n in it.step_tokens:
+            self.iteration_tokens.labels(m).observe(n)
+        self.batched_tokens.labels(m).set(it.step_tokens[-1] if it.step_tokens else 0)
         for f in it.finished_requests:
             self.success.labels(m, f.finish_reason).inc()
             self.e2e.labels(m).observe(f.e2e_latency)
@@ -112,6 +133,28 @@ class PrometheusStatLogger:
                 self.queue_time.labels(m).observe(f.queue_time)
             self.prompt_len.labels(m).observe(f.num_prompt_tokens)
             self.generation_len.labels(m).observe(f.num_generation_tokens)
+            for phase, seconds in (("prefill", f.prefill_time), ("decode", f.decode_time),
+                                   ("inference", f.inference_time)):
+                if seconds is not None:
+                    self.phase_times[phase].labels(m).observe(seconds)
+
+    def watch_device_memory(self, used: Callable[[], dict[str, int]]) -> None:
+        """Export ``jaxpaged:device_memory_used_bytes`` (labels ``model_name``, ``device``),
+        read from ``used()`` (device name -> bytes in use; ``Engine.device_memory_used``)
+        at every scrape."""
+        logger_self = self
+
+        class DeviceMemory:
+            def collect(self):
+                family = GaugeMetricFamily(
+                    logger_self.PREFIX + "device_memory_used_bytes",
+                    "Device memory in use (the runtime's count; on a CPU, the live arrays).",
+                    labels=["model_name", "device"])
+                for device, value in used().items():
+                    family.add_metric([logger_self._model, device], value)
+                yield family
+
+        self.registry.register(DeviceMemory())
 
 
 class LoggingStatLogger:

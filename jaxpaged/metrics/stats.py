@@ -44,6 +44,9 @@ class FinishedRequestStats:
         queue_time: arrival to first scheduling (None if it never ran).
         num_prompt_tokens: prompt length.
         num_generation_tokens: tokens generated over all its sequences.
+        prefill_time: first scheduling to first token (vLLM's ``request_prefill_time``);
+        decode_time: first token to finish; inference_time: first scheduling to finish
+            (each None when the request never reached that point).
     """
 
     finish_reason: str
@@ -51,6 +54,9 @@ class FinishedRequestStats:
     queue_time: float | None
     num_prompt_tokens: int
     num_generation_tokens: int
+    prefill_time: float | None = None
+    decode_time: float | None = None
+    inference_time: float | None = None
 
 
 @dataclass(slots=True)
@@ -64,6 +70,8 @@ class IterationStats:
         inter_token_latencies: time between consecutive tokens of a request, one per request
             per step in which it produced tokens after its first.
         finished_requests: requests that finished (aborted ones included).
+        step_tokens: tokens (prefill and decode) of each engine step dispatched
+            (vLLM's ``iteration_tokens_total``).
     """
 
     num_prompt_tokens: int = 0
@@ -71,6 +79,7 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
 
 
 class StatLogger(Protocol):
@@ -107,9 +116,12 @@ class EngineStats:
 def finished_request_stats(group, now: float, reason: str) -> FinishedRequestStats:
     """The statistics of a request (an ``engine.output_processor.RequestGroup``) that
     ended at ``now`` with ``reason``."""
-    scheduled = group.first_scheduled_time
+    scheduled, first = group.first_scheduled_time, group.first_token_time
     return FinishedRequestStats(
         finish_reason=reason, e2e_latency=now - group.arrival_time,
         queue_time=None if scheduled is None else scheduled - group.arrival_time,
         num_prompt_tokens=group.seqs[0].request.num_prompt_tokens,
-        num_generation_tokens=sum(s.request.num_output_tokens for s in group.seqs))
+        num_generation_tokens=sum(s.request.num_output_tokens for s in group.seqs),
+        prefill_time=None if scheduled is None or first is None else first - scheduled,
+        decode_time=None if first is None else now - first,
+        inference_time=None if scheduled is None else now - scheduled)

@@ -146,6 +146,11 @@ class ModelRunner:
         return self._backend
 
     @property
+    def devices(self) -> list:
+        """The devices the model and its pool live on, by id."""
+        return sorted(self._replicated.device_set, key=lambda d: d.id)
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters (each array counted once, however it is sharded):
         what ``--quantization`` shrinks."""
