@@ -31,6 +31,7 @@ from jaxpaged.engine.follower import run_follower
 from jaxpaged.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from jaxpaged.models.gguf_loader import is_gguf
 from jaxpaged.server.app import build_app
+from jaxpaged.server.multi_model import load_models_config, make_multi_server
 from jaxpaged.server.reasoning import REASONING_PARSERS
 from jaxpaged.server.serving import ServerConfig
 from jaxpaged.server.tool_parsers import TOOL_PARSERS
@@ -85,6 +86,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help='chat template variables of every request, a JSON object (e.g. '
                         '\'{"enable_thinking": false}\'); a request\'s chat_template_kwargs '
                         'override them')
+    g.add_argument("--models-config", default=None, metavar="FILE",
+                   help="serve several models, one engine each: a JSON file listing each "
+                        "model, its served names, its share of the KV memory and its engine "
+                        "flags (docs/deployment.md)")
     g.add_argument("--shutdown-timeout", type=_seconds, default=0.0,
                    help="on SIGTERM or Ctrl-C, seconds to let the running requests finish "
                         "while new ones get HTTP 503 and /ready turns 503 (default 0: end "
@@ -189,6 +194,19 @@ def make_server(engine_args: EngineArgs, config: ServerConfig, log_stats: bool =
     Raises:
         FileNotFoundError / ValueError: an unusable model or tokenizer directory.
     """
+    engine, app, _ = make_model_server(engine_args, config, log_stats)
+    return engine, app
+
+
+def make_model_server(engine_args: EngineArgs, config: ServerConfig, log_stats: bool = True,
+                      manage_engine: bool = True):
+    """:func:`make_server`'s engine and app, and the app's Prometheus registry; with
+    ``manage_engine`` False the app's lifespan leaves the engine to the caller
+    (``jaxpaged.server.multi_model``).
+
+    Raises:
+        FileNotFoundError / ValueError: as :func:`make_server`.
+    """
     model_config = ModelConfig.from_pretrained(engine_args.model)   # fails fast on a bad dir
     tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model,
                                engine_args.trust_remote_code)
@@ -200,7 +218,8 @@ def make_server(engine_args: EngineArgs, config: ServerConfig, log_stats: bool =
     engine = AsyncEngine(engine_args, loggers, config.max_pending_requests)
     prometheus.watch_device_memory(
         lambda: engine.engine.device_memory_used() if engine.is_ready else {})
-    return engine, build_app(engine, config, tokenizer, prometheus.registry)
+    return engine, build_app(engine, config, tokenizer, prometheus.registry,
+                             manage_engine), prometheus.registry
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -211,7 +230,14 @@ def run_server(args: argparse.Namespace) -> int:
         engine_args = EngineArgs.from_cli_args(args)
         config = server_config(args)
         follower = engine_args.num_processes > 1 and engine_args.process_id != 0
-        if not follower:
+        if args.models_config and engine_args.num_processes > 1:
+            raise ValueError("--models-config serves several models in one process; it "
+                             "cannot be combined with --num-processes")
+        if args.models_config:
+            engine, app = make_multi_server(load_models_config(args.models_config),
+                                            engine_args, config, make_model_server,
+                                            not args.disable_log_stats)
+        elif not follower:
             engine, app = make_server(engine_args, config, not args.disable_log_stats)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"jaxpaged: error: {cli_error_message(e)}", file=sys.stderr)
@@ -322,11 +348,18 @@ class ServerThread:
         engine_args: the engine's settings.
         config: the HTTP layer's settings.
         host: the address to listen on.
+        models: serve these models instead, one engine each (``--models-config``'s
+            entries; ``engine`` is then their :class:`EngineGroup`).
     """
 
-    def __init__(self, engine_args: EngineArgs, config: ServerConfig, host: str = "127.0.0.1"):
+    def __init__(self, engine_args: EngineArgs, config: ServerConfig, host: str = "127.0.0.1",
+                 models: list | None = None):
         self.config = config
-        self.engine, app = make_server(engine_args, config, log_stats=False)
+        if models:
+            self.engine, app = make_multi_server(models, engine_args, config, make_model_server,
+                                                 log_stats=False)
+        else:
+            self.engine, app = make_server(engine_args, config, log_stats=False)
         self.sock = socket.socket()
         self.sock.bind((host, 0))
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
