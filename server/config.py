@@ -30,6 +30,9 @@ class ServerConfig:
             output's ``<think>`` block returned as ``reasoning``.
         default_chat_template_kwargs: template variables of every chat request (the
             request's ``chat_template_kwargs`` override them).
+        responses_store_size: how many ``/v1/responses`` answers the in-memory store keeps
+            (LRU) for ``GET /v1/responses/{id}``, ``previous_response_id`` and
+            ``background``; 0: no store, and those are refused with a 400.
     """
 
     served_model_names: list[str]
@@ -44,3 +47,4 @@ class ServerConfig:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     default_chat_template_kwargs: dict | None = None
+    responses_store_size: int = 0

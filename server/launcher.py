@@ -84,6 +84,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help='chat template variables of every request, a JSON object (e.g. '
                         '\'{"enable_thinking": false}\'); a request\'s chat_template_kwargs '
                         'override them')
+    g.add_argument("--responses-store-size", type=_positive, default=0,
+                   help="keep the last N /v1/responses answers in memory (LRU) for GET "
+                        "/v1/responses/{id}, previous_response_id and background (default: "
+                        "no store; those get HTTP 400)")
     return parser
 
 
@@ -166,7 +170,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser,
-                        default_chat_template_kwargs=args.default_chat_template_kwargs)
+                        default_chat_template_kwargs=args.default_chat_template_kwargs,
+                        responses_store_size=args.responses_store_size)
 
 
 def make_server(engine_args: EngineArgs, config: ServerConfig, log_stats: bool = True):

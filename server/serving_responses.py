@@ -1,0 +1,222 @@
+"""``POST /v1/responses`` (OpenAI's Responses API), run as a translated chat request.
+
+The request becomes a :class:`ChatCompletionRequest` (:mod:`~jaxpaged.server.responses_input`)
+and goes through chat's checks, template rendering, tools, structured outputs and reasoning
+(:meth:`OpenAIServingChat.prepare`); the engine's output is split by the same output parser
+and built into ``output`` items (:mod:`~jaxpaged.server.responses_stream`). So, for the same
+conversation and sampling, the message text equals chat's content.
+
+``status``: ``completed``, or ``incomplete`` with ``incomplete_details.reason:
+"max_output_tokens"`` when the output stopped at its limit. ``usage``: ``input_tokens``
+(the rendered prompt), ``input_tokens_details.cached_tokens`` (its prefix-cache hits),
+``output_tokens``, ``output_tokens_details.reasoning_tokens`` (the tokens of the engine's
+output steps that fell inside the ``--reasoning-parser``'s reasoning, its closing tag
+included: exact when each step adds one token). ``store``, ``previous_response_id`` and
+``background`` need ``--responses-store-size`` (:mod:`~jaxpaged.server.responses_store`);
+``background`` answers at once with status ``queued``, the result is read with
+``GET /v1/responses/{id}``. Contract: OpenAI's API reference and vLLM's
+``serving_responses.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from jaxpaged.server.errors import APIError
+from jaxpaged.server.protocol_responses import (IncompleteDetails, InputTokensDetails,
+                                                OutputTokensDetails, ResponseError,
+                                                ResponseObject, ResponsesRequest, ResponseUsage)
+from jaxpaged.server.reasoning.think import REASONING
+from jaxpaged.server.responses_input import chat_request, input_items, output_as_input, renamed
+from jaxpaged.server.responses_store import ResponsesStore, StoredResponse
+from jaxpaged.server.responses_stream import EventCounter, OutputBuilder
+from jaxpaged.server.serving import CLIENT_GONE
+from jaxpaged.server.serving_chat import ChatRun, OpenAIServingChat
+
+
+class OpenAIServingResponses:
+    """The Responses endpoint, on top of the chat handler ``chat``; its store holds
+    ``config.responses_store_size`` responses."""
+
+    def __init__(self, chat: OpenAIServingChat):
+        self.chat = chat
+        self.store = ResponsesStore()
+        self._background: set[asyncio.Task] = set()
+
+    def _store(self) -> ResponsesStore:
+        self.store.capacity = self.chat.config.responses_store_size
+        return self.store
+
+    async def create(self, body: ResponsesRequest, raw_request: Request) -> Response:
+        """Answer one Responses request (JSON, or typed SSE events when ``stream``).
+
+        Raises:
+            APIError: 400 naming the field (``store`` / ``previous_response_id`` /
+                ``background`` without the store; chat's 400s renamed), 404 for an unknown
+                ``previous_response_id``, as chat's 429 / 503 / 500 before any event.
+        """
+        store = self._store()
+        for field in ("store", "previous_response_id", "background"):
+            if getattr(body, field):
+                store.require(field)
+        keep = store.capacity > 0 and body.store is not False
+        if body.background and (not keep or body.stream):
+            raise APIError(400, "background needs store (not false) and stream=false",
+                           "invalid_request_error", "background")
+        history = [] if body.previous_response_id is None else \
+            store.get(body.previous_response_id, "previous_response_id").conversation
+        conversation = history + input_items(body)
+        try:
+            run = await self.chat.prepare(chat_request(body, conversation), raw_request, "resp")
+        except APIError as e:
+            raise renamed(e) from None
+        response = self._response_object(body, run, keep)
+        timeout = self.chat.config.request_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            streams = await self.chat.add_requests(run.request_id, [run.prompt], [run.params],
+                                                   body.priority, body.cache_salt, "messages",
+                                                   deadline)
+        except APIError as e:
+            raise renamed(e) from None
+        done = (lambda: store.put(StoredResponse(response, conversation + output_as_input(
+            response.output)))) if keep else (lambda: None)
+        if body.background:
+            response.status = "queued"
+            store.put(StoredResponse(response, conversation))
+            task = asyncio.create_task(self._in_background(run, streams[0], response, done))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            return JSONResponse(response.model_dump())
+        if body.stream:
+            return StreamingResponse(self._stream(run, streams, raw_request, response, done),
+                                     media_type="text/event-stream")
+        async with self.chat.abort_on_disconnect(raw_request, streams):
+            try:
+                await self._drain(run, streams[0], response, done)
+            except Exception as e:
+                raise self.chat.request_error(e) from e
+        if response.usage is None:      # aborted: the client went away
+            return Response(status_code=CLIENT_GONE)
+        return JSONResponse(response.model_dump())
+
+    def retrieve(self, response_id: str) -> Response:
+        """``GET /v1/responses/{id}``. Raises APIError 400 without the store, 404 for an
+        unknown id."""
+        store = self._store()
+        store.require("response_id")
+        return JSONResponse(store.get(response_id).response.model_dump())
+
+    def delete(self, response_id: str) -> Response:
+        """``DELETE /v1/responses/{id}``. Raises as :meth:`retrieve`."""
+        store = self._store()
+        store.require("response_id")
+        store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    # ---- running ------------------------------------------------------------------------------
+
+    def _response_object(self, body: ResponsesRequest, run: ChatRun, keep: bool
+                         ) -> ResponseObject:
+        """The response as it starts (``in_progress``, no output), the request's settings
+        echoed."""
+        fmt = body.text.format if body.text is not None else None
+        choice = body.tool_choice
+        return ResponseObject(
+            id=run.request_id.replace("resp-", "resp_", 1), status="in_progress",
+            model=self.chat.model_name(body.model), instructions=body.instructions,
+            max_output_tokens=body.max_output_tokens, metadata=body.metadata or {},
+            parallel_tool_calls=body.parallel_tool_calls is not False,
+            previous_response_id=body.previous_response_id,
+            reasoning=None if body.reasoning is None else body.reasoning.model_dump(),
+            store=keep, background=bool(body.background),
+            temperature=run.params.temperature, top_p=run.params.top_p,
+            text={"format": {"type": "text"} if fmt is None else
+                  fmt.model_dump(by_alias=True, exclude_none=True)},
+            tool_choice=choice.model_dump() if hasattr(choice, "model_dump") else
+            choice or "auto",
+            tools=[t.model_dump(exclude_none=True) for t in body.tools or []],
+            user=body.user)
+
+    async def _run(self, run: ChatRun, stream, response: ResponseObject
+                   ) -> AsyncIterator[dict]:
+        """Drive one engine request: yields the output events as they come; ``response``
+        is finished in place (output, status, usage) once the engine finishes it."""
+        parser, builder = run.parser(), OutputBuilder()
+        output_tokens = reasoning_tokens = cached = 0
+        seq = None
+        async for out in stream:
+            cached = out.num_cached_tokens
+            seq = out.outputs[0]
+            thinking = parser.reasoning is not None and parser.reasoning.state == REASONING
+            delta = parser.feed(seq.text)
+            if seq.finish_reason is not None:
+                delta.extend(parser.finish())
+            output_tokens += len(seq.token_ids)
+            if (thinking or delta.reasoning) and not delta.content and not delta.calls:
+                reasoning_tokens += len(seq.token_ids)
+            for event in builder.add(delta):
+                yield event
+        if seq is None or seq.finish_reason is None:    # aborted: nothing is finished
+            return
+        status = "incomplete" if seq.finish_reason == "length" else "completed"
+        for event in builder.finish(status):
+            yield event
+        response.output, response.status = builder.items, status
+        if status == "incomplete":
+            response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+        num_input = len(run.prompt.token_ids)
+        response.usage = ResponseUsage(
+            input_tokens=num_input, input_tokens_details=InputTokensDetails(cached_tokens=cached),
+            output_tokens=output_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
+            total_tokens=num_input + output_tokens)
+
+    async def _drain(self, run: ChatRun, stream, response: ResponseObject, done) -> None:
+        """Run the request to its end without sending events; ``done()`` once finished."""
+        async for _ in self._run(run, stream, response):
+            pass
+        if response.usage is not None:
+            done()
+
+    async def _in_background(self, run: ChatRun, stream, response: ResponseObject,
+                             done) -> None:
+        """A ``background`` request: run to the end (a client that goes away does not abort
+        it); a failure leaves the stored response ``failed`` with the reason."""
+        try:
+            await self._drain(run, stream, response, done)
+        except Exception as e:   # noqa: BLE001 - recorded on the response, read by GET
+            response.status = "failed"
+            response.error = ResponseError(code="server_error",
+                                           message=self.chat.request_error(e).message)
+
+    async def _stream(self, run: ChatRun, streams, raw_request: Request,
+                      response: ResponseObject, done) -> AsyncIterator[str]:
+        """The typed SSE events: ``response.created``, ``response.in_progress``, the output
+        events, then ``response.completed`` (``response.incomplete`` at the limit); a
+        failure mid-way is an ``error`` event, then ``response.failed``."""
+        counter = EventCounter()
+        yield counter.lifecycle("created", response)
+        yield counter.lifecycle("in_progress", response)
+        async with self.chat.abort_on_disconnect(raw_request, streams):
+            try:
+                async for event in self._run(run, streams[0], response):
+                    yield counter.sse(event)
+            except Exception as e:   # noqa: BLE001 - the stream has started: report in-band
+                error = self.chat.request_error(e)
+                yield counter.sse({"type": "error", "code": str(error.code),
+                                   "message": error.message, "param": error.param})
+                response.status = "failed"
+                response.error = ResponseError(code="server_error", message=error.message)
+                yield counter.lifecycle("failed", response)
+                return
+        if response.usage is None:       # aborted (the client went away)
+            return
+        done()
+        yield counter.lifecycle("completed" if response.status == "completed" else
+                                "incomplete", response)
