@@ -124,6 +124,10 @@ def test_function_call_round_trip(client, http):
                      if e.type == "response.function_call_arguments.delta")
     done = next(e for e in events if e.type == "response.function_call_arguments.done")
     assert pieces == done.arguments == call.arguments
+    types = [e.type.removeprefix("response.") for e in events]
+    assert types == ["created", "in_progress", "output_item.added", *[
+        "function_call_arguments.delta"] * (len(types) - 6), "function_call_arguments.done",
+        "output_item.done", "completed"]
     turn = [{"role": "user", "content": USER}, call.model_dump(exclude_none=True),
             {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
     second = respond(client, input=turn, temperature=0, tools=[WEATHER], tool_choice="none")
