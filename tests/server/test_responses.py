@@ -203,6 +203,8 @@ def test_store_previous_response_id_and_background(client, http, live_server):
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(queued.id)
         assert not respond(client, temperature=0, store=False).store
+        with pytest.raises(openai.NotFoundError):
+            respond(client, previous_response_id="resp_unknown")
 
 
 def test_unknown_and_unsupported_fields_are_400s_naming_them(http):
@@ -214,3 +216,5 @@ def test_unknown_and_unsupported_fields_are_400s_naming_them(http):
     bad(http, "tool_choice", "tools", tool_choice="required")
     bad(http, "input", "empty", input=[])
     bad(http, "truncation", truncation="auto")
+    bad(http, "max_output_tokens", "500", "at most", max_output_tokens=500)
+    bad(http, "tool_choice", "--enable-auto-tool-choice", tools=[WEATHER])   # "auto"
