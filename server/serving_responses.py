@@ -9,9 +9,8 @@ conversation and sampling, the message text equals chat's content.
 ``status``: ``completed``, or ``incomplete`` with ``incomplete_details.reason:
 "max_output_tokens"`` when the output stopped at its limit. ``usage``: ``input_tokens``
 (the rendered prompt), ``input_tokens_details.cached_tokens`` (its prefix-cache hits),
-``output_tokens``, ``output_tokens_details.reasoning_tokens`` (the tokens of the engine's
-output steps that fell inside the ``--reasoning-parser``'s reasoning, its closing tag
-included: exact when each step adds one token). ``store``, ``previous_response_id`` and
+``output_tokens``, ``output_tokens_details.reasoning_tokens`` (the output tokens of the
+``--reasoning-parser``'s reasoning block, its tags included: :func:`count_reasoning_tokens`). ``store``, ``previous_response_id`` and
 ``background`` need ``--responses-store-size`` (:mod:`~jaxpaged.server.responses_store`);
 ``background`` answers at once with status ``queued``, the result is read with
 ``GET /v1/responses/{id}``. Contract: OpenAI's API reference and vLLM's
@@ -21,6 +20,7 @@ included: exact when each step adds one token). ``store``, ``previous_response_i
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 
@@ -31,11 +31,10 @@ from jaxpaged.server.errors import APIError
 from jaxpaged.server.protocol_responses import (IncompleteDetails, InputTokensDetails,
                                                 OutputTokensDetails, ResponseError,
                                                 ResponseObject, ResponsesRequest, ResponseUsage)
-from jaxpaged.server.reasoning.think import REASONING
 from jaxpaged.server.responses_input import chat_request, input_items, output_as_input, renamed
 from jaxpaged.server.responses_store import ResponsesStore, StoredResponse
 from jaxpaged.server.responses_stream import EventCounter, OutputBuilder
-from jaxpaged.server.serving import CLIENT_GONE
+from jaxpaged.server.serving import CLIENT_GONE, off_loop
 from jaxpaged.server.serving_chat import ChatRun, OpenAIServingChat
 
 
@@ -148,18 +147,15 @@ class OpenAIServingResponses:
         """Drive one engine request: yields the output events as they come; ``response``
         is finished in place (output, status, usage) once the engine finishes it."""
         parser, builder = run.parser(), OutputBuilder()
-        output_tokens = reasoning_tokens = cached = 0
-        seq = None
+        token_ids, cached, reasoned, seq = [], 0, False, None
         async for out in stream:
             cached = out.num_cached_tokens
             seq = out.outputs[0]
-            thinking = parser.reasoning is not None and parser.reasoning.state == REASONING
             delta = parser.feed(seq.text)
             if seq.finish_reason is not None:
                 delta.extend(parser.finish())
-            output_tokens += len(seq.token_ids)
-            if (thinking or delta.reasoning) and not delta.content and not delta.calls:
-                reasoning_tokens += len(seq.token_ids)
+            token_ids += seq.token_ids
+            reasoned = reasoned or bool(delta.reasoning)
             for event in builder.add(delta):
                 yield event
         if seq is None or seq.finish_reason is None:    # aborted: nothing is finished
@@ -170,12 +166,18 @@ class OpenAIServingResponses:
         response.output, response.status = builder.items, status
         if status == "incomplete":
             response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
+        reasoning_tokens = 0
+        if reasoned:
+            decode = functools.partial(self.chat.tokenizer.decode,
+                                       skip_special_tokens=run.params.skip_special_tokens)
+            reasoning_tokens = await off_loop(count_reasoning_tokens, decode, token_ids,
+                                              parser.reasoning.end)
         num_input = len(run.prompt.token_ids)
         response.usage = ResponseUsage(
             input_tokens=num_input, input_tokens_details=InputTokensDetails(cached_tokens=cached),
-            output_tokens=output_tokens,
+            output_tokens=len(token_ids),
             output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
-            total_tokens=num_input + output_tokens)
+            total_tokens=num_input + len(token_ids))
 
     async def _drain(self, run: ChatRun, stream, response: ResponseObject, done) -> None:
         """Run the request to its end without sending events; ``done()`` once finished."""
@@ -220,3 +222,24 @@ class OpenAIServingResponses:
         done()
         yield counter.lifecycle("completed" if response.status == "completed" else
                                 "incomplete", response)
+
+
+def count_reasoning_tokens(decode, token_ids: list[int], end: str) -> int:
+    """The output tokens of an output's reasoning block: up to the one that completes the
+    reasoning's end tag (``end``, e.g. ``</think>``), or all of them when the output stopped
+    inside the reasoning. Found by bisection on the decoded prefixes (whether a prefix holds
+    ``end`` is monotonic in its length), so it is the same however the engine's steps
+    grouped the tokens; ``decode(ids) -> str`` decodes as the output was.
+
+    Only called for an output that had reasoning text (otherwise the count is 0).
+    """
+    if end not in decode(token_ids):
+        return len(token_ids)
+    lo, hi = 1, len(token_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if end in decode(token_ids[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
