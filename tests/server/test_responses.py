@@ -218,3 +218,24 @@ def test_unknown_and_unsupported_fields_are_400s_naming_them(http):
     bad(http, "truncation", truncation="auto")
     bad(http, "max_output_tokens", "500", "at most", max_output_tokens=500)
     bad(http, "tool_choice", "--enable-auto-tool-choice", tools=[WEATHER])   # "auto"
+
+
+def test_store_flag_reaches_the_config_and_the_store_is_lru():
+    from jaxpaged.cli import build_parser
+    from jaxpaged.server.errors import APIError
+    from jaxpaged.server.launcher import server_config
+    from jaxpaged.server.protocol_responses import ResponseObject
+    from jaxpaged.server.responses_store import ResponsesStore, StoredResponse
+
+    parse = build_parser().parse_args
+    assert server_config(parse(["serve", "--responses-store-size", "3"])).responses_store_size \
+        == 3
+    assert server_config(parse(["serve"])).responses_store_size == 0
+    store = ResponsesStore(2)
+    for name in "abc":
+        if name == "c":
+            store.get("a")                          # a used again: b is the oldest
+        store.put(StoredResponse(ResponseObject(id=name, status="completed", model=MODEL), []))
+    assert len(store) == 2 and store.get("a").response.id == "a"
+    with pytest.raises(APIError, match="'b' not found"):
+        store.get("b")
