@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from jaxpaged.server.errors import APIError
+from jaxpaged.server.errors import APIError, bad_request
 from jaxpaged.server.protocol_responses import (IncompleteDetails, InputTokensDetails,
                                                 OutputTokensDetails, ResponseError,
                                                 ResponseObject, ResponsesRequest, ResponseUsage)
@@ -65,8 +65,8 @@ class OpenAIServingResponses:
                 store.require(field)
         keep = store.capacity > 0 and body.store is not False
         if body.background and (not keep or body.stream):
-            raise APIError(400, "background needs store (not false) and stream=false",
-                           "invalid_request_error", "background")
+            raise bad_request("background needs store (not false) and stream=false",
+                              "background")
         history = [] if body.previous_response_id is None else \
             store.get(body.previous_response_id, "previous_response_id").conversation
         conversation = history + input_items(body)

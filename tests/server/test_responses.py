@@ -203,6 +203,8 @@ def test_store_previous_response_id_and_background(client, http, live_server):
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(queued.id)
         assert not respond(client, temperature=0, store=False).store
+        bad(http, "background", "stream=false", background=True, stream=True)
+        bad(http, "background", "store", background=True, store=False)
         with pytest.raises(openai.NotFoundError):
             respond(client, previous_response_id="resp_unknown")
 
