@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``POST /v1/responses`` (and, with ``--responses-store-size``, ``GET`` / ``DELETE
-/v1/responses/{id}``), ``GET /health`` (200 only once the model is loaded and warmed up; 503 while loading and from
+/v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``), ``GET /health`` (200 only once
+the model is loaded and warmed up; 503 while loading and from
 the moment the engine has died; it never waits on the engine), ``GET /version``, ``GET /metrics``
 (Prometheus text), ``POST /tokenize``, ``POST /detokenize``, ``GET /openapi.json``.
 Every error, the framework's included, is answered in OpenAI's shape (``server/errors.py``).
@@ -124,6 +125,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
             return responses.delete(response_id)
         return responses.retrieve(response_id)
 
+    async def cancel_response(request: Request) -> Response:
+        return responses.cancel(request.path_params["response_id"])
+
     def cards() -> list[ModelCard]:
         facts = {}
         if engine.is_ready:
@@ -190,6 +194,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", response_by_id, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -285,7 +285,7 @@ class ResponseObject(BaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
-    status: Literal["queued", "in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     model: str
     output: list[OutputItem] = Field(default_factory=list)
     incomplete_details: IncompleteDetails | None = None

@@ -13,7 +13,7 @@ conversation and sampling, the message text equals chat's content.
 ``--reasoning-parser``'s reasoning block, its tags included: :func:`count_reasoning_tokens`). ``store``, ``previous_response_id`` and
 ``background`` need ``--responses-store-size`` (:mod:`~jaxpaged.server.responses_store`);
 ``background`` answers at once with status ``queued``, the result is read with
-``GET /v1/responses/{id}``. Contract: OpenAI's API reference and vLLM's
+``GET /v1/responses/{id}`` (``POST /v1/responses/{id}/cancel`` aborts it). Contract: OpenAI's API reference and vLLM's
 ``serving_responses.py``.
 """
 
@@ -45,7 +45,8 @@ class OpenAIServingResponses:
     def __init__(self, chat: OpenAIServingChat):
         self.chat = chat
         self.store = ResponsesStore()
-        self._background: set[asyncio.Task] = set()
+        #: Running background requests: response id -> (task, engine request id).
+        self._background: dict[str, tuple[asyncio.Task, str]] = {}
 
     def _store(self) -> ResponsesStore:
         self.store.capacity = self.chat.config.responses_store_size
@@ -89,8 +90,8 @@ class OpenAIServingResponses:
             response.status = "queued"
             store.put(StoredResponse(response, conversation))
             task = asyncio.create_task(self._in_background(run, streams[0], response, done))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._background[response.id] = task, streams[0].request_id
+            task.add_done_callback(lambda _: self._background.pop(response.id, None))
             return JSONResponse(response.model_dump())
         if body.stream:
             return StreamingResponse(self._stream(run, streams, raw_request, response, done),
@@ -110,6 +111,25 @@ class OpenAIServingResponses:
         store = self._store()
         store.require("response_id")
         return JSONResponse(store.get(response_id).response.model_dump())
+
+    def cancel(self, response_id: str) -> Response:
+        """``POST /v1/responses/{id}/cancel``: a running ``background`` response is aborted
+        (its pages freed) and left ``cancelled``; returns the response.
+
+        Raises:
+            APIError: as :meth:`retrieve`; 400 for a response that is not running in the
+                background.
+        """
+        store = self._store()
+        store.require("response_id")
+        entry = store.get(response_id)
+        if response_id not in self._background or entry.response.status != "queued":
+            raise bad_request(f"response {response_id} is not a running background response "
+                              f"(its status is {entry.response.status})", "response_id")
+        _, request_id = self._background.pop(response_id)
+        entry.response.status = "cancelled"
+        self.chat.engine.abort(request_id)
+        return JSONResponse(entry.response.model_dump())
 
     def delete(self, response_id: str) -> Response:
         """``DELETE /v1/responses/{id}``. Raises as :meth:`retrieve`."""

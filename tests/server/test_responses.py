@@ -241,3 +241,16 @@ def test_store_flag_reaches_the_config_and_the_store_is_lru():
     assert len(store) == 2 and store.get("a").response.id == "a"
     with pytest.raises(APIError, match="'b' not found"):
         store.get("b")
+
+
+def test_cancel_a_background_response(client, http, live_server):
+    from tests.server.conftest import wait_engine_empty
+
+    with live_server.configured(responses_store_size=4), live_server.slow_steps(0.05):
+        queued = respond(client, temperature=0, max_tokens=60, background=True)
+        cancelled = client.responses.cancel(queued.id)
+        assert cancelled.status == "cancelled"
+        wait_engine_empty(live_server, timeout=30)    # aborted: every page free again
+        assert client.responses.retrieve(queued.id).status == "cancelled"
+        r = http.post(f"/v1/responses/{queued.id}/cancel")
+        assert r.status_code == 400 and "cancelled" in r.json()["error"]["message"]
