@@ -4,7 +4,8 @@
 (when the server has a chat template) chat, streaming and not, ``n`` of 1 to 4, greedy and
 sampled (mostly seeded), stop strings, ``min_tokens``, penalties, token-id and text prompts
 (some repeated, for prefix-cache hits), all with logprobs (as token ids, so that token ids are
-compared, not only text). A ``disconnect_fraction`` of the clients hang up at a random
+compared, not only text); a fraction of the text requests go to ``/v1/responses``
+(``benchmarks/soak_responses.py``: compared by text, their event streams checked). A ``disconnect_fraction`` of the clients hang up at a random
 moment: after a random part of the recent median latency, or (streams) after a random number
 of events. Every request body is valid, so any answer but a 200 is a failure, except a 429
 (a server with ``--max-pending-requests``): the client waits ``Retry-After`` and retries.
@@ -58,6 +59,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from jaxpaged.benchmarks import soak_responses
 from jaxpaged.benchmarks.results import distribution, write_outputs
 from jaxpaged.benchmarks.serve import (DONE, auth_headers, http_client, run_limited, served_model,
                                        sse_payloads)
@@ -104,6 +106,8 @@ class SoakConfig:
         fault_fraction: requests marked to fail: every model step that runs one raises
             (:class:`MarkedFaults`), failing the step's other requests too. Needs the server
             in this process (its engine's fault hook).
+        responses_fraction: text requests sent to ``/v1/responses`` instead (when the
+            server has a chat template).
     """
 
     num_requests: int = 2000
@@ -119,12 +123,14 @@ class SoakConfig:
     min_tokens_fraction: float = 0.1
     idle_timeout: float = 30.0
     fault_fraction: float = 0.0
+    responses_fraction: float = 0.1
 
     def __post_init__(self):
         if self.num_requests < 1 or self.concurrency < 1:
             raise ValueError("the soak needs num_requests >= 1 and concurrency >= 1")
         for name in ("disconnect_fraction", "stream_fraction", "chat_fraction", "fault_fraction",
-                     "logprobs_fraction", "penalty_fraction", "min_tokens_fraction"):
+                     "logprobs_fraction", "penalty_fraction", "min_tokens_fraction",
+                     "responses_fraction"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.max_tokens < 1 or self.disconnect_window <= 0:
@@ -361,7 +367,7 @@ async def send(client: httpx.AsyncClient, req: SoakRequest, latencies: Latencies
                ) -> SoakResult:
     """Send one request, hanging up as the request says."""
     res = SoakResult()
-    stream = req.body["stream"]
+    stream, responses = req.body["stream"], req.path == soak_responses.RESPONSES_PATH
 
     async def go():
         while await attempt():      # refused for --max-pending-requests: wait as told, retry
@@ -384,6 +390,9 @@ async def send(client: httpx.AsyncClient, req: SoakRequest, latencies: Latencies
                 res.error = f"HTTP {r.status_code}: {r.text[:300]}"
                 return False
             answer = r.json()
+            if responses:
+                soak_responses.read_answer(res, answer)
+                return False
             absorb(res, answer["choices"], req.chat, stream=False)
             res.completion_tokens = answer["usage"]["completion_tokens"]
             res.done = True
@@ -397,13 +406,15 @@ async def send(client: httpx.AsyncClient, req: SoakRequest, latencies: Latencies
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}"
                 return False
-            events = 0
+            events, state = 0, {}
             async for payload in sse_payloads(r):
                 if req.disconnect_events is not None and events >= req.disconnect_events:
                     res.disconnected = True
                     return False     # leaving the block closes the connection
                 events += 1
-                if payload == DONE:
+                if responses:
+                    soak_responses.read_event(res, payload, state)
+                elif payload == DONE:
                     res.done = True
                 elif "error" in payload:
                     res.error = f"in-band error: {payload['error']}"
@@ -584,6 +595,9 @@ def run_soak(config: SoakConfig, base_url: str, llm, api_key: str | None = None,
     requests = make_workload(config, model, llm.get_tokenizer(), max_model_len,
                              chat_prompt if probe.status_code == 200 else None,
                              f"soak{os.urandom(4).hex()}")
+    if probe.status_code == 200 and config.responses_fraction:
+        requests = soak_responses.as_responses(requests, config.responses_fraction,
+                                               config.seed, chat_prompt)
     before = metric_values(url, api_key)
 
     latencies = Latencies(config.disconnect_window)
@@ -605,6 +619,9 @@ def run_soak(config: SoakConfig, base_url: str, llm, api_key: str | None = None,
         where = "" if req is None else f"request {req.index} {json.dumps(req.reproduction())}: "
         problems.append(where + what)
 
+    def is_responses(req: SoakRequest) -> bool:
+        return req.path == soak_responses.RESPONSES_PATH
+
     statuses = Counter(r.status for r in results)
     server_errors = unexpected = injected = 0
     for req, res in zip(requests, results):
@@ -618,7 +635,8 @@ def run_soak(config: SoakConfig, base_url: str, llm, api_key: str | None = None,
             unexpected += 1
             problem(req, res.error or "the stream ended without [DONE]")
         else:
-            for p in check_answer(req, res):
+            checked = soak_responses.check_answer if is_responses(req) else check_answer
+            for p in checked(req, res):
                 problem(req, p)
 
     compared = [(q, r) for q, r in zip(requests, results) if r.completed and q.comparable]
@@ -628,7 +646,7 @@ def run_soak(config: SoakConfig, base_url: str, llm, api_key: str | None = None,
     offline_s = time.perf_counter() - t0
     mismatches, near_ties = 0, []
     for (req, res), out in zip(compared, offline):
-        diffs = compare(req, res, out)
+        diffs = soak_responses.compare(res, out) if is_responses(req) else compare(req, res, out)
         if not diffs:
             continue
         where = first_divergence(res, out)
@@ -685,7 +703,8 @@ def run_soak(config: SoakConfig, base_url: str, llm, api_key: str | None = None,
                                for q in requests),
         "disconnected": disconnected,
         "streamed": sum(q.body["stream"] for q in requests),
-        "chat": sum(q.chat for q in requests), "n_gt_1": sum(q.params.n > 1 for q in requests),
+        "chat": sum(q.chat for q in requests),
+        "responses": sum(map(is_responses, requests)), "n_gt_1": sum(q.params.n > 1 for q in requests),
         "statuses": {str(k): v for k, v in sorted(statuses.items(), key=str)},
         "retried_429": sum(r.retries for r in results),
         "server_errors": server_errors, "fault_marked": sum(q.fault for q in requests),
@@ -731,6 +750,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     for name in ("logprobs", "penalty", "min_tokens"):
         parser.add_argument(f"--{name.replace('_', '-')}-fraction", type=float,
                             default=getattr(d, f"{name}_fraction"))
+    parser.add_argument("--responses-fraction", type=float, default=d.responses_fraction,
+                        help="text requests sent to /v1/responses instead (with a chat "
+                             "template)")
     parser.add_argument("--fault-fraction", type=float, default=d.fault_fraction,
                         help="requests whose model steps fail on purpose (each failed step "
                              "fails all its requests); only for the server started here")
@@ -758,7 +780,8 @@ def main(args: argparse.Namespace) -> dict:
                         logprobs_fraction=args.logprobs_fraction,
                         penalty_fraction=args.penalty_fraction,
                         min_tokens_fraction=args.min_tokens_fraction,
-                        fault_fraction=args.fault_fraction)
+                        fault_fraction=args.fault_fraction,
+                        responses_fraction=args.responses_fraction)
     engine_args = EngineArgs.from_cli_args(args)
     server = None
     if args.base_url is None:

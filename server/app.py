@@ -1,10 +1,12 @@
 """The Starlette application: routes, API-key check, body limit, error mapping, lifespan.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (liveness: 200 only once the model is loaded and warmed up, and while a
-graceful shutdown drains; 503 while loading and from the moment the engine has died; it never
-waits on the engine), ``GET /ready`` (readiness: as ``/health``, but 503 from the moment a
-shutdown begins, so a load balancer stops sending new requests), ``GET /version``, ``GET /metrics``
+``POST /v1/responses`` (and, with ``--responses-store-size``, ``GET`` / ``DELETE
+/v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``), ``GET /health`` (liveness: 200
+only once the model is loaded and warmed up, and while a graceful shutdown drains; 503 while
+loading and from the moment the engine has died; it never waits on the engine), ``GET /ready``
+(readiness: as ``/health``, but 503 from the moment a shutdown begins, so a load balancer
+stops sending new requests), ``GET /version``, ``GET /metrics``
 (Prometheus text), ``POST /tokenize``, ``POST /detokenize``, ``GET /openapi.json``.
 Every error, the framework's included, is answered in OpenAI's shape (``server/errors.py``).
 """
@@ -33,7 +35,9 @@ from jaxpaged.server.protocol import (ChatCompletionRequest, CompletionRequest, 
                                       TokenizeResponse, VersionResponse)
 from jaxpaged.server.serving import CLIENT_GONE, ServerConfig, engine_error, off_loop
 from jaxpaged.server.serving_chat import OpenAIServingChat
+from jaxpaged.server.protocol_responses import ResponsesRequest
 from jaxpaged.server.serving_completion import OpenAIServingCompletion
+from jaxpaged.server.serving_responses import OpenAIServingResponses
 
 logger = logging.getLogger("server")
 
@@ -42,7 +46,6 @@ PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 #: OpenAI routes this server does not serve, and why (their 404 says so, not "Not Found").
 UNSERVED_ROUTES = {
     "/v1/embeddings": "this server runs a generative model and serves no embeddings",
-    "/v1/responses": "this server does not serve the Responses API",
     "/v1/audio/": "this model accepts text only",
     "/v1/images/": "this model accepts text only",
 }
@@ -61,6 +64,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
     """
     completion = OpenAIServingCompletion(engine, config, tokenizer)
     chat = OpenAIServingChat(engine, config, tokenizer)
+    responses = OpenAIServingResponses(chat)
 
     def too_large() -> APIError:
         return APIError(413, f"the request body exceeds {config.max_request_body_bytes} bytes",
@@ -112,6 +116,19 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
     async def chat_completions(request: Request) -> Response:
         ready()
         return await chat.create(await parse(request, ChatCompletionRequest), request)
+
+    async def create_response(request: Request) -> Response:
+        ready()
+        return await responses.create(await parse(request, ResponsesRequest), request)
+
+    async def response_by_id(request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        if request.method == "DELETE":
+            return responses.delete(response_id)
+        return responses.retrieve(response_id)
+
+    async def cancel_response(request: Request) -> Response:
+        return responses.cancel(request.path_params["response_id"])
 
     def cards() -> list[ModelCard]:
         facts = {}
@@ -184,6 +201,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", response_by_id, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -203,7 +223,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         path, detail = request.url.path, exc.detail
         why = next((w for p, w in UNSERVED_ROUTES.items() if path.startswith(p)), None)
         if exc.status_code == 404 and why is not None:
-            detail = (f"{why}; it serves /v1/completions and /v1/chat/completions. "
+            detail = (f"{why}; it serves /v1/completions, /v1/chat/completions and "
+                      f"/v1/responses. "
                       f"{request.method} {path} is not available")
             return error_response(APIError(404, detail, kind))
         return error_response(APIError(exc.status_code, f"{detail}: {request.method} {path}",

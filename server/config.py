@@ -33,6 +33,9 @@ class ServerConfig:
         shutdown_timeout: seconds a shutdown (SIGTERM, Ctrl-C) waits for the running requests
             to finish while new ones get 503; 0: end them at once (vLLM's
             ``--shutdown-timeout``).
+        responses_store_size: how many ``/v1/responses`` answers the in-memory store keeps
+            (LRU) for ``GET /v1/responses/{id}``, ``previous_response_id`` and
+            ``background``; 0: no store, and those are refused with a 400.
     """
 
     served_model_names: list[str]
@@ -48,3 +51,4 @@ class ServerConfig:
     reasoning_parser: str | None = None
     default_chat_template_kwargs: dict | None = None
     shutdown_timeout: float = 0.0
+    responses_store_size: int = 0

@@ -94,6 +94,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="on SIGTERM or Ctrl-C, seconds to let the running requests finish "
                         "while new ones get HTTP 503 and /ready turns 503 (default 0: end "
                         "them at once)")
+    g.add_argument("--responses-store-size", type=_positive, default=0,
+                   help="keep the last N /v1/responses answers in memory (LRU) for GET "
+                        "/v1/responses/{id}, previous_response_id and background (default: "
+                        "no store; those get HTTP 400)")
     return parser
 
 
@@ -184,7 +188,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser,
                         default_chat_template_kwargs=args.default_chat_template_kwargs,
-                        shutdown_timeout=args.shutdown_timeout)
+                        shutdown_timeout=args.shutdown_timeout,
+                        responses_store_size=args.responses_store_size)
 
 
 def make_server(engine_args: EngineArgs, config: ServerConfig, log_stats: bool = True):

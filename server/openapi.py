@@ -2,7 +2,7 @@
 
 Every status an operation can answer is declared (schemathesis checks the server against
 this document: ``tests/server/test_fuzz_openapi.py``): errors in OpenAI's shape, and for the
-completion routes the SSE stream (``text/event-stream``) a ``stream: true`` request gets.
+generation routes the SSE stream (``text/event-stream``) a ``stream: true`` request gets.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from jaxpaged.server.protocol import (ChatCompletionChunk, ChatCompletionRequest
                                       CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                                       ErrorResponse, ModelList, TokenizeRequest, TokenizeResponse,
                                       VersionResponse)
+from jaxpaged.server.protocol_responses import ResponseObject, ResponsesRequest
 
 #: (method, path, summary, request schema or None, response schema or None)
 OPERATIONS = [
@@ -23,6 +24,8 @@ OPERATIONS = [
      "stream is true)", CompletionRequest, CompletionResponse),
     ("post", "/v1/chat/completions", "Create a chat completion (SSE of ChatCompletionChunk "
      "when stream is true)", ChatCompletionRequest, ChatCompletionResponse),
+    ("post", "/v1/responses", "Create a response (OpenAI's Responses API; SSE of typed events "
+     "when stream is true)", ResponsesRequest, ResponseObject),
     ("get", "/v1/models", "List the served models", None, ModelList),
     ("get", "/health", "Liveness: 200 once the model is loaded and warmed up, and while a "
      "shutdown drains; 503 while loading and once the engine has died", None, None),
@@ -121,7 +124,7 @@ def openapi_document(app_version: str) -> dict:
             op["requestBody"] = {"required": True, "content": {"application/json": {
                 "schema": {"$ref": _REF.format(model=request.__name__)}}}}
             op["responses"].update({code: error(text) for code, text in REQUEST_ERRORS.items()})
-        if path.endswith("/completions"):
+        if path.endswith(("/completions", "/responses")):
             op["responses"]["200"]["content"].update(EVENT_STREAM)
             op["responses"].update({code: error(text) for code, text in GENERATION_ERRORS.items()})
             op["parameters"] = [REQUEST_ID_HEADER]

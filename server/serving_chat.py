@@ -13,14 +13,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxpaged.chat_utils import ChatTemplateError, encode_chat, render_chat
 from jaxpaged.outputs import CompletionOutput, RequestOutput
-from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParamsError
+from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from jaxpaged.structured_output.grammar import after_reasoning
 from jaxpaged.server.chat_output import ChoiceOutputParser, assistant_message, delta_messages
 from jaxpaged.server.errors import bad_request, error_body
@@ -39,6 +39,23 @@ from jaxpaged.server.tool_calls import (conversation_message, forced_call_schema
 
 #: Prompt tokens decoded for the reasoning parser's initial state (a pre-filled ``<think>``).
 PROMPT_TAIL_TOKENS = 32
+
+
+@dataclasses.dataclass
+class ChatRun:
+    """A checked chat request, ready for the engine.
+
+    Attributes:
+        request_id: ``{prefix}-<id>`` (engine request ``{request_id}-0``).
+        prompt: the rendered prompt's ids and output limit.
+        params: its sampling parameters.
+        parser: makes a fresh :class:`ChoiceOutputParser` for one choice (no arguments).
+    """
+
+    request_id: str
+    prompt: PreparedPrompt
+    params: SamplingParams
+    parser: Callable[[], ChoiceOutputParser]
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -114,6 +131,24 @@ class OpenAIServingChat(OpenAIServing):
                 ``--trust-request-chat-template``) / 404 / 429 / 503 / 500, before any SSE is
                 sent.
         """
+        run = await self.prepare(body, raw_request)
+        request_id, prompt, parser = run.request_id, run.prompt, run.parser
+        return await self.respond(
+            raw_request, body, request_id, [prompt], [run.params], "messages",
+            lambda streams: self._stream(request_id, body, prompt, streams, raw_request,
+                                         parser),
+            lambda finals: self._response(request_id, body, prompt, finals[0], parser))
+
+    async def prepare(self, body: ChatCompletionRequest, raw_request: Request,
+                      prefix: str = "chatcmpl") -> ChatRun:
+        """Check a chat request and turn it into what the engine runs: the rendered prompt,
+        the sampling parameters (tools' forced-call grammar and the reasoning-aware
+        structured output included) and the output parser. ``/v1/responses`` runs its
+        translated requests through here too (``prefix`` ``resp``).
+
+        Raises:
+            APIError: 400 / 404 naming the chat request's field.
+        """
         self.check_model(body.model)
         self.check_request(body)
         check_refused(body)
@@ -160,12 +195,8 @@ class OpenAIServingChat(OpenAIServing):
                         params.structured_outputs, reasoning.start, reasoning.end, opening))
                 except SamplingParamsError as e:     # the wrapped grammar did not compile
                     raise bad_request(e.detail, "response_format") from None
-        request_id = self.request_id(raw_request, "chatcmpl", body.request_id)
-        return await self.respond(
-            raw_request, body, request_id, [prompt], [params], "messages",
-            lambda streams: self._stream(request_id, body, prompt, streams, raw_request,
-                                         parser),
-            lambda finals: self._response(request_id, body, prompt, finals[0], parser))
+        request_id = self.request_id(raw_request, prefix, body.request_id)
+        return ChatRun(request_id, prompt, params, parser)
 
     def _parser(self, body: ChatCompletionRequest, tool_choice, prompt_tail: str | None
                 ) -> ChoiceOutputParser:

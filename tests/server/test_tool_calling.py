@@ -347,3 +347,51 @@ def test_structured_outputs_start_after_the_reasoning(server, client, monkeypatc
     with caplog.at_level("WARNING"):
         ask(client, "think-json", n, **fields)
     assert [r for r in caplog.records if refused in r.getMessage()]
+
+
+def test_responses_api_reasoning_text_and_an_auto_call(server, client, monkeypatch):
+    """``/v1/responses`` on the same parsers: a reasoning item, a message and a
+    ``function_call`` item, streamed in OpenAI's event order and equal to the non-streaming
+    output."""
+    text = (f'<think>plan</think>Sure.<tool_call>\n{{"name": "get_weather", "arguments": '
+            f'{PARIS}}}\n</tool_call>')
+    ids = output_ids(server.engine.engine.tokenizer, text) + [EOS]
+    force_tokens(monkeypatch, server.engine.engine, {"resp-rc-0": ids, "resp-rc-s-0": ids})
+    tools = [{"type": "function", "name": t["function"]["name"],
+              "parameters": t["function"]["parameters"]} for t in TOOLS]
+    with server.configured(reasoning_parser="qwen3"):
+        r = client.responses.create(model=MODEL, input=USER, tools=tools, max_output_tokens=
+                                    len(ids), extra_headers={"X-Request-Id": "rc"})
+        with client.responses.stream(model=MODEL, input=USER, tools=tools,
+                                     max_output_tokens=len(ids),
+                                     extra_headers={"X-Request-Id": "rc-s"}) as stream:
+            events = list(stream)
+            final = stream.get_final_response()
+    assert [o.type for o in r.output] == ["reasoning", "message", "function_call"]
+    assert r.output[0].content[0].text == "plan" and r.output_text == "Sure."
+    call = r.output[2]
+    assert (call.name, call.arguments, r.status) == ("get_weather", PARIS, "completed")
+    assert call.call_id.startswith("chatcmpl-tool-")
+    assert r.usage.output_tokens == len(ids)
+    tok = server.engine.engine.tokenizer       # the tokens up to the one that ends </think>
+    block = next(k for k in range(1, len(ids)) if "</think>" in tok.decode(ids[:k]))
+    assert r.usage.output_tokens_details.reasoning_tokens == block
+    assert (final.usage.output_tokens, final.usage.output_tokens_details) == \
+        (r.usage.output_tokens, r.usage.output_tokens_details)     # (the cache hits differ)
+
+    def shape(items):
+        return [{k: v for k, v in i.model_dump(exclude_none=True).items()
+                 if k not in ("id", "call_id")}
+                for i in items]
+
+    assert shape(final.output) == shape(r.output)
+    types = [e.type.removeprefix("response.") for e in events]
+    item = ["output_item.added", "content_part.added"]
+    done = ["content_part.done", "output_item.done"]
+    expected = ["created", "in_progress", *item]
+    expected += [t for t in types if t == "reasoning_text.delta"] + ["reasoning_text.done", *done]
+    expected += item + [t for t in types if t == "output_text.delta"] + ["output_text.done", *done]
+    expected += ["output_item.added", "function_call_arguments.delta",
+                 "function_call_arguments.done", "output_item.done", "completed"]
+    assert types == expected
+    assert [e.sequence_number for e in events] == list(range(len(events)))

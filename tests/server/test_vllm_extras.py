@@ -150,8 +150,7 @@ def test_refused_completion_fields_and_silent_ones(http):
     assert silent["choices"][0]["message"]["content"] == base
 
 
-@pytest.mark.parametrize("path, why", [("/v1/embeddings", "embeddings"),
-                                       ("/v1/responses", "Responses API")])
+@pytest.mark.parametrize("path, why", [("/v1/embeddings", "embeddings")])
 def test_unserved_openai_routes_say_why(http, path, why):
     r = http.post(path, json={"model": MODEL, "input": "Once"})
     assert r.status_code == 404
