@@ -42,7 +42,7 @@ def last_llm():
 def mean_llm():
     """MEAN pooling on a pool of 5 usable pages (80 tokens), 8 prompt tokens per request a
     step: the long prompts prefill side by side and preempt each other."""
-    return LLM(convert="embed", pooler_config='{"pooling_type": "MEAN"}',
+    return LLM(convert="embed", pooler_config='{"pooling_type": "MEAN"}', enforce_eager=True,
                max_num_batched_tokens=16, max_num_seqs=8, max_num_partial_prefills=4,
                long_prefill_token_threshold=8,
                max_model_len=64, num_gpu_blocks_override=6)

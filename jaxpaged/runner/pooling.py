@@ -45,7 +45,8 @@ def pool_rows(hidden: jax.Array, logits_indices: jax.Array, query_start_loc: jax
     def pooled():
         h = hidden.astype(jnp.float32)
         b = logits_indices.shape[0]
-        token_seq = jnp.searchsorted(query_start_loc, jnp.arange(h.shape[0]), side="right") - 1
+        token_seq = jnp.searchsorted(query_start_loc, jnp.arange(h.shape[0]), side="right",
+                                     method="compare_all") - 1
         sums = jax.ops.segment_sum(h, token_seq, num_segments=b)   # padding ids >= b dropped
         return jnp.stack([h[logits_indices], sums])
 
