@@ -191,7 +191,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     async def openapi(request: Request) -> Response:
-        return JSONResponse(openapi_document(version("jaxpaged")))
+        return JSONResponse(openapi_document(version("jaxpaged"), pooling))
 
     routes = [Route("/v1/embeddings", embeddings, methods=["POST"])] if pooling else [
         Route("/v1/completions", completions, methods=["POST"]),

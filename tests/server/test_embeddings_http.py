@@ -87,3 +87,25 @@ def test_each_server_says_which_task_it_serves(pooling_http, http):
     assert "serves no embeddings (start it with --runner pooling" in message
     assert pooling_http.post("/v1/embeddings", json={"input": "x", "model": "gpt"}
                              ).status_code == 404
+
+
+def test_openapi_documents_the_served_task(pooling_http, http):
+    pooling_paths = pooling_http.get("/openapi.json").json()["paths"]
+    assert "/v1/embeddings" in pooling_paths and "/v1/completions" not in pooling_paths
+    assert set(pooling_paths["/v1/embeddings"]["post"]["responses"]) >= {"200", "400", "429"}
+    generating_paths = http.get("/openapi.json").json()["paths"]
+    assert "/v1/completions" in generating_paths and "/v1/embeddings" not in generating_paths
+
+
+def test_serve_flags_make_a_pooling_engine():
+    from jaxpaged.cli import build_parser
+    from jaxpaged.engine.arg_utils import EngineArgs
+    from jaxpaged.pooling_params import PoolerConfig
+
+    args = build_parser().parse_args(["serve", "--runner", "pooling", "--pooler-config",
+                                      '{"pooling_type": "MEAN", "normalize": false}'])
+    assert EngineArgs.from_cli_args(args).pooler == PoolerConfig(pooling_type="MEAN",
+                                                                 normalize=False)
+    args = build_parser().parse_args(["serve", "--convert", "embed"])
+    assert EngineArgs.from_cli_args(args).pooler == PoolerConfig()
+    assert EngineArgs.from_cli_args(build_parser().parse_args(["serve"])).pooler is None
