@@ -150,3 +150,22 @@ def test_runner_resolution_and_bad_pooler_configs():
         PoolerConfig.parse({"pooling": "MEAN"})
     with pytest.raises(ValueError, match="not valid JSON"):
         PoolerConfig.parse("{mean")
+
+
+def test_a_failed_step_fails_its_pooling_requests_and_frees_their_pages(last_llm):
+    engine = last_llm.engine
+
+    def fail(step_index, request_ids):
+        raise RuntimeError("injected")
+
+    engine.fault_injector = fail
+    try:
+        with pytest.raises(RuntimeError, match="failed: the model step running this request "
+                                               "failed: RuntimeError: injected"):
+            last_llm.embed(prompts()[:2])
+    finally:
+        engine.fault_injector = None
+    stats = engine.stats()
+    assert stats.num_free_pages == stats.num_pages and not engine.has_unfinished_requests()
+    out = last_llm.embed(prompts()[0])[0]     # the engine carries on
+    np.testing.assert_allclose(out.outputs.embedding, pooled(0, "LAST"), atol=TOLERANCE, rtol=0)
