@@ -39,6 +39,11 @@ Without ``--base-url`` the engine flags' model is served in this process on a fr
 there is checked through ``/metrics``; the engine flags then describe the offline reference,
 which must be the served model. The soak assumes it is the server's only client.
 
+Then (unless ``--embeddings-requests 0``) ``/v1/embeddings`` requests go to a pooling server,
+started here with the same engine flags and ``--runner pooling`` or given by
+``--embeddings-base-url`` (``benchmarks/soak_embeddings.py``: one task per server, as vLLM);
+their summary is under ``embeddings`` and their problems count with the others.
+
 Prints a one-line JSON summary (``--output-json`` writes it too); exits with an error when a
 check fails (the first problems, each with the request body to reproduce it, are listed).
 """
@@ -60,6 +65,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxpaged.benchmarks import soak_responses
+from jaxpaged.benchmarks import soak_embeddings
 from jaxpaged.benchmarks.results import distribution, write_outputs
 from jaxpaged.benchmarks.serve import (DONE, auth_headers, http_client, run_limited, served_model,
                                        sse_payloads)
@@ -758,6 +764,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "fails all its requests); only for the server started here")
     parser.add_argument("--idle-timeout", type=float, default=d.idle_timeout)
     parser.add_argument("--output-json", default=None)
+    soak_embeddings.add_cli_args(parser)
     EngineArgs.add_cli_args(parser)
 
 
@@ -799,6 +806,12 @@ def main(args: argparse.Namespace) -> dict:
     finally:
         if server is not None:
             server.stop()
+    # vLLM serves one task per server: embeddings go to a second, pooling server.
+    embeddings = soak_embeddings.soak_from_flags(args, engine_args, config.seed)
+    if embeddings is not None:
+        summary["embeddings"] = embeddings
+        summary["problems"] += embeddings["problems"]
+        summary["num_problems"] += embeddings["num_problems"]
     write_outputs(summary, args.output_json)
     if summary["num_problems"]:
         raise RuntimeError(f"the soak found {summary['num_problems']} problems, e.g.:\n"

@@ -19,6 +19,8 @@ _EXPORTS = {
     "SamplingParams": "jaxpaged.sampling_params",
     "RequestOutput": "jaxpaged.outputs",
     "CompletionOutput": "jaxpaged.outputs",
+    "EmbeddingRequestOutput": "jaxpaged.outputs",
+    "PoolingParams": "jaxpaged.pooling_params",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -117,3 +117,82 @@ class RequestOutput:
             prev.cumulative_logprob = out.cumulative_logprob
             prev.finish_reason, prev.stop_reason = out.finish_reason, out.stop_reason
         self.outputs = sorted(mine.values(), key=lambda out: out.index)
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """A pooling request's result (vLLM's ``PoolingOutput``).
+
+    Attributes:
+        data: [hidden_size] float32 numpy array: the pooled (and, as configured,
+            L2-normalised) final hidden states of the prompt.
+    """
+
+    data: object
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """The output of a pooling request, as ``Engine.step`` returns it once, when finished
+    (vLLM's ``PoolingRequestOutput``).
+
+    Attributes:
+        request_id: the id given to ``Engine.add_request``.
+        outputs: the pooled vector (None if the request failed).
+        prompt_token_ids: the prompt's token ids (BOS included when the tokenizer adds it).
+        finished: always True (a pooling request has one output).
+        num_cached_tokens: prompt tokens served from the prefix cache (0: pooling requests
+            compute every token).
+        error: why the request failed (its step raised); None otherwise.
+    """
+
+    request_id: str
+    outputs: PoolingOutput | None
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """An embedding (vLLM's ``EmbeddingOutput``).
+
+    Attributes:
+        embedding: the vector as Python floats (float32 values).
+    """
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt (vLLM's ``EmbeddingRequestOutput``).
+
+    Attributes:
+        request_id: the engine's request id.
+        outputs: the embedding.
+        prompt_token_ids: the prompt's token ids.
+        finished: always True.
+    """
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        """The embedding view of a finished pooling output.
+
+        Raises:
+            RuntimeError: the request failed (its ``error``).
+        """
+        if out.error is not None or out.outputs is None:
+            raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()),
+                   out.prompt_token_ids, out.finished)

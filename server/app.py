@@ -1,10 +1,13 @@
 """The Starlette application: routes, API-key check, body limit, error mapping, lifespan.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``POST /v1/responses`` (and, with ``--responses-store-size``, ``GET`` / ``DELETE
-/v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``), ``GET /health`` (liveness: 200
-only once the model is loaded and warmed up, and while a graceful shutdown drains; 503 while
-loading and from the moment the engine has died; it never waits on the engine), ``GET /ready``
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` (and,
+with ``--responses-store-size``, ``GET`` / ``DELETE /v1/responses/{id}``, ``POST
+/v1/responses/{id}/cancel``) on a generating engine, or ``POST /v1/embeddings`` on a pooling
+engine (``--runner pooling``: one task per server, as vLLM registers only its model's task's
+routes; the other task's routes answer a 404 that says why, ``UNSERVED_ROUTES`` /
+``UNSERVED_BY_POOLING``), ``GET /v1/models``, ``GET /health`` (liveness: 200 only once the
+model is loaded and warmed up, and while a graceful shutdown drains; 503 while loading and
+from the moment the engine has died; it never waits on the engine), ``GET /ready``
 (readiness: as ``/health``, but 503 from the moment a shutdown begins, so a load balancer
 stops sending new requests), ``GET /version``, ``GET /metrics``
 (Prometheus text), ``POST /tokenize``, ``POST /detokenize``, ``GET /openapi.json``.
@@ -38,6 +41,7 @@ from jaxpaged.server.serving_chat import OpenAIServingChat
 from jaxpaged.server.protocol_responses import ResponsesRequest
 from jaxpaged.server.serving_completion import OpenAIServingCompletion
 from jaxpaged.server.serving_responses import OpenAIServingResponses
+from jaxpaged.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
 
 logger = logging.getLogger("server")
 
@@ -45,7 +49,16 @@ logger = logging.getLogger("server")
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 #: OpenAI routes this server does not serve, and why (their 404 says so, not "Not Found").
 UNSERVED_ROUTES = {
-    "/v1/embeddings": "this server runs a generative model and serves no embeddings",
+    "/v1/embeddings": "this server runs a generative model and serves no embeddings (start "
+                      "it with --runner pooling, or --convert embed, to serve them)",
+    "/v1/audio/": "this model accepts text only",
+    "/v1/images/": "this model accepts text only",
+}
+#: The same for a server that runs its model for embeddings (``--runner pooling``).
+UNSERVED_BY_POOLING = {
+    **{route: "this server runs its model for embeddings (--runner pooling) and does not "
+              "generate (start it with --runner generate to generate)"
+       for route in ("/v1/completions", "/v1/chat/completions", "/v1/responses")},
     "/v1/audio/": "this model accepts text only",
     "/v1/images/": "this model accepts text only",
 }
@@ -65,6 +78,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
     completion = OpenAIServingCompletion(engine, config, tokenizer)
     chat = OpenAIServingChat(engine, config, tokenizer)
     responses = OpenAIServingResponses(chat)
+    embedding = OpenAIServingEmbedding(engine, config, tokenizer)
+    pooling = engine.args.pooler is not None
+    unserved = UNSERVED_BY_POOLING if pooling else UNSERVED_ROUTES
+    served = ("/v1/embeddings" if pooling else
+              "/v1/completions, /v1/chat/completions and /v1/responses")
 
     def too_large() -> APIError:
         return APIError(413, f"the request body exceeds {config.max_request_body_bytes} bytes",
@@ -129,6 +147,10 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
 
     async def cancel_response(request: Request) -> Response:
         return responses.cancel(request.path_params["response_id"])
+
+    async def embeddings(request: Request) -> Response:
+        ready()
+        return await embedding.create(await parse(request, EmbeddingRequest), request)
 
     def cards() -> list[ModelCard]:
         facts = {}
@@ -196,14 +218,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     async def openapi(request: Request) -> Response:
-        return JSONResponse(openapi_document(version("jaxpaged")))
+        return JSONResponse(openapi_document(version("jaxpaged"), pooling))
 
-    routes = [
+    routes = [Route("/v1/embeddings", embeddings, methods=["POST"])] if pooling else [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", response_by_id, methods=["GET", "DELETE"]),
-        Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"])]
+    routes += [
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -221,11 +244,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
         path, detail = request.url.path, exc.detail
-        why = next((w for p, w in UNSERVED_ROUTES.items() if path.startswith(p)), None)
+        why = next((w for p, w in unserved.items() if path.startswith(p)), None)
         if exc.status_code == 404 and why is not None:
-            detail = (f"{why}; it serves /v1/completions, /v1/chat/completions and "
-                      f"/v1/responses. "
-                      f"{request.method} {path} is not available")
+            detail = f"{why}; it serves {served}. {request.method} {path} is not available"
             return error_response(APIError(404, detail, kind))
         return error_response(APIError(exc.status_code, f"{detail}: {request.method} {path}",
                                        kind))

@@ -17,6 +17,7 @@ from jaxpaged.server.protocol import (ChatCompletionChunk, ChatCompletionRequest
                                       ErrorResponse, ModelList, TokenizeRequest, TokenizeResponse,
                                       VersionResponse)
 from jaxpaged.server.protocol_responses import ResponseObject, ResponsesRequest
+from jaxpaged.server.serving_embedding import EmbeddingRequest, EmbeddingResponse
 
 #: (method, path, summary, request schema or None, response schema or None)
 OPERATIONS = [
@@ -37,6 +38,12 @@ OPERATIONS = [
      TokenizeResponse),
     ("post", "/detokenize", "Decode token ids", DetokenizeRequest, DetokenizeResponse),
 ]
+
+#: The generation routes, first in :data:`OPERATIONS`.
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+#: What a pooling server (``--runner pooling``) serves instead of the generation routes.
+EMBEDDINGS_OPERATION = ("post", "/v1/embeddings", "Create embeddings (float or base64)",
+                        EmbeddingRequest, EmbeddingResponse)
 
 #: Error statuses of the operations that take a request body, and what they mean.
 REQUEST_ERRORS = {
@@ -101,21 +108,24 @@ UNSUPPORTED = {
 }
 
 
-def openapi_document(app_version: str) -> dict:
-    """The OpenAPI document (``GET /openapi.json``)."""
-    models = {m for op in OPERATIONS for m in op[3:] if m is not None}
-    models |= {ChatCompletionChunk, ErrorResponse}
-    keyed = [(m, "validation" if m in {op[3] for op in OPERATIONS} else "serialization")
+def openapi_document(app_version: str, pooling: bool = False) -> dict:
+    """The OpenAPI document (``GET /openapi.json``) of a generating server, or of a pooling
+    one (``pooling``: ``/v1/embeddings`` instead of the generation routes)."""
+    operations = ([EMBEDDINGS_OPERATION, *OPERATIONS[len(GENERATION_PATHS):]] if pooling
+                  else OPERATIONS)
+    models = {m for op in operations for m in op[3:] if m is not None}
+    models |= {ErrorResponse} if pooling else {ChatCompletionChunk, ErrorResponse}
+    keyed = [(m, "validation" if m in {op[3] for op in operations} else "serialization")
              for m in sorted(models, key=lambda m: m.__name__)]
     _, schema = models_json_schema(keyed, ref_template=_REF)
-    for request in (CompletionRequest, ChatCompletionRequest):
+    for request in () if pooling else (CompletionRequest, ChatCompletionRequest):
         _state_request_rules(schema["$defs"][request.__name__]["properties"])
     def error(description: str) -> dict:
         return {"description": description, "content": {"application/json": {
             "schema": {"$ref": _REF.format(model="ErrorResponse")}}}}
 
     paths: dict = {}
-    for method, path, summary, request, response in OPERATIONS:
+    for method, path, summary, request, response in operations:
         op: dict = {"summary": summary, "responses": {"200": {"description": "OK"}}}
         if response is not None:
             op["responses"]["200"]["content"] = {"application/json": {
@@ -126,6 +136,9 @@ def openapi_document(app_version: str) -> dict:
             op["responses"].update({code: error(text) for code, text in REQUEST_ERRORS.items()})
         if path.endswith(("/completions", "/responses")):
             op["responses"]["200"]["content"].update(EVENT_STREAM)
+            op["responses"].update({code: error(text) for code, text in GENERATION_ERRORS.items()})
+            op["parameters"] = [REQUEST_ID_HEADER]
+        if path == "/v1/embeddings":
             op["responses"].update({code: error(text) for code, text in GENERATION_ERRORS.items()})
             op["parameters"] = [REQUEST_ID_HEADER]
         if path in ("/health", "/ready"):

@@ -261,7 +261,7 @@ class OpenAIServing:
                 or once the engine has failed.
         """
         limit = self.engine.max_pending_requests
-        num_seqs = sum(p.n for p in params)
+        num_seqs = sum(getattr(p, "n", 1) for p in params)   # (PoolingParams: 1)
         if limit is not None and num_seqs > limit:
             raise bad_request(f"this request has {num_seqs} sequences (n x prompts), more than "
                               f"the server ever admits at once (--max-pending-requests={limit})",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from jaxpaged.config import QUANTIZATION_METHODS
 from jaxpaged.constants import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES,  # noqa: F401
                                 SCHEDULING_POLICIES)
+from jaxpaged.pooling_params import CONVERTS, RUNNERS, PoolerConfig, resolve_pooler
 
 #: The model shipped inside the package (stories260K, MIT licence); the default ``--model``.
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "model_files",
@@ -87,6 +88,11 @@ class EngineArgs:
         coordinator_address, num_processes, process_id: a multi-host job
             (``jaxpaged.distributed.multihost``): process 0's ``host:port``, the process
             count, and this process's index.
+        runner, convert, pooler_config: what the model runs for (vLLM's ``--runner``,
+            ``--convert``, ``--pooler-config``; ``jaxpaged.pooling_params``): ``generate``
+            or ``pooling`` (embeddings only); ``convert="embed"`` or a pooler config (JSON
+            text or a dict: ``pooling_type`` ``LAST`` / ``MEAN``, ``normalize``) make
+            ``runner="auto"`` pooling.
     """
 
     model: str = DEFAULT_MODEL
@@ -120,6 +126,9 @@ class EngineArgs:
     coordinator_address: str | None = None
     num_processes: int = 1
     process_id: int | None = None
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: str | dict | None = None
 
     def __post_init__(self) -> None:
         def positive(name):
@@ -176,6 +185,12 @@ class EngineArgs:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"EngineArgs.attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
+        resolve_pooler(self.model, self.runner, self.convert, self.pooler_config)
+
+    @property
+    def pooler(self) -> PoolerConfig | None:
+        """The engine's pooler (None: it generates); ``jaxpaged.pooling_params``."""
+        return resolve_pooler(self.model, self.runner, self.convert, self.pooler_config)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -253,6 +268,15 @@ class EngineArgs:
                        help="multi-host: processes in the job (each runs the same command)")
         g.add_argument("--process-id", type=int, default=None,
                        help="multi-host: this process's index, 0 .. num_processes - 1")
+        g.add_argument("--runner", default=d.runner, choices=RUNNERS,
+                       help="generate, or pooling (serve /v1/embeddings only); auto: pooling "
+                            "with --convert embed or --pooler-config")
+        g.add_argument("--convert", default=d.convert, choices=CONVERTS,
+                       help="embed: run the decoder as an embedding model")
+        g.add_argument("--pooler-config", default=None,
+                       help='pooling override as JSON, e.g. \'{"pooling_type": "MEAN", '
+                            '"normalize": true}\' (default: the checkpoint\'s '
+                            'sentence-transformers modules.json, else LAST)')
         return parser
 
     @classmethod

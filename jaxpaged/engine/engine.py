@@ -34,11 +34,13 @@ from jaxpaged.engine.generation_config import (eos_token_ids, generation_default
 from jaxpaged.engine.input_processor import InputProcessor, Prompt
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
 from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup
+from jaxpaged.engine.pooling import POOLING_SAMPLING, pooling_state
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.scheduler_output import SchedulerOutput
 from jaxpaged.metrics.recorder import StatsRecorder
 from jaxpaged.metrics.stats import EngineStats, StatLogger
 from jaxpaged.outputs import RequestOutput
+from jaxpaged.pooling_params import PoolingParams
 from jaxpaged.runner.output import ModelRunnerOutput
 from jaxpaged.runner.worker import build_worker
 from jaxpaged.sampling.logits_adjust import needs_adjustment
@@ -107,6 +109,8 @@ class Engine:
             install_signal_handlers()   # SIGINT / SIGTERM to any process stop the whole job
         check_same_everywhere("engine settings", {
             k: v for k, v in dataclasses.asdict(args).items() if k != "process_id"})
+        #: The pooler of a pooling engine (embeddings only); None: the engine generates.
+        self.pooler = args.pooler
         self.model_config = cfg = ModelConfig.from_pretrained(args.model).with_quantization(
             args.quantization)
         self.tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
@@ -164,7 +168,8 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: Prompt,
+                    params: SamplingParams | PoolingParams | None = None,
                     priority: int = 0) -> None:
         """Queue a request; it runs from the next :meth:`step`.
 
@@ -173,7 +178,9 @@ class Engine:
             prompt: text, a list of token ids, or ``{"prompt_token_ids": [...]}`` /
                 ``{"prompt": "..."}`` (vLLM's TokensPrompt / TextPrompt), optionally with a
                 ``"cache_salt"`` that isolates its prefix-cache entries.
-            params: sampling parameters (default ``SamplingParams()``).
+            params: sampling parameters (default ``SamplingParams()``), or, on a pooling
+                engine (``EngineArgs.runner``), ``PoolingParams`` (default too): the request
+                then yields one ``PoolingRequestOutput`` (``jaxpaged.engine.pooling``).
             priority: lower runs first under ``--scheduling-policy priority``.
 
         Raises:
@@ -183,7 +190,8 @@ class Engine:
                 Nothing is queued then.
             TypeError: a prompt, id, params or priority of the wrong type.
         """
-        params = self.input_processor.check_params(params)
+        pooling = pooling_state(params, self.pooler)
+        params = self.input_processor.check_params(POOLING_SAMPLING if pooling else params)
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self.output_processor.groups:
@@ -192,6 +200,8 @@ class Engine:
                                                 arrival=self._arrivals, seed_rng=self._seed_rng)
         # (A grammar's next mask needs the previous token on the host: no running ahead.)
         req.needs_output_tokens = needs_adjustment(params) or bool(params.structured_outputs)
+        if pooling is not None:     # prefilled only; its result waits for the host
+            req.pooling, req.needs_output_tokens = pooling, True
         self._arrivals += 1
         self.output_processor.add_request(req, time.monotonic())
         self.scheduler.add_request(req)

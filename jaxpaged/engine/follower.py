@@ -19,6 +19,7 @@ from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.commands import AddRequest, StopEngine
 from jaxpaged.engine.data_parallel import DataParallelEngine, make_engine
 from jaxpaged.engine.engine import Engine
+from jaxpaged.pooling_params import PoolingParams
 from jaxpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -27,11 +28,13 @@ logger = logging.getLogger(__name__)
 def warm_up(engine: Engine | DataParallelEngine) -> None:
     """Run a one-token request end to end on every replica, so that the first user request
     does not pay for anything that a precompile leaves out (and a broken step fails here).
-    The requests carry a seed, so the engine's seed sequence is left as it was."""
+    The requests carry a seed, so the engine's seed sequence is left as it was; a pooling
+    engine embeds the token instead."""
     bos = engine.tokenizer.bos_token_id
+    params = PoolingParams() if engine.args.pooler is not None else SamplingParams(
+        max_tokens=1, temperature=0, seed=0)
     for i in range(engine.args.data_parallel_size):     # one per replica (least busy first)
-        engine.add_request(f"__warmup__{i}", [bos if bos is not None else 0],
-                           SamplingParams(max_tokens=1, temperature=0, seed=0))
+        engine.add_request(f"__warmup__{i}", [bos if bos is not None else 0], params)
     while engine.has_unfinished_requests():
         engine.step()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jaxpaged.engine.detokenizer import IncrementalDetokenizer
+from jaxpaged.engine.pooling import pooling_output
 from jaxpaged.engine.request import Request, RequestStatus
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.runner.output import TokenLogprob
@@ -224,10 +225,14 @@ class OutputProcessor:
         """The request's output now, shaped by its ``output_kind``: cumulative text, ids and
         logprobs; or only what is new since the previous output (delta; sequences with
         nothing new are left out); or nothing until it finishes (final only, then cumulative).
+        A pooling request's is a ``PoolingRequestOutput``, once, when it finishes.
         ``num_preemptions``: the count to report (default: the sequences' count now).
         """
         seqs = group.seqs
         first = seqs[0].request
+        if first.pooling is not None:
+            return pooling_output(group.request_id, first.prompt_token_ids, first.pooling,
+                                  group.error) if group.finished else None
         kind = first.params.output_kind
         finished = group.finished
         if kind is _FINAL_ONLY and not finished:

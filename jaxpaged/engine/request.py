@@ -58,6 +58,9 @@ class Request:
         structured_output_request: its grammar state when ``params.structured_outputs``
             is set (``jaxpaged.structured_output.manager.StructuredOutputRequest``: waits
             in the queue until compiled, advances by each appended token), else None.
+        pooling: for a pooling (embedding) request, its
+            ``jaxpaged.engine.pooling.PoolingState`` (prefilled only, never sampled); else
+            None.
         finish_reason, stop_reason: set when it finishes (vLLM's meanings).
     """
 
@@ -81,6 +84,7 @@ class Request:
     num_output_placeholders: int = 0
     needs_output_tokens: bool = False
     structured_output_request: Any = None
+    pooling: Any = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from jaxpaged.outputs import RequestOutput
+from jaxpaged.outputs import PoolingRequestOutput, RequestOutput
 
 
 class EngineNotReadyError(RuntimeError):
@@ -88,7 +88,9 @@ class RequestStream:
     def put(self, item: RequestOutput | BaseException | None) -> None:
         """Deliver an output, an error, or None (the end); event-loop thread only. The first
         end or error wins."""
-        if isinstance(item, RequestOutput):
+        if isinstance(item, PoolingRequestOutput):    # a pooling request's one output
+            self._output = item
+        elif isinstance(item, RequestOutput):
             if self._output is None:
                 self._output = item
             else:

@@ -149,7 +149,7 @@ class Scheduler:
         start = req.num_computed_tokens
         samples = start + num_new == len(req.all_token_ids) + req.num_output_placeholders
         return ScheduledRequest(req, start, num_new, self.kv.page_table(req.request_id).copy(),
-                                samples, req.n_samples if samples else 0)
+                                samples, req.n_samples if samples and req.pooling is None else 0)
 
     # ---- deciding a step -------------------------------------------------------------------
 
@@ -231,7 +231,8 @@ class Scheduler:
                 continue
             if seats + req.n_samples > self.config.max_num_seqs:
                 break
-            if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
+            if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None \
+                    and req.pooling is None:    # (a mean needs every token computed)
                 req.num_computed_tokens = self.kv.find_cached_prefix(
                     req.request_id, req.all_token_ids, req.extra_keys)
             num_new = self._chunk(req, budget)
@@ -317,6 +318,13 @@ class Scheduler:
                 continue
             if prompt_logprobs is not None and prompt_logprobs[i] is not None:
                 op.add_prompt_logprobs(req.group_id, s.start, prompt_logprobs[i])
+            if req.pooling is not None:    # a pooling request ends with its prompt
+                if req.pooling.add_chunk(s.start, s.end, req.num_prompt_tokens,
+                                         runner_output.pooled[i]):
+                    req.num_output_placeholders = 0
+                    finish(req, "stop")
+                    touched[req.group_id] = None
+                continue
             if not tokens:
                 continue
             if req.num_output_placeholders:

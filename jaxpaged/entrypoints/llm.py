@@ -15,7 +15,8 @@ from jaxpaged.distributed.step_sync import JobStopped, sync_step
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs
 from jaxpaged.engine.data_parallel import make_engine
 from jaxpaged.engine.input_processor import Prompt
-from jaxpaged.outputs import RequestOutput
+from jaxpaged.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxpaged.pooling_params import PoolingParams
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -113,15 +114,7 @@ class LLM:
                 on every process at the same step.
             JobFailed: (multi-host) a step failed, typically because a process died.
         """
-        if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
-            prompts = prompts.tolist()
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a prompt or a list of prompts, "
-                            f"got {type(prompts).__name__}")
-        prompts = list(prompts)
+        prompts = prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         elif isinstance(sampling_params, (list, tuple)):
@@ -135,9 +128,39 @@ class LLM:
             check_same_everywhere("inputs", {"the prompt list": digest(prompts), **{
                 f"SamplingParams.{f.name}": digest([getattr(p, f.name) for p in params])
                 for f in dataclasses.fields(SamplingParams)}}, show_values=False)
+        return self._add_and_run(prompts, final_only(params), use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embed every prompt (vLLM's ``LLM.embed``): a prefill-only pass through the engine,
+        pooled and normalised as the engine's pooler says (``jaxpaged.pooling_params``).
+
+        Args:
+            prompts: as :meth:`generate`'s.
+            pooling_params: one for all prompts (default ``PoolingParams()``).
+            use_tqdm: show a progress bar.
+
+        Returns:
+            Per prompt, in input order, its embedding (``out.outputs.embedding``, a list of
+            ``hidden_size`` floats).
+
+        Raises:
+            ValueError: an engine that does not run the model for pooling (start it with
+                ``runner="pooling"`` or ``convert="embed"``), ``dimensions`` set, or a bad
+                prompt; no request of this call is left queued.
+            RuntimeError: a request failed (its model step raised).
+        """
+        prompts = prompt_list(prompts)
+        params = [pooling_params or PoolingParams()] * len(prompts)
+        return [EmbeddingRequestOutput.from_base(out)
+                for out in self._add_and_run(prompts, params, use_tqdm)]
+
+    def _add_and_run(self, prompts: list, params: list, use_tqdm: bool) -> list:
+        """Queue each prompt with its params and run them all to their final outputs."""
         ids = []
         try:
-            for prompt, p in zip(prompts, final_only(params)):
+            for prompt, p in zip(prompts, params):
                 rid = str(self._counter)
                 self._counter += 1
                 self.engine.add_request(rid, prompt, p)
@@ -170,6 +193,23 @@ class LLM:
             raise
         except Exception as e:   # noqa: BLE001 - in a collective: the job is broken
             raise JobFailed(first_line(e)) from e
+
+
+def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt or a list of prompts as a list (a list of ints is one prompt).
+
+    Raises:
+        TypeError: neither a prompt nor a list of them.
+    """
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 1:
+        prompts = prompts.tolist()
+    if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a prompt or a list of prompts, "
+                        f"got {type(prompts).__name__}")
+    return list(prompts)
 
 
 def final_only(params: list[SamplingParams]) -> list[SamplingParams]:

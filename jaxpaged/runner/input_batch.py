@@ -15,7 +15,7 @@ References: vLLM V1's ``InputBatch`` / ``GPUModelRunner._prepare_inputs``
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import jax
@@ -67,6 +67,8 @@ class StepInputs:
             sampling row; -1 for every other token (its id is in ``input_ids``).
         with_logprobs: [] bool; also return the sampled tokens' logprobs.
         with_prompt_logprobs: [] bool; also score ``prompt_targets``.
+        with_pooling: [] bool; also return the hidden rows pooling requests need
+            (``jaxpaged.runner.pooling``).
     """
 
     input_ids: np.ndarray
@@ -80,12 +82,14 @@ class StepInputs:
     prev_token_index: np.ndarray
     with_logprobs: np.ndarray
     with_prompt_logprobs: np.ndarray
+    with_pooling: np.ndarray = field(default_factory=lambda: np.asarray(False))
 
 
 jax.tree_util.register_dataclass(
     StepInputs, data_fields=["input_ids", "positions", "logits_indices", "attn_metadata",
                              "sampling", "adjust", "token_bitmask", "prompt_targets",
-                             "prev_token_index", "with_logprobs", "with_prompt_logprobs"],
+                             "prev_token_index", "with_logprobs", "with_prompt_logprobs",
+                             "with_pooling"],
     meta_fields=[])
 
 
@@ -249,5 +253,6 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
             prompt_targets[t:t + len(following)] = following
     inputs = StepInputs(input_ids, positions, logits_indices, attention_metadata(backend, layout),
                         sampling, adjust, token_bitmask, prompt_targets, prev_token_index,
-                        np.asarray(with_logprobs), np.asarray(with_prompt))
+                        np.asarray(with_logprobs), np.asarray(with_prompt),
+                        np.asarray(any(r.pooling is not None for r in reqs)))
     return PreparedStep(inputs, layout, cu_rows.tolist())

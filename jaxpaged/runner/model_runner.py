@@ -43,6 +43,7 @@ from jaxpaged.runner.compile_cache import jax_cache_dir, num_step_entries
 from jaxpaged.runner.executable_store import ExecutableStore, fingerprint
 from jaxpaged.runner.input_batch import PreparedStep, StepInputs, attention_metadata, prepare_step
 from jaxpaged.runner.output import ModelRunnerOutput
+from jaxpaged.runner.pooling import read_pooled
 from jaxpaged.runner.read_output import read_output
 from jaxpaged.runner.step_programs import build_programs, forward_inputs, sample_inputs
 from jaxpaged.sampling.logits_adjust import no_adjustment
@@ -219,7 +220,7 @@ class ModelRunner:
                                 free_bitmask=self._free_bitmask,
                                 adjust_capacity=self._limits.max_adjust_entries)
         forward, sampler = self._executables_for(prepared.layout, prepared.inputs)
-        logits, prompt, self._kv_caches = forward(
+        logits, prompt, pooled, self._kv_caches = forward(
             self._state, self._kv_caches, forward_inputs(prepared.inputs), self._prev_tokens)
         out, self._prev_tokens = sampler(logits, sample_inputs(prepared.inputs),
                                          self._prev_tokens)
@@ -227,7 +228,7 @@ class ModelRunner:
         scheduled, starts = scheduler_output.scheduled, prepared.row_starts
         self._prev_rows = lambda: {s.request.request_id: starts[i]
                                    for i, s in enumerate(scheduled) if s.samples}
-        return PendingStep(scheduler_output, prepared, out)
+        return PendingStep(scheduler_output, prepared, out, pooled)
 
     def _executables_for(self, layout: BatchLayout, inputs: StepInputs) -> tuple:
         """The compiled forward and sample programs for ``inputs``' shapes (compiled now,
@@ -336,8 +337,8 @@ class ModelRunner:
         layout = self._dummy_layout(t_pad, b_pad, self._page_buckets[-1], False)
         inputs = self._dummy_inputs(layout)
         forward, sampler = self._executables_for(layout, inputs)
-        logits, _, self._kv_caches = forward(self._state, self._kv_caches,
-                                             forward_inputs(inputs), self._prev_tokens)
+        logits, _, _, self._kv_caches = forward(self._state, self._kv_caches,
+                                                forward_inputs(inputs), self._prev_tokens)
         jax.block_until_ready(sampler(logits, sample_inputs(inputs), self._prev_tokens))
         stats = jax.local_devices()[0].memory_stats()
         return None if not stats else stats.get("peak_bytes_in_use")
@@ -376,11 +377,13 @@ class ModelRunner:
 
 @dataclass(frozen=True)
 class PendingStep:
-    """A dispatched step whose device outputs may not be ready yet."""
+    """A dispatched step whose device outputs may not be ready yet (``pooled``: the
+    forward's pooling rows, read only for a step with a pooling request)."""
 
     scheduler_output: SchedulerOutput
     prepared: PreparedStep
     out: SamplerOutput
+    pooled: jax.Array
 
     def result(self) -> ModelRunnerOutput:
         """Wait for the device and read the step's results back to the host (logprobs only
@@ -389,7 +392,11 @@ class PendingStep:
         out = dataclasses.replace(
             self.out, logprobs=self.out.logprobs if inputs.with_logprobs else None,
             prompt_logprobs=self.out.prompt_logprobs if inputs.with_prompt_logprobs else None)
-        return read_output(self.scheduler_output, self.prepared, jax.tree.map(to_host, out))
+        result = read_output(self.scheduler_output, self.prepared, jax.tree.map(to_host, out))
+        if not inputs.with_pooling:
+            return result
+        return dataclasses.replace(result, pooled=read_pooled(
+            self.scheduler_output, self.prepared, to_host(self.pooled)))
 
 
 def _shape_key(layout: BatchLayout) -> tuple:

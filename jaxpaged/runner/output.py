@@ -27,11 +27,15 @@ class ModelRunnerOutput:
         prompt_logprobs: None unless a sequence of the step scores its prompt; then per
             sequence None or, for each position of its chunk that predicts a prompt token,
             that token's :data:`TokenLogprob`.
+        pooled: None unless the step ran a pooling request; then per sequence None or, for
+            a pooling request, ([H] float32 hidden state of its chunk's last token, [H]
+            float32 sum of its chunk's hidden states) (``jaxpaged.runner.pooling``).
     """
 
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprob]] | None = None
     prompt_logprobs: list[list[TokenLogprob] | None] | None = None
+    pooled: list | None = None
 
     @property
     def num_sampled_tokens(self) -> int:

@@ -27,6 +27,7 @@ from flax import nnx
 
 from jaxpaged.layers.attention.base import KVPages
 from jaxpaged.runner.input_batch import StepInputs
+from jaxpaged.runner.pooling import pool_rows
 from jaxpaged.sampling.sampler import SamplerOutput, sample, token_logprobs, when
 
 
@@ -36,7 +37,8 @@ def forward_inputs(inputs: StepInputs) -> dict:
             "logits_indices": inputs.logits_indices, "attn_metadata": inputs.attn_metadata,
             "prompt_targets": inputs.prompt_targets,
             "prev_token_index": inputs.prev_token_index,
-            "with_prompt_logprobs": inputs.with_prompt_logprobs}
+            "with_prompt_logprobs": inputs.with_prompt_logprobs,
+            "with_pooling": inputs.with_pooling}
 
 
 def sample_inputs(inputs: StepInputs) -> dict:
@@ -51,7 +53,9 @@ class StepPrograms:
 
     Attributes:
         forward: ``(state, kv_caches, forward_inputs, prev_tokens) -> (logits [B, V]
-            float32, prompt TokenLogprobs of [T] rows (zeros unless asked), kv_caches)``;
+            float32, prompt TokenLogprobs of [T] rows (zeros unless asked), pooled [2, B, H]
+            float32 hidden rows for pooling requests (zeros unless the step has one;
+            ``jaxpaged.runner.pooling``), kv_caches)``;
             ``prev_tokens`` [R] int32 are the previous step's sampled ids (R the largest
             row bucket), read for the tokens the host does not know yet.
         sample: ``(logits, sample_inputs, prev_tokens) -> (SamplerOutput without prompt
@@ -88,7 +92,9 @@ def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
         # unless asked.
         prompt = when(inputs["with_prompt_logprobs"], lambda: token_logprobs(
             model.compute_logits(hidden), inputs["prompt_targets"]))
-        return logits, prompt, kv_caches
+        pooled = pool_rows(hidden, inputs["logits_indices"],
+                           inputs["attn_metadata"]["query_start_loc"], inputs["with_pooling"])
+        return logits, prompt, pooled, kv_caches
 
     def sample_rows(logits: jax.Array, inputs: dict,
                     prev_tokens: jax.Array) -> tuple[SamplerOutput, jax.Array]:
@@ -110,7 +116,7 @@ def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
     return StepPrograms(
         forward=jax.jit(forward, donate_argnums=(1,),
                         in_shardings=(state_sharding, kv_sharding, rep, rep),
-                        out_shardings=(rep, rep, kv_sharding)),
+                        out_shardings=(rep, rep, rep, kv_sharding)),
         sample=jax.jit(sample_rows, in_shardings=(rep, rep, rep), out_shardings=(rep, rep)),
         copy_pages=jax.jit(copy_pages, donate_argnums=(0,),
                            in_shardings=(kv_sharding, rep, rep), out_shardings=kv_sharding),

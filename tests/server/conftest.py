@@ -88,6 +88,16 @@ def live_server():
 
 
 @pytest.fixture(scope="session")
+def pooling_server():
+    """The bundled model served for embeddings (``--runner pooling``), 16-token steps (a
+    long input is prefilled in chunks)."""
+    server = LiveServer(engine_args(runner="pooling", max_num_batched_tokens=16),
+                        ServerConfig([MODEL])).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def client(live_server) -> openai.OpenAI:
     """The official client, unmodified except base_url / api_key."""
     return openai.OpenAI(base_url=live_server.url + "/v1", api_key="unused", max_retries=0)
