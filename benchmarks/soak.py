@@ -64,9 +64,8 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxpaged.benchmarks import soak_responses
-from jaxpaged.benchmarks import soak_embeddings
-from jaxpaged.benchmarks.results import distribution, write_outputs
+from jaxpaged.benchmarks import soak_embeddings, soak_responses
+from jaxpaged.benchmarks.results import add_cost, add_cost_arg, distribution, write_outputs
 from jaxpaged.benchmarks.serve import (DONE, auth_headers, http_client, run_limited, served_model,
                                        sse_payloads)
 from jaxpaged.engine.arg_utils import EngineArgs
@@ -197,6 +196,7 @@ class SoakResult:
     finishes: dict[int, list[str]] = field(default_factory=lambda: defaultdict(list))
     token_ids: dict[int, list[int]] = field(default_factory=lambda: defaultdict(list))
     completion_tokens: int | None = None
+    prompt_tokens: int | None = None
     latency: float = 0.0
     retries: int = 0                 # 429s (--max-pending-requests) waited out and retried
 
@@ -401,6 +401,7 @@ async def send(client: httpx.AsyncClient, req: SoakRequest, latencies: Latencies
                 return False
             absorb(res, answer["choices"], req.chat, stream=False)
             res.completion_tokens = answer["usage"]["completion_tokens"]
+            res.prompt_tokens = answer["usage"]["prompt_tokens"]
             res.done = True
             return False
         async with client.stream("POST", req.path, json=req.body, headers=req.headers) as r:
@@ -428,6 +429,7 @@ async def send(client: httpx.AsyncClient, req: SoakRequest, latencies: Latencies
                     absorb(res, payload["choices"], req.chat, stream=True)
                     if payload.get("usage"):
                         res.completion_tokens = payload["usage"]["completion_tokens"]
+                        res.prompt_tokens = payload["usage"]["prompt_tokens"]
         return False
 
     t0 = time.perf_counter()
@@ -720,6 +722,7 @@ def run_soak(config: SoakConfig, base_url: str, llm, api_key: str | None = None,
         "near_ties": len(near_ties), "near_tie_requests": near_ties[:20],
         "offline_seconds": offline_s, "request_throughput": len(completed) / duration,
         "output_throughput": output_tokens / duration, "output_tokens": output_tokens,
+        "prompt_tokens": sum(r.prompt_tokens or 0 for r in completed),
         **distribution([r.latency for r in completed], "e2el"),
         "server_aborts": aborts, "server_finished": finished,
         "preemptions": delta("num_preemptions_total"),
@@ -764,6 +767,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "fails all its requests); only for the server started here")
     parser.add_argument("--idle-timeout", type=float, default=d.idle_timeout)
     parser.add_argument("--output-json", default=None)
+    add_cost_arg(parser)
     soak_embeddings.add_cli_args(parser)
     EngineArgs.add_cli_args(parser)
 
@@ -812,6 +816,8 @@ def main(args: argparse.Namespace) -> dict:
         summary["embeddings"] = embeddings
         summary["problems"] += embeddings["problems"]
         summary["num_problems"] += embeddings["num_problems"]
+    add_cost(summary, args.cost_per_hour, summary["duration"], summary["output_tokens"],
+             summary["output_tokens"] + summary["prompt_tokens"])
     write_outputs(summary, args.output_json)
     if summary["num_problems"]:
         raise RuntimeError(f"the soak found {summary['num_problems']} problems, e.g.:\n"

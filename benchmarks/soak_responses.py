@@ -67,6 +67,7 @@ def read_answer(res, response: dict) -> None:
     res.texts[0] = output_text(response)
     res.finishes[0].append(finish)
     res.completion_tokens = response["usage"]["output_tokens"]
+    res.prompt_tokens = response["usage"]["input_tokens"]
     res.done = True
 
 
@@ -93,6 +94,7 @@ def read_event(res, event: dict, state: dict) -> None:
         res.texts[0] = state.get("text", "")
         res.finishes[0].append(FINISHES[kind])
         res.completion_tokens = response["usage"]["output_tokens"]
+        res.prompt_tokens = response["usage"]["input_tokens"]
         res.done = True
 
 

@@ -80,10 +80,16 @@ def test_soak_command_small(tmp_path):
         ["bench", "soak", "--num-requests", "8", "--concurrency", "4", "--enforce-eager",
          "--max-model-len", "48", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
          "--soak-max-tokens", "4", "--logprobs-fraction", "0", "--penalty-fraction", "0",
-         "--min-tokens-fraction", "0", "--output-json", str(out)])
+         "--min-tokens-fraction", "0", "--cost-per-hour", "3.6", "--output-json", str(out)])
     summary = soak.main(args)
     assert summary["num_problems"] == 0 and summary["leaked_pages"] == 0
     assert out.exists()
+    dollars = summary["duration"] * 0.001        # $3.6 an hour
+    assert summary["prompt_tokens"] > 0 and summary["output_tokens"] > 0
+    assert summary["cost_per_million_output_tokens"] == pytest.approx(
+        dollars / summary["output_tokens"] * 1e6)
+    assert summary["cost_per_million_total_tokens"] == pytest.approx(
+        dollars / (summary["output_tokens"] + summary["prompt_tokens"]) * 1e6)
 
 
 def test_soak_waits_out_429s(live_server, stories_llm):
