@@ -4,7 +4,8 @@ Each model gets its own engine (its own thread, KV pool and scheduler) and its o
 :func:`jaxpaged.server.app.build_app`; :class:`ModelRouter`, an ASGI app in front of them,
 sends every request to the app that serves its ``model``: a JSON body's ``model`` field
 (``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``, ...), the path of
-``GET /v1/models/{name}``. ``GET /v1/models`` lists every model, ``GET /metrics`` merges the
+``GET /v1/models/{name}``; ``/v1/responses/{id}`` (retrieve, delete, cancel) goes to the
+model whose response store holds the id. ``GET /v1/models`` lists every model, ``GET /metrics`` merges the
 engines' metrics (each labelled with its ``model_name``), ``/health`` and ``/ready`` answer 200
 only when every engine does. A request without a ``model`` goes to the first model; an unknown
 name gets the usual 404, listing every served name.
@@ -194,6 +195,8 @@ class ModelRouter:
             return await self._models(scope, receive, send)
         if method == "GET" and path.startswith("/v1/models/"):
             return await self._to(path[len("/v1/models/"):], scope, receive, send)
+        if path.startswith("/v1/responses/"):
+            return await self._stored_response(scope, receive, send)
         if method != "POST":
             return await self.default(scope, receive, send)
         body, cut = await _read_body(receive, self.max_body)
@@ -214,6 +217,15 @@ class ModelRouter:
         app = self.by_name.get(model, self.default) if isinstance(model, str) else self.default
         return await app(scope, receive, send)
 
+    async def _stored_response(self, scope, receive, send):
+        """The first model's answer that is not a 404 (each model keeps its own store)."""
+        for _, app, _, _ in self.routes:
+            start, parts = await _call(app, scope)
+            if start["status"] != 404:
+                break
+        await send(start)
+        await send({"type": "http.response.body", "body": b"".join(parts)})
+
     async def _health(self, path, scope, receive, send):
         for _, _, engine, _ in self.routes:
             try:
@@ -225,9 +237,10 @@ class ModelRouter:
     async def _models(self, scope, receive, send):
         data = []
         for _, app, _, _ in self.routes:
-            status, body = await _get_json(app, scope)
-            if status != 200:
-                return await JSONResponse(body, status)(scope, receive, send)
+            start, parts = await _call(app, scope)
+            body = json.loads(b"".join(parts) or b"{}")
+            if start["status"] != 200:
+                return await JSONResponse(body, start["status"])(scope, receive, send)
             data += body["data"]
         return await JSONResponse({"object": "list", "data": data})(scope, receive, send)
 
@@ -289,21 +302,22 @@ def _replay(body: bytes, cut: bool, receive):
     return again
 
 
-async def _get_json(app, scope) -> tuple[int, dict]:
-    """Call ``app`` with a GET of ``scope``'s path (no body): its status and JSON body."""
-    status, parts = 500, []
+async def _call(app, scope) -> tuple[dict, list[bytes]]:
+    """Call ``app`` with ``scope``'s request and an empty body: its response-start message
+    and body parts."""
+    start, parts = {"type": "http.response.start", "status": 500, "headers": []}, []
 
     async def receive():
         return {"type": "http.request", "body": b"", "more_body": False}
 
     async def send(message):
-        nonlocal status
+        nonlocal start
         if message["type"] == "http.response.start":
-            status = message["status"]
+            start = message
         elif message["type"] == "http.response.body":
             parts.append(message.get("body", b""))
     await app(dict(scope), receive, send)
-    return status, json.loads(b"".join(parts) or b"{}")
+    return start, parts
 
 
 def make_multi_server(entries: list[ModelEntry], base: EngineArgs, config: ServerConfig,

@@ -16,6 +16,8 @@ from tests.server.conftest import LiveServer, engine_args
 
 TINY = f"{FIXTURES}/llama3_rope_scaling"
 PROMPT = [1, 15, 27, 99, 4]
+#: The messages' text alone: "a b c" has ids below the fixture Llama's 288-token vocabulary.
+CONTENT_ONLY = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 def write_config(tmp_path, models) -> str:
@@ -31,7 +33,8 @@ def two_models(tmp_path_factory):
          "kv_cache_memory_share": 0.5},
         {"model": TINY, "served_model_name": "tiny", "kv_cache_memory_share": 0.25,
          "engine_args": {"tokenizer": DEFAULT_MODEL, "block_size": 8}}])
-    server = LiveServer(engine_args(), ServerConfig(["unused"]),
+    server = LiveServer(engine_args(), ServerConfig(["unused"], CONTENT_ONLY,
+                                                    responses_store_size=4),
                         models=load_models_config(path)).start()
     yield server
     server.stop()
@@ -76,6 +79,17 @@ def test_one_listing_merged_metrics_and_health(two_models):
                         json={"model": "tiny", "prompt": "Once upon"}).json()
     assert tokens["tokens"] == httpx.post(two_models.url + "/tokenize", json={
         "model": "small", "prompt": "Once upon"}).json()["tokens"]    # one tokenizer
+
+
+def test_a_stored_response_is_found_in_its_models_store(two_models):
+    r = httpx.post(two_models.url + "/v1/responses", json={
+        "model": "tiny", "input": "a b c", "max_output_tokens": 4,
+        "store": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    got = httpx.get(two_models.url + f"/v1/responses/{r.json()['id']}")
+    assert got.status_code == 200 and got.json()["model"] == "tiny"
+    assert got.json()["output"] == r.json()["output"]
+    assert httpx.get(two_models.url + "/v1/responses/resp_nope").status_code == 404
 
 
 def test_memory_shares_and_overrides(tmp_path):
