@@ -78,7 +78,9 @@ def test_mixtral_experts_split_over_two_devices_match_transformers():
     assert out.outputs[0].token_ids == fixture(name, "greedy_tokens.npy").tolist()
 
 
-@pytest.mark.parametrize("devices, quantization", [(2, None), (4, None), (2, "int8")])
+@pytest.mark.parametrize("devices, quantization", [
+    (2, None), pytest.param(4, None, marks=pytest.mark.slow),
+    pytest.param(2, "int8", marks=pytest.mark.slow)])
 def test_mixtral_expert_parallel_holds_whole_experts_and_matches_one_device(devices,
                                                                            quantization):
     name = "mixtral_moe"                       # 4 experts, top-2
