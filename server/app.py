@@ -33,9 +33,9 @@ from starlette.routing import Route
 from jaxpaged.engine.async_engine import AsyncEngine
 from jaxpaged.server.errors import APIError, bad_request, error_response, from_validation_error
 from jaxpaged.server.openapi import openapi_document
-from jaxpaged.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                      DetokenizeResponse, ModelCard, ModelList, TokenizeRequest,
-                                      TokenizeResponse, VersionResponse)
+from jaxpaged.server.protocol import (CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                                      ModelCard, ModelList, TokenizeResponse, VersionResponse)
+from jaxpaged.server.protocol_chat import ChatCompletionRequest, TokenizeRequest
 from jaxpaged.server.serving import CLIENT_GONE, ServerConfig, engine_error, off_loop
 from jaxpaged.server.serving_chat import OpenAIServingChat
 from jaxpaged.server.protocol_responses import ResponsesRequest

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxpaged.server.protocol import (AssistantMessage, DeltaFunctionCall, DeltaMessage,
-                                      DeltaToolCall, FunctionCall, ToolCall)
+from jaxpaged.server.protocol_chat import (AssistantMessage, DeltaFunctionCall, DeltaMessage,
+                                           DeltaToolCall, FunctionCall, ToolCall)
 from jaxpaged.server.reasoning import ThinkReasoningParser
 from jaxpaged.server.tool_parsers import ParsedDelta, ToolCallDelta, ToolParser
 

@@ -11,11 +11,11 @@ from pydantic.json_schema import models_json_schema
 
 from jaxpaged.sampling_params import MAX_LOGPROBS
 
-from jaxpaged.server.protocol import (ChatCompletionChunk, ChatCompletionRequest,
-                                      ChatCompletionResponse, CompletionRequest,
-                                      CompletionResponse, DetokenizeRequest, DetokenizeResponse,
-                                      ErrorResponse, ModelList, TokenizeRequest, TokenizeResponse,
-                                      VersionResponse)
+from jaxpaged.server.protocol import (CompletionRequest, CompletionResponse, DetokenizeRequest,
+                                      DetokenizeResponse, ErrorResponse, ModelList,
+                                      TokenizeResponse, VersionResponse)
+from jaxpaged.server.protocol_chat import (ChatCompletionChunk, ChatCompletionRequest,
+                                           ChatCompletionResponse, TokenizeRequest)
 from jaxpaged.server.protocol_responses import ResponseObject, ResponsesRequest
 from jaxpaged.server.serving_embedding import EmbeddingRequest, EmbeddingResponse
 

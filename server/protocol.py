@@ -6,8 +6,9 @@ Completions, Models) plus vLLM's extra sampling fields (``top_k``, ``min_p``,
 Types are strict (``"5"`` is not an integer, ``1`` is not a boolean; an integer written with a
 zero fraction, ``2.0``, is one, as in JSON Schema); unknown request fields
 are ignored, as OpenAI and vLLM do, but fields of features this server does not have
-(beam search; tools on completions) are refused rather than silently ignored. Tool and
-reasoning fields: vLLM's ``ChatCompletionRequest`` / ``ChatMessage`` / ``DeltaMessage``.
+(beam search; tools on completions) are refused rather than silently ignored. The chat
+schemas (messages, tools, the chat responses and chunks) are in
+:mod:`jaxpaged.server.protocol_chat`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import time
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictStr
-from pydantic_core import PydanticCustomError
 
 
 def _integral(value):
@@ -137,99 +137,6 @@ class CompletionRequest(SamplingFields):
     prompt_embeds: Any = None                    # refused: prompts are text or token ids
 
 
-class TextPart(_Request):
-    type: Literal["text"]
-    text: str
-
-
-class FunctionDefinition(_Request):
-    """A function the model may call: ``parameters`` is its arguments' JSON Schema."""
-
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ChatTool(_Request):
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-class NamedFunction(_Request):
-    name: str
-
-
-class NamedToolChoice(_Request):
-    """``tool_choice`` naming the one function to call."""
-
-    type: Literal["function"] = "function"
-    function: NamedFunction
-
-
-class FunctionCallIn(_Request):
-    name: str
-    arguments: str | dict[str, Any]
-
-
-class ToolCallIn(_Request):
-    """A call of an earlier assistant turn (``arguments`` a JSON string, as OpenAI
-    returns it)."""
-
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCallIn
-
-
-def _text_parts_only(value):
-    """Refuse a non-text content part with a message that says why (not a union's error)."""
-    for part in value if isinstance(value, list) else ():
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in (None, "text"):
-            raise PydanticCustomError("text_only", "a content part of type '{kind}' is not "
-                                      "supported: this model accepts text only", {"kind": kind})
-    return value
-
-
-class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts_only)] = None
-    name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
-    tool_call_id: str | None = None
-    reasoning: str | None = None
-    reasoning_content: str | None = None
-
-
-class ChatCompletionRequest(SamplingFields):
-    """``POST /v1/chat/completions``. ``max_completion_tokens`` (or the older ``max_tokens``)
-    null or absent means "the room left in the context"."""
-
-    messages: list[ChatMessage]
-    max_tokens: Int | None = None
-    max_completion_tokens: Int | None = None
-    logprobs: bool = False
-    top_logprobs: Int | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    add_special_tokens: bool = False
-    # vLLM's extras (echo the final message, prompt logprobs); output kinds other than text
-    # and fields of features this server lacks are refused
-    echo: bool = False
-    prompt_logprobs: Int | None = None
-    include_reasoning: bool = True               # False: the reasoning is left out
-    documents: list[dict[str, Any]] | None = None   # the template's ``documents`` (RAG)
-    modalities: list[str] | None = None
-    audio: Any = None
-    web_search_options: Any = None
-    tools: list[ChatTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    refuses_tools: ClassVar[bool] = False
-
-
 # ---- responses --------------------------------------------------------------------------
 
 
@@ -268,14 +175,15 @@ class CompletionChoice(BaseModel):
     token_ids: list[int] | None = None           # with return_token_ids
 
 
-def _now() -> int:
+def unix_time() -> int:
+    """Seconds since the epoch, as the responses' ``created``."""
     return int(time.time())
 
 
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_time)
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
@@ -287,102 +195,10 @@ class TopLogprob(BaseModel):
     bytes: list[int] | None = None
 
 
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] | None = None
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class AssistantMessage(BaseModel):
-    """The answer; ``reasoning`` (and its other name ``reasoning_content``) with
-    ``--reasoning-parser``, ``tool_calls`` with tools."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    reasoning: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None           # with return_token_ids
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
-    prompt_token_ids: list[int] | None = None    # with return_token_ids
-
-
-class DeltaFunctionCall(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(BaseModel):
-    """A piece of a streamed call: ``id``, ``type`` and ``function.name`` on its first
-    piece, ``function.arguments`` fragments after."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None           # with return_token_ids
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = None    # the first chunk's, with return_token_ids
-
-
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
+    created: int = Field(default_factory=unix_time)
     owned_by: str = "jaxpaged"
     root: str | None = None
     #: The base model an adapter applies to (vLLM's field); None for a base model.
@@ -410,23 +226,6 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
-
-
-class TokenizeRequest(_Request):
-    """``POST /tokenize``: a ``prompt`` or chat ``messages``, rendered with every rendering
-    argument the chat route takes (vLLM's ``TokenizeChatRequest``), so the ids are the ones
-    chat runs."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ChatTool] | None = None
-    documents: list[dict[str, Any]] | None = None
 
 
 class TokenizeResponse(BaseModel):

@@ -16,10 +16,10 @@ tools become chat tools, ``text.format`` becomes ``response_format``,
 from __future__ import annotations
 
 from jaxpaged.server.errors import APIError, bad_request
-from jaxpaged.server.protocol import (ChatCompletionRequest, ChatMessage, ChatTool,
-                                      FunctionCallIn, FunctionDefinition, JsonSchemaFormat,
-                                      NamedFunction, NamedToolChoice, ResponseFormat,
-                                      ToolCallIn)
+from jaxpaged.server.protocol import JsonSchemaFormat, ResponseFormat
+from jaxpaged.server.protocol_chat import (ChatCompletionRequest, ChatMessage, ChatTool,
+                                           FunctionCallIn, FunctionDefinition, NamedFunction,
+                                           NamedToolChoice, ToolCallIn)
 from jaxpaged.server.protocol_responses import (FunctionCallItem, FunctionCallOutputItem,
                                                 FunctionToolChoice, InputItem, MessageItem,
                                                 OutputItem, ReasoningItemIn, ResponsesRequest)

@@ -24,10 +24,10 @@ from jaxpaged.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParam
 from jaxpaged.structured_output.grammar import after_reasoning
 from jaxpaged.server.chat_output import ChoiceOutputParser, assistant_message, delta_messages
 from jaxpaged.server.errors import bad_request, error_body
-from jaxpaged.server.protocol import (ChatChoice, ChatChunkChoice,
-                                      ChatCompletionChunk, ChatCompletionRequest,
-                                      ChatCompletionResponse, ChatLogprobs, ChatMessage,
-                                      DeltaMessage, TokenizeRequest, TokenLogprob)
+from jaxpaged.server.protocol_chat import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                                           ChatCompletionRequest, ChatCompletionResponse,
+                                           ChatLogprobs, ChatMessage, DeltaMessage, TokenLogprob,
+                                           TokenizeRequest)
 from jaxpaged.server.reasoning import REASONING_PARSERS
 from jaxpaged.server.serving import OpenAIServing, PreparedPrompt, clamp_logprob, off_loop, sse
 from jaxpaged.server.usage import cached_tokens, usage

@@ -17,7 +17,7 @@ import json
 from jaxpaged.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from jaxpaged.server.config import ServerConfig
 from jaxpaged.server.errors import bad_request
-from jaxpaged.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from jaxpaged.server.protocol_chat import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from jaxpaged.server.tool_parsers import TOOL_PARSERS, ToolParser
 from jaxpaged.server.tool_parsers.forced import NamedToolParser, RequiredToolParser
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from jaxpaged.outputs import Logprob
 from jaxpaged.server.errors import bad_request
-from jaxpaged.server.protocol import ChatMessage, PromptLogprob, SamplingFields
+from jaxpaged.server.protocol import PromptLogprob, SamplingFields
+from jaxpaged.server.protocol_chat import ChatMessage
 from jaxpaged.server.serving import clamp_logprob
 
 

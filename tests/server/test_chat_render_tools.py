@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-from jaxpaged.server.protocol import ChatCompletionRequest
+from jaxpaged.server.protocol_chat import ChatCompletionRequest
 from jaxpaged.server.serving import ServerConfig
 from jaxpaged.server.serving_chat import OpenAIServingChat
 from jaxpaged.server.tool_calls import template_tools

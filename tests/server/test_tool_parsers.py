@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from jaxpaged.server.config import ServerConfig
-from jaxpaged.server.protocol import ChatCompletionRequest
+from jaxpaged.server.protocol_chat import ChatCompletionRequest
 from jaxpaged.server.tool_calls import forced_call_schema, tool_choice_of
 from jaxpaged.server.tool_parsers import TOOL_PARSERS
 from jaxpaged.server.tool_parsers.forced import NamedToolParser, RequiredToolParser
