@@ -169,19 +169,16 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         completion.check_model(name)
         return JSONResponse(next(c for c in cards() if c.id == name).model_dump())
 
-    async def health(request: Request) -> Response:
-        try:
-            engine.check_alive()
-        except Exception as e:
-            return error_response(engine_error(e))
-        return Response(status_code=200)
+    def probe(check):
+        async def answer(request: Request) -> Response:
+            try:
+                check()
+            except Exception as e:
+                return error_response(engine_error(e))
+            return Response(status_code=200)
+        return answer
 
-    async def readiness(request: Request) -> Response:
-        try:
-            engine.check_ready()
-        except Exception as e:
-            return error_response(engine_error(e))
-        return Response(status_code=200)
+    health, readiness = probe(engine.check_alive), probe(engine.check_ready)
 
     async def version_route(request: Request) -> Response:
         return JSONResponse(VersionResponse(version=version("jaxpaged")).model_dump())

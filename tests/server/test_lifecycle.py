@@ -38,41 +38,48 @@ def test_oversized_body_gets_413(http):
                                               "max_tokens": 1}).status_code == 200
 
 
-def test_shutdown_ends_running_requests_cleanly():
-    server = LiveServer(engine_args(max_num_seqs=4), ServerConfig([MODEL])).start()
-    body = {"model": MODEL, "prompt": "Once", "max_tokens": 100, "ignore_eos": True}
+def wait_until(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def stop_while_running(server, max_tokens, streams, during_stop=None) -> dict:
+    """Start one completion per entry of ``streams`` (name -> stream?), stop the server once
+    all run (steps slowed to 50 ms), call ``during_stop()`` while it stops; returns
+    name -> (status, body text)."""
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": max_tokens, "ignore_eos": True}
     results = {}
 
     def call(name, stream):
-        with httpx.Client(base_url=server.url, timeout=30) as c:
+        with httpx.Client(base_url=server.url, timeout=60) as c:
             r = c.post("/v1/completions", json={**body, "stream": stream})
             results[name] = (r.status_code, r.text)
 
     with server.slow_steps(0.05):
-        threads = [threading.Thread(target=call, args=(n, n.startswith("s")))
-                   for n in ("s1", "s2", "n1")]
+        threads = [threading.Thread(target=call, args=item) for item in streams.items()]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 30
-        while len(server.engine.engine.scheduler.running) < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        server.stop()
-        for t in threads:
+        wait_until(lambda: len(server.engine.engine.scheduler.running) == len(streams))
+        stopper = threading.Thread(target=server.stop)
+        stopper.start()
+        if during_stop is not None:
+            during_stop()
+        for t in threads + [stopper]:
             t.join()
+    return results
+
+
+def test_shutdown_ends_running_requests_cleanly():
+    server = LiveServer(engine_args(max_num_seqs=4), ServerConfig([MODEL])).start()
+    results = stop_while_running(server, 100, {"s1": True, "s2": True, "n1": False})
     for name in ("s1", "s2"):
         status, text = results[name]
         assert status == 200 and text.rstrip().endswith("data: [DONE]")
         assert "shutting down" in text
     status, text = results["n1"]
     assert status == 503 and "shutting down" in json.loads(text)["error"]["message"]
-
-
-def wait_until(predicate, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("shutdown_timeout, drained", [(30.0, True), (0.3, False)])
@@ -82,32 +89,18 @@ def test_shutdown_timeout_drains_running_requests(shutdown_timeout, drained):
     server = LiveServer(engine_args(max_num_seqs=4), ServerConfig(
         [MODEL], shutdown_timeout=shutdown_timeout)).start()
     assert httpx.get(server.url + "/ready").status_code == 200
-    body = {"model": MODEL, "prompt": "Once", "max_tokens": 40, "ignore_eos": True}
-    results = {}
 
-    def call(name, stream):
-        with httpx.Client(base_url=server.url, timeout=60) as c:
-            r = c.post("/v1/completions", json={**body, "stream": stream})
-            results[name] = (r.status_code, r.text)
-
-    with server.slow_steps(0.05):
-        threads = [threading.Thread(target=call, args=(n, n == "stream"))
-                   for n in ("stream", "plain")]
-        for t in threads:
-            t.start()
-        wait_until(lambda: len(server.engine.engine.scheduler.running) == 2)
-        stopper = threading.Thread(target=server.stop)
-        stopper.start()
+    def during_drain():
         wait_until(lambda: server.engine.is_draining)
         if drained:
-            late = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+            late = httpx.post(server.url + "/v1/completions", json={
+                "model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=30)
             assert late.status_code == 503, late.text
             assert "takes no new ones" in late.json()["error"]["message"]
             assert httpx.get(server.url + "/ready").status_code == 503
             assert httpx.get(server.url + "/health").status_code == 200
-        for t in threads:
-            t.join()
-        stopper.join()
+
+    results = stop_while_running(server, 40, {"stream": True, "plain": False}, during_drain)
     status, text = results["plain"]
     if drained:
         assert status == 200, text
