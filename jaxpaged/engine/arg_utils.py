@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from jaxpaged.config import QUANTIZATION_METHODS
+from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.constants import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES,  # noqa: F401
                                 SCHEDULING_POLICIES)
 
@@ -80,6 +81,10 @@ class EngineArgs:
         coordinator_address, num_processes, process_id: a multi-host job
             (``jaxpaged.distributed.multihost``): process 0's ``host:port``, the process
             count, and this process's index.
+        speculative_config: speculative decoding (``jaxpaged.spec_decode.config``): a dict
+            or its JSON text with vLLM's fields (``method="ngram"``,
+            ``num_speculative_tokens``, ``prompt_lookup_max``, ``prompt_lookup_min``); None:
+            off. A speculating engine schedules synchronously (``docs/speculative_decoding.md``).
     """
 
     model: str = DEFAULT_MODEL
@@ -111,6 +116,7 @@ class EngineArgs:
     coordinator_address: str | None = None
     num_processes: int = 1
     process_id: int | None = None
+    speculative_config: dict | str | None = None
 
     def __post_init__(self) -> None:
         def positive(name):
@@ -161,6 +167,7 @@ class EngineArgs:
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("EngineArgs.calculate_kv_scales needs an fp8 kv_cache_dtype (scales "
                              "only apply to an fp8 KV cache); set kv_cache_dtype to fp8")
+        SpeculativeConfig.from_dict(self.speculative_config)   # its own typed errors
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"EngineArgs.attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
@@ -234,6 +241,10 @@ class EngineArgs:
                        help="multi-host: processes in the job (each runs the same command)")
         g.add_argument("--process-id", type=int, default=None,
                        help="multi-host: this process's index, 0 .. num_processes - 1")
+        g.add_argument("--speculative-config", default=None,
+                       help='speculative decoding as JSON, vLLM\'s fields, e.g. \'{"method": '
+                            '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+                            "(turns async scheduling off)")
         return parser
 
     @classmethod

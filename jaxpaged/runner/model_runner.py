@@ -44,7 +44,8 @@ from jaxpaged.runner.executable_store import ExecutableStore, fingerprint
 from jaxpaged.runner.input_batch import PreparedStep, StepInputs, attention_metadata, prepare_step
 from jaxpaged.runner.output import ModelRunnerOutput
 from jaxpaged.runner.read_output import read_output
-from jaxpaged.runner.step_programs import build_programs, forward_inputs, sample_inputs
+from jaxpaged.runner.step_programs import (build_programs, build_verify_program,
+                                           forward_inputs, sample_inputs)
 from jaxpaged.sampling.logits_adjust import no_adjustment
 from jaxpaged.sampling.sampler import SamplerOutput, SamplingMetadata
 from jaxpaged.structured_output.manager import all_allowed, num_words
@@ -112,6 +113,7 @@ class ModelRunner:
         self.step_shapes = self._buckets.step_shapes
         self._executables: dict[tuple, object] = {}
         self._eos_token_ids = eos_token_ids
+        self._verify = None     # the speculative sampler (enable_spec_decode)
         self._load(model)
 
     def _load(self, model: nnx.Module) -> None:
@@ -127,6 +129,12 @@ class ModelRunner:
         self._prev_tokens = jax.device_put(np.zeros(num_rows, np.int32), self._replicated)
         self._prev_rows: Callable[[], dict[str, int]] = dict
         self._free_bitmasks: dict[int, jax.Array] = {}
+
+    def enable_spec_decode(self) -> None:
+        """Verify speculative proposals from now on: every step samples with the
+        rejection sampler (``jaxpaged.spec_decode.rejection``) instead of the plain one,
+        over one row per proposal plus one per sequence (precompile after this)."""
+        self._verify = build_verify_program(self._replicated)
 
     def set_kv_scales(self, scales: KVScales) -> None:
         """Give layer i's attention ``scales[i]`` (after a calibration,
@@ -212,17 +220,22 @@ class ModelRunner:
                                 pad_sizes=self._pad_sizes, prev_rows=self._prev_rows,
                                 bitmask_words=num_words(self._limits.vocab_size),
                                 free_bitmask=self._free_bitmask,
-                                adjust_capacity=self._limits.max_adjust_entries)
+                                adjust_capacity=self._limits.max_adjust_entries,
+                                speculative=self._verify is not None)
         forward, sampler = self._executables_for(prepared.layout, prepared.inputs)
         logits, prompt, self._kv_caches = forward(
             self._state, self._kv_caches, forward_inputs(prepared.inputs), self._prev_tokens)
-        out, self._prev_tokens = sampler(logits, sample_inputs(prepared.inputs),
-                                         self._prev_tokens)
+        accepted = None
+        if self._verify is not None:
+            out, accepted = sampler(logits, sample_inputs(prepared.inputs), prepared.draft_ids)
+        else:
+            out, self._prev_tokens = sampler(logits, sample_inputs(prepared.inputs),
+                                             self._prev_tokens)
         out = dataclasses.replace(out, prompt_logprobs=prompt)
         scheduled, starts = scheduler_output.scheduled, prepared.row_starts
         self._prev_rows = lambda: {s.request.request_id: starts[i]
                                    for i, s in enumerate(scheduled) if s.samples}
-        return PendingStep(scheduler_output, prepared, out)
+        return PendingStep(scheduler_output, prepared, out, accepted)
 
     def _executables_for(self, layout: BatchLayout, inputs: StepInputs) -> tuple:
         """The compiled forward and sample programs for ``inputs``' shapes (compiled now,
@@ -232,6 +245,11 @@ class ModelRunner:
             self._kv_caches, forward_inputs(inputs), self._prev_tokens)
         logits = forward.out_info[0]
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=self._replicated)
+        if self._verify is not None:
+            return forward, self._compiled(
+                ("verify", logits.shape[0], inputs.adjust.ids.shape[1],
+                 inputs.adjust.allowed_ids.shape[1]), self._verify, logits,
+                sample_inputs(inputs), np.full(logits.shape[0], -1, np.int32))
         sampler = self._compiled(
             ("sample", logits.shape[0], inputs.adjust.ids.shape[1],
              inputs.adjust.allowed_ids.shape[1]), self._programs.sample, logits,
@@ -376,6 +394,7 @@ class PendingStep:
     scheduler_output: SchedulerOutput
     prepared: PreparedStep
     out: SamplerOutput
+    accepted: jax.Array | None = None   # speculative decoding: [B] bool per row
 
     def result(self) -> ModelRunnerOutput:
         """Wait for the device and read the step's results back to the host (logprobs only
@@ -384,7 +403,8 @@ class PendingStep:
         out = dataclasses.replace(
             self.out, logprobs=self.out.logprobs if inputs.with_logprobs else None,
             prompt_logprobs=self.out.prompt_logprobs if inputs.with_prompt_logprobs else None)
-        return read_output(self.scheduler_output, self.prepared, jax.tree.map(to_host, out))
+        return read_output(self.scheduler_output, self.prepared, jax.tree.map(to_host, out),
+                           None if self.accepted is None else to_host(self.accepted))
 
 
 def _shape_key(layout: BatchLayout) -> tuple:
