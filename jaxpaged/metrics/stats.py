@@ -64,6 +64,9 @@ class IterationStats:
         inter_token_latencies: time between consecutive tokens of a request, one per request
             per step in which it produced tokens after its first.
         finished_requests: requests that finished (aborted ones included).
+        spec_decoding: speculative decoding's acceptance counters
+            (``jaxpaged.spec_decode.scheduling.SpecDecodingStats``), None when no sequence
+            drafted.
     """
 
     num_prompt_tokens: int = 0
@@ -71,6 +74,7 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    spec_decoding: object | None = None
 
 
 class StatLogger(Protocol):

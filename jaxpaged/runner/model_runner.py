@@ -99,18 +99,8 @@ class ModelRunner:
         self._page_size = page_size
         self._limits = limits
         self._replicated = replicated
-        self._buckets = ShapeBuckets(
-            max_num_tokens=limits.max_num_tokens, max_num_seqs=limits.max_num_seqs,
-            max_pages_per_seq=limits.max_pages_per_seq,
-            page_buckets_by_width=backend.name == "pallas",
-            max_padding=padding_budget_tokens(
-                sum(x.size for x in jax.tree.leaves(nnx.state(model)))))
-        self._token_buckets = self._buckets.token_buckets
-        self._page_buckets = self._buckets.page_buckets
-        self._pad_sizes = self._buckets.pad_sizes
-        #: Every ``(T, B, P, decode_only)`` a step can be padded to
-        #: (:meth:`ShapeBuckets.step_shapes`).
-        self.step_shapes = self._buckets.step_shapes
+        self._num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+        self._set_buckets()
         self._executables: dict[tuple, object] = {}
         self._eos_token_ids = eos_token_ids
         self._verify = None     # the speculative sampler (enable_spec_decode)
@@ -130,11 +120,28 @@ class ModelRunner:
         self._prev_rows: Callable[[], dict[str, int]] = dict
         self._free_bitmasks: dict[int, jax.Array] = {}
 
-    def enable_spec_decode(self) -> None:
+    def _set_buckets(self, max_num_rows: int | None = None) -> None:
+        limits = self._limits
+        self._buckets = ShapeBuckets(
+            max_num_tokens=limits.max_num_tokens, max_num_seqs=limits.max_num_seqs,
+            max_pages_per_seq=limits.max_pages_per_seq,
+            page_buckets_by_width=self._backend.name == "pallas",
+            max_padding=padding_budget_tokens(self._num_params), max_num_rows=max_num_rows)
+        self._token_buckets = self._buckets.token_buckets
+        self._page_buckets = self._buckets.page_buckets
+        self._pad_sizes = self._buckets.pad_sizes
+        #: Every ``(T, B, P, decode_only)`` a step can be padded to
+        #: (:meth:`ShapeBuckets.step_shapes`).
+        self.step_shapes = self._buckets.step_shapes
+
+    def enable_spec_decode(self, num_speculative_tokens: int) -> None:
         """Verify speculative proposals from now on: every step samples with the
         rejection sampler (``jaxpaged.spec_decode.rejection``) instead of the plain one,
-        over one row per proposal plus one per sequence (precompile after this)."""
+        over one row per proposal plus one per sequence, up to ``max_num_seqs * (1 + k)``
+        rows (precompile after this)."""
         self._verify = build_verify_program(self._replicated)
+        self._set_buckets(min(self._limits.max_num_seqs * (1 + num_speculative_tokens),
+                              max(self._limits.max_num_tokens, self._limits.max_num_seqs)))
 
     def set_kv_scales(self, scales: KVScales) -> None:
         """Give layer i's attention ``scales[i]`` (after a calibration,
