@@ -14,8 +14,8 @@ import argparse
 import numpy as np
 
 from jaxpaged import LLM
-from jaxpaged.benchmarks.datasets import random_requests
-from jaxpaged.benchmarks.results import PERCENTILES, write_outputs
+from jaxpaged.benchmarks.datasets import prompt_lookup_requests, random_requests
+from jaxpaged.benchmarks.results import PERCENTILES, add_spec_decode, write_outputs
 from jaxpaged.benchmarks.throughput import run_requests
 from jaxpaged.engine.arg_utils import EngineArgs
 
@@ -28,6 +28,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters-warmup", type=int, default=1)
     parser.add_argument("--num-iters", type=int, default=5)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--dataset-name", choices=("random", "prompt_lookup"), default="random",
+                        help="prompt_lookup: a random passage of --input-len / 2 tokens "
+                             "written twice (the output can copy it)")
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -42,6 +45,9 @@ def main(args: argparse.Namespace) -> dict:
                          f"exceeds max_model_len={limit}")
 
     def batch(i):
+        if args.dataset_name == "prompt_lookup":
+            return prompt_lookup_requests(args.batch_size, args.input_len, args.output_len,
+                                          seed=i, token_range=(3, vocab))
         return random_requests(args.batch_size, (args.input_len, args.input_len),
                                args.output_len, seed=i, token_range=(3, vocab))
 
@@ -55,5 +61,6 @@ def main(args: argparse.Namespace) -> dict:
     print(f"Avg latency: {result['avg_latency']:.4f} s over {args.num_iters} iterations")
     for p, v in result["percentiles"].items():
         print(f"{p}% percentile latency: {v:.4f} s")
+    add_spec_decode(result, llm)
     write_outputs(result, args.output_json)
     return result
