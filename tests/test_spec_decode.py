@@ -24,7 +24,7 @@ from tests.test_continuous_batching import random_prompts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
-LIMITS = dict(enforce_eager=True, max_num_seqs=32, max_num_batched_tokens=512,
+LIMITS = dict(enforce_eager=True, max_num_seqs=64, max_num_batched_tokens=512,
               max_model_len=256)
 # Prompts the bundled model's continuations copy from (stories repeat their phrases).
 COPY_PROMPTS = ["Once upon a time there was a little girl named Lily. She liked to play. "
@@ -103,6 +103,18 @@ def test_ngram_proposals():
     assert p.propose([4, 1, 4, 2, 4], 1) == [2]
     assert NgramProposer(3, 2, 3).propose([5, 1, 6, 1], 9) == []    # 1-gram only: too short
     assert p.propose([1, 2, 1], 0) == []
+
+
+def test_speculating_runners_add_a_token_bucket_per_sequence_bucket():
+    from jaxpaged.runner.buckets import ShapeBuckets
+    kw = dict(max_num_tokens=2048, max_num_seqs=256, max_pages_per_seq=32,
+              page_buckets_by_width=False, max_padding=10**6)
+    assert ShapeBuckets(**kw).token_buckets == [16, 2048]
+    spec = ShapeBuckets(speculative=True, **kw)
+    assert spec.token_buckets == [16, 256, 2048] and spec.seq_buckets == [8, 256]
+    # A verification step of 64 sequences with 3 proposals each: 256 tokens, 256 rows.
+    assert spec.pad_sizes(256, 64, 256, 20, False) == (256, 256, 32)
+    assert (256, 256, 32, False) in spec.step_shapes()
 
 
 # ---- the rejection sampler -----------------------------------------------------------------
@@ -223,7 +235,7 @@ def test_preemption_with_a_tiny_pool_matches_and_frees_every_page(engines):
     plain, _ = engines
     prompts = (COPY_PROMPTS * 6)[:16]
     greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    small = LLM(speculative_config=NGRAM, enforce_eager=True, max_num_seqs=16,
+    small = LLM(speculative_config=NGRAM, enforce_eager=True, max_num_seqs=32,
                 max_model_len=128, block_size=8, num_gpu_blocks_override=25)
     got = small.generate(prompts, greedy, use_tqdm=False)
     assert small.engine.num_preemptions > 0
@@ -281,7 +293,7 @@ def test_metrics_and_the_log_line(engines, caplog):
 
 
 def test_no_compilation_after_start_up_with_speculation():
-    llm = LLM(speculative_config=NGRAM, max_num_seqs=4, max_model_len=64,
+    llm = LLM(speculative_config=NGRAM, max_num_seqs=8, max_model_len=64,
               max_num_batched_tokens=32)
     compiled = llm.engine.stats().num_compilations
     prompts = [COPY_PROMPTS[1]] * 3 + [COPY_PROMPTS[2]]
@@ -308,7 +320,8 @@ def test_sampled_first_three_tokens_follow_plain_sampling(params):
     """Two-sample chi-square over 4000 draws each of the first 3 tokens (prefixes of length
     1, 2, 3), speculative against plain, on a prompt where about 30-40% of proposals are
     accepted (so both acceptance and the residual draw are exercised)."""
-    kw = dict(enforce_eager=True, max_num_seqs=256, max_num_batched_tokens=1024,
+    # Proposals take sampling rows within max_num_seqs: room for them beside the sequences.
+    kw = dict(enforce_eager=True, max_num_seqs=512, max_num_batched_tokens=1024,
               max_model_len=128)
     spec = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                    "prompt_lookup_max": 2, "prompt_lookup_min": 1}, **kw)

@@ -87,7 +87,7 @@ class Scheduler:
         #: Sampled tokens applied to unfinished sequences since start-up.
         self.num_generation_tokens = 0
         self.spec = None if speculative_config is None else SpecDecodeScheduling(
-            speculative_config, config.max_model_len)
+            speculative_config, config.max_num_seqs, config.max_model_len)
 
     def _queue_key(self, req: Request):
         return (req.priority, req.arrival) if self.config.policy == "priority" else (req.arrival,)
@@ -157,6 +157,8 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         spec = self.spec
+        if spec is not None:
+            spec.begin_step(self.running)
         drafts = None
         i = 0
         while i < len(self.running) and budget > 0:
@@ -174,12 +176,16 @@ class Scheduler:
                     undone = next(s for s in scheduled if s.request is victim)
                     scheduled.remove(undone)
                     budget += undone.num_new_tokens
+                    if spec is not None:
+                        spec.unschedule(undone.draft_token_ids)
                     i -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
             if req.status is not running_status:
+                if spec is not None:
+                    spec.unschedule(drafts)
                 continue   # req itself was preempted; running[i] is now the next one
             scheduled.append(self._scheduled(req, num_new - len(drafts), drafts) if drafts
                              else self._scheduled(req, num_new))
@@ -213,6 +219,8 @@ class Scheduler:
         partial = sum(1 for r in self.running if r.num_computed_tokens < r.num_prompt_tokens)
         # A parallel-sampling request not yet forked holds a seat for each sequence.
         seats = sum(r.n_samples for r in self.running)
+        if self.spec is not None:
+            seats += self.spec.step_drafts    # each proposal takes a sampling row
         admitted = []
         j = 0       # the first waiting request not skipped for its grammar
         while j < len(self.waiting) and budget > 0:

@@ -77,19 +77,21 @@ class ShapeBuckets:
         page_buckets_by_width: one page bucket per power of two (else the widest only).
         max_padding: tokens (and sequences) a step may be padded by beyond the next power
             of two (:func:`bucket_sizes`; :func:`padding_budget_tokens` of the model).
-        max_num_rows: sampling rows per step when more than ``max_num_seqs`` (speculative
-            decoding: a row per proposal too); steps with prefill chunks (where the
-            proposals' extra tokens go) get sequence buckets up to it, decode-only steps
-            stay within ``max_num_seqs``.
+        speculative: add a token bucket at each sequence bucket (from 16): a speculative
+            verification step (each sequence's decode token and its proposals, one
+            sampling row each, within ``max_num_seqs`` rows) is a step with "prefill"
+            chunks, and on a ladder made coarse by a cheap model (16, 2048) it would
+            otherwise pad to the widest bucket.
     """
 
     def __init__(self, *, max_num_tokens: int, max_num_seqs: int, max_pages_per_seq: int,
-                 page_buckets_by_width: bool, max_padding: int = 0,
-                 max_num_rows: int | None = None):
-        self.max_num_seqs = max(max_num_seqs, max_num_rows or 0)
+                 page_buckets_by_width: bool, max_padding: int = 0, speculative: bool = False):
+        self.max_num_seqs = max_num_seqs
         self.token_buckets = bucket_sizes(16, max(16, max_num_tokens), max_padding)
-        self.seq_buckets = bucket_sizes(8, max(8, self.max_num_seqs), max_padding)
-        self._max_decode_bucket = pick_bucket(self.seq_buckets, max_num_seqs)
+        self.seq_buckets = bucket_sizes(8, max(8, max_num_seqs), max_padding)
+        if speculative:
+            self.token_buckets = sorted(set(self.token_buckets) | {
+                b for b in self.seq_buckets if 16 <= b < self.token_buckets[-1]})
         self.page_buckets = bucket_sizes(4, max(4, max_pages_per_seq))
         if not page_buckets_by_width:
             self.page_buckets = self.page_buckets[-1:]
@@ -122,8 +124,7 @@ class ShapeBuckets:
         sequence buckets n > 1 prompts can need when the widest token bucket holds fewer
         than ``max_num_seqs`` rows), each with every page bucket; sorted."""
         t_max = self.token_buckets[-1]
-        shapes = {(b, b, p, True) for b in self.seq_buckets for p in self.page_buckets
-                  if b <= self._max_decode_bucket}
+        shapes = {(b, b, p, True) for b in self.seq_buckets for p in self.page_buckets}
         for t in self.token_buckets:
             seqs = [self.mixed_seq_bucket(t)]
             if t == t_max:

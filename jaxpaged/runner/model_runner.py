@@ -120,13 +120,13 @@ class ModelRunner:
         self._prev_rows: Callable[[], dict[str, int]] = dict
         self._free_bitmasks: dict[int, jax.Array] = {}
 
-    def _set_buckets(self, max_num_rows: int | None = None) -> None:
+    def _set_buckets(self, speculative: bool = False) -> None:
         limits = self._limits
         self._buckets = ShapeBuckets(
             max_num_tokens=limits.max_num_tokens, max_num_seqs=limits.max_num_seqs,
             max_pages_per_seq=limits.max_pages_per_seq,
             page_buckets_by_width=self._backend.name == "pallas",
-            max_padding=padding_budget_tokens(self._num_params), max_num_rows=max_num_rows)
+            max_padding=padding_budget_tokens(self._num_params), speculative=speculative)
         self._token_buckets = self._buckets.token_buckets
         self._page_buckets = self._buckets.page_buckets
         self._pad_sizes = self._buckets.pad_sizes
@@ -134,14 +134,14 @@ class ModelRunner:
         #: (:meth:`ShapeBuckets.step_shapes`).
         self.step_shapes = self._buckets.step_shapes
 
-    def enable_spec_decode(self, num_speculative_tokens: int) -> None:
+    def enable_spec_decode(self) -> None:
         """Verify speculative proposals from now on: every step samples with the
         rejection sampler (``jaxpaged.spec_decode.rejection``) instead of the plain one,
-        over one row per proposal plus one per sequence, up to ``max_num_seqs * (1 + k)``
-        rows (precompile after this)."""
+        over one row per proposal plus one per sequence (``max_num_seqs`` rows at most, as
+        the scheduler keeps them), with the token buckets of
+        ``ShapeBuckets(speculative=True)`` (precompile after this)."""
         self._verify = build_verify_program(self._replicated)
-        self._set_buckets(min(self._limits.max_num_seqs * (1 + num_speculative_tokens),
-                              max(self._limits.max_num_tokens, self._limits.max_num_seqs)))
+        self._set_buckets(speculative=True)
 
     def set_kv_scales(self, scales: KVScales) -> None:
         """Give layer i's attention ``scales[i]`` (after a calibration,

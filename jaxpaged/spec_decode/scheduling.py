@@ -4,8 +4,7 @@ what a verified step does to their progress and to the acceptance counters.
 A decoding sequence that may speculate gets up to ``num_speculative_tokens`` proposals
 (:class:`~jaxpaged.spec_decode.ngram.NgramProposer`) appended to its one decode token, so the
 step computes ``1 + m`` tokens for it and samples ``1 + m`` rows (one per position, vLLM v1's
-layout, ``vllm/v1/core/sched/scheduler.py``: ``num_scheduled_tokens = 1 + len(spec_token_ids)``;
-the runner's row buckets reach ``max_num_seqs * (1 + k)``, so rows never limit proposals).
+layout, ``vllm/v1/core/sched/scheduler.py``: ``num_scheduled_tokens = 1 + len(spec_token_ids)``).
 The proposals live only in the ``ScheduledRequest`` (never in the request's tokens), so the
 prefix cache, which hashes only known token ids, never caches an unverified token. After the
 step ``a`` of the ``m`` proposals are accepted and ``a + 1`` tokens emitted; the sequence's
@@ -58,17 +57,27 @@ class SpecDecodeScheduling:
 
     Args:
         config: the speculative config.
+        max_num_seqs: sampling rows a step may hold (every proposal takes one, as a seat).
         max_model_len: most tokens of a sequence.
     """
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_num_seqs: int, max_model_len: int):
         self.config = config
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
+        self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        #: Proposals scheduled in the step being built (they hold seats).
+        self.step_drafts = 0
+        self._seats = 0
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
         #: Totals since start-up (the benchmarks' acceptance rate).
         self.totals = SpecDecodingStats(config.num_speculative_tokens)
+
+    def begin_step(self, running: list[Request]) -> None:
+        """Start a step over ``running``: every proposal must fit in the rows left."""
+        self.step_drafts = 0
+        self._seats = sum(r.n_samples for r in running)
 
     def drafts(self, req: Request, num_new: int, budget: int) -> list[int] | None:
         """The proposals to verify after ``req``'s ``num_new`` scheduled tokens, within
@@ -81,10 +90,19 @@ class SpecDecodeScheduling:
                 or req.num_output_placeholders or req.params.prompt_logprobs is not None
                 or req.structured_output_request is not None):
             return None
-        limit = min(budget, req.max_tokens - (total - len(req.prompt_token_ids)) - 1,
+        limit = min(budget, self.max_num_seqs - self._seats - self.step_drafts,
+                    req.max_tokens - (total - len(req.prompt_token_ids)) - 1,
                     self.max_model_len - total - 1)
         proposal = self.proposer.propose(req.all_token_ids, limit) if limit > 0 else []
-        return proposal or None
+        if not proposal:
+            return None
+        self.step_drafts += len(proposal)
+        return proposal
+
+    def unschedule(self, drafts: list[int] | None) -> None:
+        """A sequence scheduled with ``drafts`` was taken out of the step (preempted)."""
+        if drafts:
+            self.step_drafts -= len(drafts)
 
     def verified(self, req: Request, drafts: list[int], num_emitted: int) -> None:
         """Apply a verification: ``num_emitted - 1`` of ``drafts`` were accepted. Moves
