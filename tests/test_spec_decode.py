@@ -111,7 +111,8 @@ def test_speculating_runners_add_a_token_bucket_per_sequence_bucket():
               page_buckets_by_width=False, max_padding=10**6)
     assert ShapeBuckets(**kw).token_buckets == [16, 2048]
     spec = ShapeBuckets(speculative=True, **kw)
-    assert spec.token_buckets == [16, 256, 2048] and spec.seq_buckets == [8, 256]
+    assert spec.token_buckets == [16, 256, 2048] and spec.seq_buckets == [8, 16, 256]
+    assert spec.pad_sizes(5, 1, 5, 3, False) == (16, 16, 32)     # batch 1, 4 proposals
     # A verification step of 64 sequences with 3 proposals each: 256 tokens, 256 rows.
     assert spec.pad_sizes(256, 64, 256, 20, False) == (256, 256, 32)
     assert (256, 256, 32, False) in spec.step_shapes()
