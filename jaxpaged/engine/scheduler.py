@@ -321,8 +321,9 @@ class Scheduler:
                 req.num_output_placeholders -= 1
             num_generated += len(tokens)
             if s.draft_token_ids:    # a verified run: its tokens in order, up to a stop
-                num_generated -= self._apply_verified(
-                    req, s.draft_token_ids, tokens, None if logprobs is None else logprobs[i])
+                num_generated -= self.spec.apply_verified(
+                    req, s.draft_token_ids, tokens, None if logprobs is None else logprobs[i],
+                    append, finish)
             elif len(tokens) == 1:     # the common case
                 if req.structured_output_request is not None:
                     req.structured_output_request.accept(tokens[0])
@@ -340,20 +341,6 @@ class Scheduler:
         self.num_generation_tokens += num_generated
         groups = op.groups
         return [groups[g] for g in touched]
-
-    def _apply_verified(self, req: Request, drafts: list[int], tokens: list[int],
-                        logprobs: list | None) -> int:
-        """Apply a speculating sequence's emitted run (accepted proposals, then the
-        resampled or bonus token), stopping at the first stop rule; returns how many of
-        ``tokens`` were dropped after it."""
-        self.spec.verified(req, drafts, len(tokens))
-        for j, token in enumerate(tokens):
-            stop = self.output_processor.append_token(
-                req, token, None if logprobs is None else logprobs[j])
-            if stop is not None:
-                self.finish_request(req, *stop)
-                return len(tokens) - j - 1
-        return 0
 
     def _fork(self, leader: Request, count: int) -> list[Request]:
         """Split a parallel-sampling request after its prompt into ``count`` more sequences

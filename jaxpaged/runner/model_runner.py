@@ -135,10 +135,8 @@ class ModelRunner:
         self.step_shapes = self._buckets.step_shapes
 
     def enable_spec_decode(self) -> None:
-        """Verify speculative proposals from now on: every step samples with the
-        rejection sampler (``jaxpaged.spec_decode.rejection``) instead of the plain one,
-        over one row per proposal plus one per sequence (``max_num_seqs`` rows at most, as
-        the scheduler keeps them), with the token buckets of
+        """From now on sample every step with the rejection sampler
+        (``jaxpaged.spec_decode.rejection``), a row per proposal too, on the buckets of
         ``ShapeBuckets(speculative=True)`` (precompile after this)."""
         self._verify = build_verify_program(self._replicated)
         self._set_buckets(speculative=True)
@@ -252,15 +250,12 @@ class ModelRunner:
             self._kv_caches, forward_inputs(inputs), self._prev_tokens)
         logits = forward.out_info[0]
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=self._replicated)
-        if self._verify is not None:
-            return forward, self._compiled(
-                ("verify", logits.shape[0], inputs.adjust.ids.shape[1],
-                 inputs.adjust.allowed_ids.shape[1]), self._verify, logits,
-                sample_inputs(inputs), np.full(logits.shape[0], -1, np.int32))
+        verify = self._verify is not None    # (its third input: each row's proposal)
         sampler = self._compiled(
-            ("sample", logits.shape[0], inputs.adjust.ids.shape[1],
-             inputs.adjust.allowed_ids.shape[1]), self._programs.sample, logits,
-            sample_inputs(inputs), self._prev_tokens)
+            ("verify" if verify else "sample", logits.shape[0], inputs.adjust.ids.shape[1],
+             inputs.adjust.allowed_ids.shape[1]), self._verify or self._programs.sample,
+            logits, sample_inputs(inputs),
+            np.full(logits.shape[0], -1, np.int32) if verify else self._prev_tokens)
         return forward, sampler
 
     def _free_bitmask(self, rows: int) -> jax.Array:

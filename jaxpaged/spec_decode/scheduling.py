@@ -104,9 +104,22 @@ class SpecDecodeScheduling:
         if drafts:
             self.step_drafts -= len(drafts)
 
-    def verified(self, req: Request, drafts: list[int], num_emitted: int) -> None:
-        """Apply a verification: ``num_emitted - 1`` of ``drafts`` were accepted. Moves
-        ``req.num_computed_tokens`` back over the rejected positions and counts."""
+    def apply_verified(self, req: Request, drafts: list[int], tokens: list[int],
+                       logprobs: list | None, append, finish) -> int:
+        """Apply a verified run: ``tokens`` are the accepted proposals, then the resampled
+        or bonus token. Moves ``req.num_computed_tokens`` back over the rejected positions,
+        counts, and hands the tokens in order to ``append`` (``OutputProcessor.append_token``)
+        until one of them stops the sequence (then ``finish(req, *stop)``,
+        ``Scheduler.finish_request``); returns how many tokens were dropped after the stop."""
+        self._count(req, drafts, len(tokens))
+        for j, token in enumerate(tokens):
+            stop = append(req, token, None if logprobs is None else logprobs[j])
+            if stop is not None:
+                finish(req, *stop)
+                return len(tokens) - j - 1
+        return 0
+
+    def _count(self, req: Request, drafts: list[int], num_emitted: int) -> None:
         accepted = num_emitted - 1
         req.num_computed_tokens -= len(drafts) - accepted
         for s in (self.stats, self.totals):
