@@ -269,6 +269,23 @@ def test_random_llama_greedy_equal_and_seeded_runs_repeat(tmp_path):
     _assert_all_pages_free(spec)
 
 
+def test_seeded_sampled_outputs_equal_plain_decoding(engines):
+    """The acceptance test reuses the row's plain draw (``rejection.py``): a seeded
+    request's tokens are those of plain decoding with the same seed, however it speculated."""
+    plain, spec = engines
+    prompts = (COPY_PROMPTS * 8)[:24]
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k, seed=i, max_tokens=48,
+                             ignore_eos=True)
+              for i, (t, p, k) in enumerate([(1.0, 1.0, 0), (0.7, 0.9, 0), (1.2, 1.0, 20)] * 8)]
+    totals = spec.engine.scheduler.spec.totals
+    before = (totals.num_draft_tokens, totals.num_accepted_tokens)
+    got = _ids(spec.generate(prompts, params, use_tqdm=False))
+    assert totals.num_accepted_tokens - before[1] > 100
+    assert totals.num_draft_tokens - before[0] > totals.num_accepted_tokens - before[1]
+    assert got == _ids(plain.generate(prompts, params, use_tqdm=False))
+    _assert_all_pages_free(spec)
+
+
 def test_metrics_and_the_log_line(engines, caplog):
     _, spec = engines
     prom = PrometheusStatLogger("m", 256)

@@ -190,7 +190,8 @@ def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool | jax.
     greedy_tokens = argmax_first(adjusted)
 
     def draw(lo, hi, pos, row):
-        return jax.random.categorical(row_key(lo, hi, pos), row)
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(lo), hi), pos)
+        return jax.random.categorical(key, row)
 
     def with_sampling():
         masked = processed_logits(adjusted, meta)
@@ -200,12 +201,6 @@ def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool | jax.
     # An all-greedy step skips the vocabulary sort and the random draws at run time.
     tokens = jax.lax.cond(jnp.all(meta.greedy), lambda: greedy_tokens, with_sampling)
     return SamplerOutput(tokens, when(with_logprobs, token_logprobs, logits, tokens))
-
-
-def row_key(seed_lo: jax.Array, seed_hi: jax.Array, position: jax.Array) -> jax.Array:
-    """One row's PRNG key: its 64-bit seed (two uint32 halves) folded with the position of
-    the token it samples (int32), so a request's draws do not depend on its batch."""
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed_lo), seed_hi), position)
 
 
 def argmax_first(logits: jax.Array) -> jax.Array:
