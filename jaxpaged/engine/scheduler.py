@@ -171,6 +171,10 @@ class Scheduler:
                 drafts = spec.drafts(req, num_new, budget - num_new)
                 num_new += len(drafts) if drafts else 0
             while not self._allocate(req, num_new):
+                if drafts:     # speculation never costs another sequence its pages
+                    spec.unschedule(drafts)
+                    num_new, drafts = num_new - len(drafts), None
+                    continue
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:   # already scheduled this step: undo it
                     undone = next(s for s in scheduled if s.request is victim)
