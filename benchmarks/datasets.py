@@ -1,4 +1,5 @@
-"""Benchmark request sets: random, ShareGPT-format JSON, prefix repetition, workload W1.
+"""Benchmark request sets: random, ShareGPT-format JSON, prefix repetition, prompt lookup,
+workload W1.
 
 Each yields :class:`SampleRequest`s (a prompt as token ids or text, its length, and the exact
 number of tokens to generate). The dataset names and flags follow ``vllm bench``
@@ -16,7 +17,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 W1_PATH = os.path.join(ROOT, "configs", "workloads", "w1.json")
-DATASETS = ("random", "sharegpt", "prefix_repetition", "w1")
+DATASETS = ("random", "sharegpt", "prefix_repetition", "prompt_lookup", "w1")
 
 
 @dataclass
@@ -57,6 +58,18 @@ def prefix_repetition_requests(num: int, num_prefixes: int, prefix_len: int, suf
                          + rng.integers(*token_range, size=suffix_len).tolist(),
                          prefix_len + suffix_len, output_len) for i in range(num)]
     return [out[i] for i in rng.permutation(num)]
+
+
+def prompt_lookup_requests(num: int, input_len: int, output_len: int, seed: int,
+                           token_range: tuple[int, int]) -> list[SampleRequest]:
+    """Prompts that the output can copy from: a random passage of ``input_len // 2`` token
+    ids written twice (a model that continues the pattern writes it a third time, prompt
+    lookup's best case; ``--speculative-config`` with ``method="ngram"``), drawn with
+    ``numpy.random.default_rng(seed)``."""
+    rng = np.random.default_rng(seed)
+    half = max(1, input_len // 2)
+    passages = [rng.integers(*token_range, size=half).tolist() for _ in range(num)]
+    return [SampleRequest(p + p, 2 * half, output_len) for p in passages]
 
 
 def sharegpt_requests(path: str, tokenizer, num: int, seed: int, output_len: int | None,
@@ -149,6 +162,10 @@ def requests_from_args(args: argparse.Namespace, tokenizer, vocab_size: int,
             args.num_prompts, args.prefix_repetition_num_prefixes,
             args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
             args.random_output_len, args.dataset_seed, token_range)
+    elif name == "prompt_lookup":
+        requests = prompt_lookup_requests(args.num_prompts, args.random_input_len,
+                                          args.random_output_len, args.dataset_seed,
+                                          token_range)
     else:
         r, n = args.random_range_ratio, args.random_input_len
         lengths = (max(1, round(n * (1 - r))), max(1, round(n * (1 + r))))

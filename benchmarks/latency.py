@@ -14,8 +14,9 @@ import argparse
 import numpy as np
 
 from jaxpaged import LLM
-from jaxpaged.benchmarks.datasets import random_requests
-from jaxpaged.benchmarks.results import PERCENTILES, add_cost, add_cost_arg, write_outputs
+from jaxpaged.benchmarks.datasets import prompt_lookup_requests, random_requests
+from jaxpaged.benchmarks.results import (PERCENTILES, add_cost, add_cost_arg, add_spec_decode,
+                                         write_outputs)
 from jaxpaged.benchmarks.throughput import run_requests
 from jaxpaged.engine.arg_utils import EngineArgs
 
@@ -28,6 +29,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters-warmup", type=int, default=1)
     parser.add_argument("--num-iters", type=int, default=5)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--dataset-name", choices=("random", "prompt_lookup"), default="random",
+                        help="prompt_lookup: a random passage of --input-len / 2 tokens "
+                             "written twice (the output can copy it)")
     add_cost_arg(parser)
 
 
@@ -43,6 +47,9 @@ def main(args: argparse.Namespace) -> dict:
                          f"exceeds max_model_len={limit}")
 
     def batch(i):
+        if args.dataset_name == "prompt_lookup":
+            return prompt_lookup_requests(args.batch_size, args.input_len, args.output_len,
+                                          seed=i, token_range=(3, vocab))
         return random_requests(args.batch_size, (args.input_len, args.input_len),
                                args.output_len, seed=i, token_range=(3, vocab))
 
@@ -56,6 +63,7 @@ def main(args: argparse.Namespace) -> dict:
     print(f"Avg latency: {result['avg_latency']:.4f} s over {args.num_iters} iterations")
     for p, v in result["percentiles"].items():
         print(f"{p}% percentile latency: {v:.4f} s")
+    add_spec_decode(result, llm)
     tokens = args.batch_size * args.output_len
     add_cost(result, args.cost_per_hour, result["avg_latency"], tokens,
              tokens + args.batch_size * args.input_len)

@@ -23,6 +23,26 @@ def distribution(values_s: list[float], name: str, unit_scale: float = 1000.0) -
     return out
 
 
+def add_spec_decode(result: dict, llm) -> None:
+    """With speculative decoding on, add (and print) its acceptance figures over every pass
+    the engine ran (warm-up included): ``mean_acceptance_length`` (1 + accepted / drafts),
+    ``draft_acceptance_rate`` (accepted / proposed) and the per-position acceptance counts."""
+    spec = llm.engine.scheduler.spec
+    if spec is None:
+        return
+    t = spec.totals
+    rate = t.num_accepted_tokens / t.num_draft_tokens if t.num_draft_tokens else 0.0
+    result["spec_decode"] = {"num_drafts": t.num_drafts, "num_draft_tokens": t.num_draft_tokens,
+                             "num_accepted_tokens": t.num_accepted_tokens,
+                             "num_accepted_tokens_per_pos": t.num_accepted_tokens_per_pos,
+                             "mean_acceptance_length": t.mean_acceptance_length,
+                             "draft_acceptance_rate": rate}
+    print(f"Speculative decoding: mean acceptance length {t.mean_acceptance_length:.2f}, "
+          f"draft acceptance rate {100 * rate:.1f}% ({t.num_accepted_tokens} of "
+          f"{t.num_draft_tokens} proposed tokens accepted, by position "
+          f"{t.num_accepted_tokens_per_pos})")
+
+
 def write_outputs(result: dict, output_json: str | None) -> None:
     """Write ``result`` to ``output_json`` (if given) and print it as one JSON line."""
     if output_json:

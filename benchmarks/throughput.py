@@ -22,7 +22,7 @@ import time
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.benchmarks.datasets import SampleRequest, add_dataset_args, requests_from_args
-from jaxpaged.benchmarks.results import add_cost, add_cost_arg, write_outputs
+from jaxpaged.benchmarks.results import add_cost, add_cost_arg, add_spec_decode, write_outputs
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.runner.compile_cache import num_step_entries, resolve_cache_dir
 
@@ -123,6 +123,7 @@ def main(args: argparse.Namespace) -> dict:
           f"{result['output_tokens_per_second']:.2f} output tokens/s "
           f"({result['num_requests']} requests in {result['elapsed_time']:.2f} s; warm-up "
           f"{result['warmup_time']:.2f} s)")
+    add_spec_decode(result, llm)
     add_cost(result, args.cost_per_hour, result["elapsed_time"], result["total_output_tokens"],
              result["total_num_tokens"])
     write_outputs(result, args.output_json)

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from jaxpaged.config import QUANTIZATION_METHODS
+from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.constants import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES,  # noqa: F401
                                 SCHEDULING_POLICIES)
 from jaxpaged.pooling_params import CONVERTS, RUNNERS, PoolerConfig, resolve_pooler
@@ -93,6 +94,10 @@ class EngineArgs:
             or ``pooling`` (embeddings only); ``convert="embed"`` or a pooler config (JSON
             text or a dict: ``pooling_type`` ``LAST`` / ``MEAN``, ``normalize``) make
             ``runner="auto"`` pooling.
+        speculative_config: speculative decoding (``jaxpaged.spec_decode.config``): a dict
+            or its JSON text with vLLM's fields (``method="ngram"``,
+            ``num_speculative_tokens``, ``prompt_lookup_max``, ``prompt_lookup_min``); None:
+            off. A speculating engine schedules synchronously (``docs/speculative_decoding.md``).
     """
 
     model: str = DEFAULT_MODEL
@@ -129,6 +134,7 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: str | dict | None = None
+    speculative_config: dict | str | None = None
 
     def __post_init__(self) -> None:
         def positive(name):
@@ -182,6 +188,7 @@ class EngineArgs:
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("EngineArgs.calculate_kv_scales needs an fp8 kv_cache_dtype (scales "
                              "only apply to an fp8 KV cache); set kv_cache_dtype to fp8")
+        SpeculativeConfig.from_dict(self.speculative_config)   # its own typed errors
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"EngineArgs.attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
@@ -277,6 +284,10 @@ class EngineArgs:
                        help='pooling override as JSON, e.g. \'{"pooling_type": "MEAN", '
                             '"normalize": true}\' (default: the checkpoint\'s '
                             'sentence-transformers modules.json, else LAST)')
+        g.add_argument("--speculative-config", default=None,
+                       help='speculative decoding as JSON, vLLM\'s fields, e.g. \'{"method": '
+                            '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+                            "(turns async scheduling off)")
         return parser
 
     @classmethod

@@ -45,6 +45,7 @@ from jaxpaged.runner.output import ModelRunnerOutput
 from jaxpaged.runner.worker import build_worker
 from jaxpaged.sampling.logits_adjust import needs_adjustment
 from jaxpaged.sampling_params import SamplingParams
+from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.structured_output.manager import StructuredOutputManager
 from jaxpaged.tokenizer import load_tokenizer
 
@@ -148,7 +149,10 @@ class Engine:
             max_num_partial_prefills=args.max_num_partial_prefills,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             policy=args.scheduling_policy, sjf_aging_requests=args.sjf_aging_requests),
-            self.kv_cache_manager, self.output_processor)
+            self.kv_cache_manager, self.output_processor,
+            speculative_config := SpeculativeConfig.from_dict(args.speculative_config))
+        if speculative_config is not None:
+            self.runner.enable_spec_decode()
         if not args.enforce_eager:
             self.runner.precompile(should_stop=stop_requested_anywhere)
         self._stats = StatsRecorder()
@@ -158,8 +162,10 @@ class Engine:
         #: Async scheduling: the dispatched step whose results are not applied yet, and
         #: outputs made early (an abort) for the next step to return.
         self._in_flight: _InFlight | None = None
-        # A multi-host job's processes take their steps in lockstep: synchronously.
-        self._async_scheduling = args.async_scheduling and args.num_processes == 1
+        # A multi-host job's processes take their steps in lockstep: synchronously; so do
+        # speculating engines (a step's proposals come from the previous step's tokens).
+        self._async_scheduling = (args.async_scheduling and args.num_processes == 1
+                                  and speculative_config is None)
         self._early_outputs: list[RequestOutput] = []
         self.fault_injector: Callable[[int, list[str]], None] | None = None
         self._seed_rng = seed_rng or np.random.default_rng(args.seed)

@@ -44,6 +44,8 @@ from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup
 from jaxpaged.engine.request import Request, RequestStatus
 from jaxpaged.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxpaged.runner.output import ModelRunnerOutput
+from jaxpaged.spec_decode.config import SpeculativeConfig
+from jaxpaged.spec_decode.scheduling import SpecDecodeScheduling
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,13 +80,16 @@ class Scheduler:
         kv_cache_manager: the page pool it allocates from (only the scheduler calls it).
         output_processor: stop rules, detokenization and the requests' output state; the
             scheduler hands it every sampled token.
+        speculative_config: speculative decoding (None: off); decoding sequences then get
+            proposals to verify (``jaxpaged.spec_decode.scheduling``).
 
     Raises:
         ValueError: an unknown policy.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 output_processor: OutputProcessor):
+                 output_processor: OutputProcessor,
+                 speculative_config: SpeculativeConfig | None = None):
         if config.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"unknown scheduling policy {config.policy!r}; "
                              f"choose from {list(SCHEDULING_POLICIES)}")
@@ -96,6 +101,8 @@ class Scheduler:
         self.num_preemptions = 0
         #: Sampled tokens applied to unfinished sequences since start-up.
         self.num_generation_tokens = 0
+        self.spec = None if speculative_config is None else SpecDecodeScheduling(
+            speculative_config, config.max_num_seqs, config.max_model_len)
 
     def _queue_key(self, req: Request):
         policy = self.config.policy
@@ -145,11 +152,13 @@ class Scheduler:
                                       computed, () if req.cache_salt is None
                                       else (req.cache_salt,))
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, req: Request, num_new: int,
+                   drafts: list[int] | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens
         samples = start + num_new == len(req.all_token_ids) + req.num_output_placeholders
-        return ScheduledRequest(req, start, num_new, self.kv.page_table(req.request_id).copy(),
-                                samples, req.n_samples if samples and req.pooling is None else 0)
+        return ScheduledRequest(req, start, num_new + len(drafts) if drafts else num_new,
+                                self.kv.page_table(req.request_id).copy(), samples,
+                                req.n_samples if samples and req.pooling is None else 0, drafts)
 
     # ---- deciding a step -------------------------------------------------------------------
 
@@ -170,6 +179,10 @@ class Scheduler:
         running_status = RequestStatus.RUNNING   # (a local: cheaper than the enum lookup)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        spec = self.spec
+        if spec is not None:
+            spec.begin_step(self.running)
+        drafts = None
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -177,20 +190,32 @@ class Scheduler:
                 i += 1
                 continue
             num_new = self._chunk(req, budget)
+            if spec is not None:    # proposals to verify ride along as extra tokens
+                drafts = spec.drafts(req, num_new, budget - num_new)
+                num_new += len(drafts) if drafts else 0
             while not self._allocate(req, num_new):
+                if drafts:     # speculation never costs another sequence its pages
+                    spec.unschedule(drafts)
+                    num_new, drafts = num_new - len(drafts), None
+                    continue
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:   # already scheduled this step: undo it
                     undone = next(s for s in scheduled if s.request is victim)
                     scheduled.remove(undone)
                     budget += undone.num_new_tokens
+                    if spec is not None:
+                        spec.unschedule(undone.draft_token_ids)
                     i -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
             if req.status is not running_status:
+                if spec is not None:
+                    spec.unschedule(drafts)
                 continue   # req itself was preempted; running[i] is now the next one
-            scheduled.append(self._scheduled(req, num_new))
+            scheduled.append(self._scheduled(req, num_new - len(drafts), drafts) if drafts
+                             else self._scheduled(req, num_new))
             budget -= num_new
             i += 1
         admitted = [] if preempted else self._admit_waiting(scheduled, budget)
@@ -221,6 +246,8 @@ class Scheduler:
         partial = sum(1 for r in self.running if r.num_computed_tokens < r.num_prompt_tokens)
         # A parallel-sampling request not yet forked holds a seat for each sequence.
         seats = sum(r.n_samples for r in self.running)
+        if self.spec is not None:
+            seats += self.spec.step_drafts    # each proposal takes a sampling row
         admitted = []
         j = 0       # the first waiting request not skipped for its grammar
         while j < len(self.waiting) and budget > 0:
@@ -330,7 +357,11 @@ class Scheduler:
             if req.num_output_placeholders:
                 req.num_output_placeholders -= 1
             num_generated += len(tokens)
-            if len(tokens) == 1:     # the common case
+            if s.draft_token_ids:    # a verified run: its tokens in order, up to a stop
+                num_generated -= self.spec.apply_verified(
+                    req, s.draft_token_ids, tokens, None if logprobs is None else logprobs[i],
+                    append, finish)
+            elif len(tokens) == 1:     # the common case
                 if req.structured_output_request is not None:
                     req.structured_output_request.accept(tokens[0])
                 stop = append(req, tokens[0], None if logprobs is None else logprobs[i][0])

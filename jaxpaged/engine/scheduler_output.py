@@ -31,6 +31,10 @@ class ScheduledRequest:
             position's logits give the next token(s).
         num_samples: tokens to draw from those logits (0 unless ``samples``; ``n`` for the
             prompt of a parallel-sampling request not yet forked, else 1).
+        draft_token_ids: speculative decoding: the proposals verified after the decode
+            token (they are the chunk's last ``len(draft_token_ids)`` tokens, not in the
+            request's tokens; the step samples one row per position of the chunk); None
+            when the sequence does not speculate this step.
     """
 
     request: Request
@@ -39,6 +43,7 @@ class ScheduledRequest:
     page_ids: list[int]
     samples: bool
     num_samples: int
+    draft_token_ids: list[int] | None = None
 
     @property
     def end(self) -> int:

@@ -63,6 +63,8 @@ class StatsRecorder:
         queries, hits, preemptions = (a - b for a, b in zip(totals, self._reported))
         self._reported = totals
         iteration, self.iteration = self.iteration, IterationStats()
+        if sched.spec is not None:
+            iteration.spec_decoding = sched.spec.take_stats()
         if not self.loggers:
             return
         snapshot = SchedulerStats(

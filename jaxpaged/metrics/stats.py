@@ -72,6 +72,9 @@ class IterationStats:
         finished_requests: requests that finished (aborted ones included).
         step_tokens: tokens (prefill and decode) of each engine step dispatched
             (vLLM's ``iteration_tokens_total``).
+        spec_decoding: speculative decoding's acceptance counters
+            (``jaxpaged.spec_decode.scheduling.SpecDecodingStats``), None when no sequence
+            drafted.
     """
 
     num_prompt_tokens: int = 0
@@ -80,6 +83,7 @@ class IterationStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
     step_tokens: list[int] = field(default_factory=list)
+    spec_decoding: object | None = None
 
 
 class StatLogger(Protocol):

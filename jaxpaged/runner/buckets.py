@@ -77,13 +77,25 @@ class ShapeBuckets:
         page_buckets_by_width: one page bucket per power of two (else the widest only).
         max_padding: tokens (and sequences) a step may be padded by beyond the next power
             of two (:func:`bucket_sizes`; :func:`padding_budget_tokens` of the model).
+        speculative: add a token bucket at each sequence bucket (from 16) and a sequence
+            bucket at each token bucket (up to ``max_num_seqs``): a speculative
+            verification step (each sequence's decode token and its proposals, one
+            sampling row each, within ``max_num_seqs`` rows) is a step with "prefill"
+            chunks, and on ladders made coarse by a cheap model (tokens 16, 2048; rows 8,
+            256) a one-sequence verification would otherwise pad to 256 rows and a
+            64-sequence one to 2048 tokens.
     """
 
     def __init__(self, *, max_num_tokens: int, max_num_seqs: int, max_pages_per_seq: int,
-                 page_buckets_by_width: bool, max_padding: int = 0):
+                 page_buckets_by_width: bool, max_padding: int = 0, speculative: bool = False):
         self.max_num_seqs = max_num_seqs
         self.token_buckets = bucket_sizes(16, max(16, max_num_tokens), max_padding)
         self.seq_buckets = bucket_sizes(8, max(8, max_num_seqs), max_padding)
+        if speculative:
+            self.token_buckets = sorted(set(self.token_buckets) | {
+                b for b in self.seq_buckets if 16 <= b < self.token_buckets[-1]})
+            self.seq_buckets = sorted(set(self.seq_buckets) | {
+                min(t, max_num_seqs) for t in self.token_buckets})
         self.page_buckets = bucket_sizes(4, max(4, max_pages_per_seq))
         if not page_buckets_by_width:
             self.page_buckets = self.page_buckets[-1:]

@@ -101,12 +101,16 @@ class PreparedStep:
         inputs: the device inputs.
         layout: the batch layout they were built from.
         row_starts: [num_seqs + 1] each scheduled sequence's first sampling row (a
-            sequence has ``max(num_samples, 1)`` rows; one of a non-sampling chunk is unused).
+            sequence has ``max(num_samples, 1)`` rows, plus one per speculative proposal;
+            one of a non-sampling chunk is unused).
+        draft_ids: speculative decoding only (else None): [B] int32, the proposal each
+            row verifies (-1 for a row without one: a bonus row, a plain decode).
     """
 
     inputs: StepInputs
     layout: BatchLayout
     row_starts: list[int]
+    draft_ids: np.ndarray | None = None
 
 
 def attention_metadata(backend: AttentionBackend, layout: BatchLayout) -> dict:
@@ -122,8 +126,8 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
                  eos_token_ids: frozenset[int],
                  pad_sizes: Callable[[int, int, int, int, bool], tuple[int, int, int]],
                  prev_rows: Callable[[], dict[str, int]], bitmask_words: int,
-                 free_bitmask: Callable[[int], object], adjust_capacity: int = 16
-                 ) -> PreparedStep:
+                 free_bitmask: Callable[[int], object], adjust_capacity: int = 16,
+                 speculative: bool = False) -> PreparedStep:
     """Pad and pack one scheduled step.
 
     Args:
@@ -141,6 +145,11 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
             bucket, so such steps copy nothing to it).
         adjust_capacity: K and A of the logit adjustments (more only for a row that needs
             more entries, which makes a new step shape).
+        speculative: fill :attr:`PreparedStep.draft_ids` (the runner verifies proposals).
+            A sequence with ``draft_token_ids`` = d_0 .. d_{m-1} gets rows 0 .. m: row j
+            takes the logits of its chunk's token j (which predicts position start + j + 1),
+            its seed unchanged and its logit adjustments computed as if d_0 .. d_{j-1}
+            were already output (row j is used only when they are accepted).
 
     Raises:
         ValueError: the step exceeds the largest bucket.
@@ -151,8 +160,11 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
     reqs = [s.request for s in seqs]
     starts_a = np.array([s.start for s in seqs], np.int64)
     counts_a = np.array([s.num_new_tokens for s in seqs], np.int64)
+    drafts_a = np.array([len(s.draft_token_ids or ()) for s in seqs], np.int64) \
+        if speculative else np.zeros(b, np.int64)
     rows = [s.num_samples or 1 for s in seqs]
-    rows_a = np.array(rows, np.int64)
+    rows_a = np.array(rows, np.int64) + drafts_a
+    rows = rows_a.tolist()
     page_lens = [len(s.page_ids) for s in seqs]
     # Sampling parameters per distinct SamplingParams object (a batch often shares a few).
     index: dict[int, int] = {}
@@ -188,7 +200,9 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
                          for s, r in zip(seqs, reqs)]
     else:
         input_ids[:num_tokens] = np.fromiter(
-            chain.from_iterable(s.request.all_token_ids[s.start:s.end] or _UNKNOWN
+            chain.from_iterable(s.request.all_token_ids[s.start:s.end] + s.draft_token_ids
+                                if s.draft_token_ids else
+                                s.request.all_token_ids[s.start:s.end] or _UNKNOWN
                                 for s in seqs), np.int32, num_tokens)
     prev_token_index = np.full(t_pad, -1, np.int32)
     if unknown:
@@ -216,21 +230,32 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
     owners = np.repeat(np.arange(b), rows_a)
     cu_rows = np.zeros(b + 1, np.int64)
     np.cumsum(rows_a, out=cu_rows[1:])
+    local = np.arange(num_rows) - cu_rows[owners]   # a row's index within its sequence
+    # A speculating sequence's row j reads its chunk's token j: ``back`` tokens before the
+    # last one. Its rows keep one seed; the n rows of a parallel-sampling prompt add j.
+    spec_rows = drafts_a[owners] > 0
+    back = np.where(spec_rows, drafts_a[owners] - local, 0)
     logits_indices = np.zeros(b_pad, np.int32)
-    logits_indices[:num_rows] = cu_tokens[1:][owners] - 1
+    logits_indices[:num_rows] = cu_tokens[1:][owners] - 1 - back
     row_seeds = (_seed_bits([r.seed for r in reqs])[owners]
-                 + (np.arange(num_rows) - cu_rows[owners]).astype(np.uint64))
+                 + np.where(spec_rows, 0, local).astype(np.uint64))
     row_params = param_of[owners]
     sampling = SamplingMetadata.from_columns(
         *(np.array([getattr(p, name) for p in distinct])[row_params]
           for name in ("temperature", "top_k", "top_p", "min_p", "is_greedy")),
-        row_seeds, (starts_a + counts_a)[owners],
+        row_seeds, (starts_a + counts_a)[owners] - back,
         padded=b_pad)
     adjust = None
     if adjusted:
         per_row = [None] * num_rows
         for i in adjusted:
-            req = seqs[i].request
+            req, drafts = seqs[i].request, seqs[i].draft_token_ids
+            if drafts and speculative:
+                per_row[cu_rows[i]:cu_rows[i + 1]] = [
+                    row_adjustment(req.params, req.prompt_token_ids,
+                                   req.output_token_ids + drafts[:j], eos_token_ids,
+                                   req.bad_words_ids) for j in range(len(drafts) + 1)]
+                continue
             adj = row_adjustment(req.params, req.prompt_token_ids, req.output_token_ids,
                                  eos_token_ids, req.bad_words_ids)
             per_row[cu_rows[i]:cu_rows[i + 1]] = [adj] * rows[i]
@@ -255,4 +280,10 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
                         sampling, adjust, token_bitmask, prompt_targets, prev_token_index,
                         np.asarray(with_logprobs), np.asarray(with_prompt),
                         np.asarray(any(r.pooling is not None for r in reqs)))
-    return PreparedStep(inputs, layout, cu_rows.tolist())
+    draft_ids = None
+    if speculative:
+        draft_ids = np.full(b_pad, -1, np.int32)
+        for i in np.flatnonzero(drafts_a):
+            first = int(cu_rows[i])
+            draft_ids[first:first + drafts_a[i]] = seqs[i].draft_token_ids
+    return PreparedStep(inputs, layout, cu_rows.tolist(), draft_ids)

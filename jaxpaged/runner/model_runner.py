@@ -45,7 +45,8 @@ from jaxpaged.runner.input_batch import PreparedStep, StepInputs, attention_meta
 from jaxpaged.runner.output import ModelRunnerOutput
 from jaxpaged.runner.pooling import read_pooled
 from jaxpaged.runner.read_output import read_output
-from jaxpaged.runner.step_programs import build_programs, forward_inputs, sample_inputs
+from jaxpaged.runner.step_programs import (build_programs, build_verify_program,
+                                           forward_inputs, sample_inputs)
 from jaxpaged.sampling.logits_adjust import no_adjustment
 from jaxpaged.sampling.sampler import SamplerOutput, SamplingMetadata
 from jaxpaged.structured_output.manager import all_allowed, num_words
@@ -99,20 +100,11 @@ class ModelRunner:
         self._page_size = page_size
         self._limits = limits
         self._replicated = replicated
-        self._buckets = ShapeBuckets(
-            max_num_tokens=limits.max_num_tokens, max_num_seqs=limits.max_num_seqs,
-            max_pages_per_seq=limits.max_pages_per_seq,
-            page_buckets_by_width=backend.name == "pallas",
-            max_padding=padding_budget_tokens(
-                sum(x.size for x in jax.tree.leaves(nnx.state(model)))))
-        self._token_buckets = self._buckets.token_buckets
-        self._page_buckets = self._buckets.page_buckets
-        self._pad_sizes = self._buckets.pad_sizes
-        #: Every ``(T, B, P, decode_only)`` a step can be padded to
-        #: (:meth:`ShapeBuckets.step_shapes`).
-        self.step_shapes = self._buckets.step_shapes
+        self._num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
+        self._set_buckets()
         self._executables: dict[tuple, object] = {}
         self._eos_token_ids = eos_token_ids
+        self._verify = None     # the speculative sampler (enable_spec_decode)
         self._load(model)
 
     def _load(self, model: nnx.Module) -> None:
@@ -128,6 +120,27 @@ class ModelRunner:
         self._prev_tokens = jax.device_put(np.zeros(num_rows, np.int32), self._replicated)
         self._prev_rows: Callable[[], dict[str, int]] = dict
         self._free_bitmasks: dict[int, jax.Array] = {}
+
+    def _set_buckets(self, speculative: bool = False) -> None:
+        limits = self._limits
+        self._buckets = ShapeBuckets(
+            max_num_tokens=limits.max_num_tokens, max_num_seqs=limits.max_num_seqs,
+            max_pages_per_seq=limits.max_pages_per_seq,
+            page_buckets_by_width=self._backend.name == "pallas",
+            max_padding=padding_budget_tokens(self._num_params), speculative=speculative)
+        self._token_buckets = self._buckets.token_buckets
+        self._page_buckets = self._buckets.page_buckets
+        self._pad_sizes = self._buckets.pad_sizes
+        #: Every ``(T, B, P, decode_only)`` a step can be padded to
+        #: (:meth:`ShapeBuckets.step_shapes`).
+        self.step_shapes = self._buckets.step_shapes
+
+    def enable_spec_decode(self) -> None:
+        """From now on sample every step with the rejection sampler
+        (``jaxpaged.spec_decode.rejection``), a row per proposal too, on the buckets of
+        ``ShapeBuckets(speculative=True)`` (precompile after this)."""
+        self._verify = build_verify_program(self._replicated)
+        self._set_buckets(speculative=True)
 
     def set_kv_scales(self, scales: KVScales) -> None:
         """Give layer i's attention ``scales[i]`` (after a calibration,
@@ -218,17 +231,22 @@ class ModelRunner:
                                 pad_sizes=self._pad_sizes, prev_rows=self._prev_rows,
                                 bitmask_words=num_words(self._limits.vocab_size),
                                 free_bitmask=self._free_bitmask,
-                                adjust_capacity=self._limits.max_adjust_entries)
+                                adjust_capacity=self._limits.max_adjust_entries,
+                                speculative=self._verify is not None)
         forward, sampler = self._executables_for(prepared.layout, prepared.inputs)
         logits, prompt, pooled, self._kv_caches = forward(
             self._state, self._kv_caches, forward_inputs(prepared.inputs), self._prev_tokens)
-        out, self._prev_tokens = sampler(logits, sample_inputs(prepared.inputs),
-                                         self._prev_tokens)
+        accepted = None
+        if self._verify is not None:
+            out, accepted = sampler(logits, sample_inputs(prepared.inputs), prepared.draft_ids)
+        else:
+            out, self._prev_tokens = sampler(logits, sample_inputs(prepared.inputs),
+                                             self._prev_tokens)
         out = dataclasses.replace(out, prompt_logprobs=prompt)
         scheduled, starts = scheduler_output.scheduled, prepared.row_starts
         self._prev_rows = lambda: {s.request.request_id: starts[i]
                                    for i, s in enumerate(scheduled) if s.samples}
-        return PendingStep(scheduler_output, prepared, out, pooled)
+        return PendingStep(scheduler_output, prepared, out, pooled, accepted)
 
     def _executables_for(self, layout: BatchLayout, inputs: StepInputs) -> tuple:
         """The compiled forward and sample programs for ``inputs``' shapes (compiled now,
@@ -238,10 +256,12 @@ class ModelRunner:
             self._kv_caches, forward_inputs(inputs), self._prev_tokens)
         logits = forward.out_info[0]
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=self._replicated)
+        verify = self._verify is not None    # (its third input: each row's proposal)
         sampler = self._compiled(
-            ("sample", logits.shape[0], inputs.adjust.ids.shape[1],
-             inputs.adjust.allowed_ids.shape[1]), self._programs.sample, logits,
-            sample_inputs(inputs), self._prev_tokens)
+            ("verify" if verify else "sample", logits.shape[0], inputs.adjust.ids.shape[1],
+             inputs.adjust.allowed_ids.shape[1]), self._verify or self._programs.sample,
+            logits, sample_inputs(inputs),
+            np.full(logits.shape[0], -1, np.int32) if verify else self._prev_tokens)
         return forward, sampler
 
     def _free_bitmask(self, rows: int) -> jax.Array:
@@ -384,6 +404,7 @@ class PendingStep:
     prepared: PreparedStep
     out: SamplerOutput
     pooled: jax.Array
+    accepted: jax.Array | None = None   # speculative decoding: [B] bool per row
 
     def result(self) -> ModelRunnerOutput:
         """Wait for the device and read the step's results back to the host (logprobs only
@@ -392,7 +413,8 @@ class PendingStep:
         out = dataclasses.replace(
             self.out, logprobs=self.out.logprobs if inputs.with_logprobs else None,
             prompt_logprobs=self.out.prompt_logprobs if inputs.with_prompt_logprobs else None)
-        result = read_output(self.scheduler_output, self.prepared, jax.tree.map(to_host, out))
+        result = read_output(self.scheduler_output, self.prepared, jax.tree.map(to_host, out),
+                             None if self.accepted is None else to_host(self.accepted))
         if not inputs.with_pooling:
             return result
         return dataclasses.replace(result, pooled=read_pooled(

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from jaxpaged.engine.scheduler_output import SchedulerOutput
 from jaxpaged.runner.output import ModelRunnerOutput, TokenLogprob
 
@@ -18,21 +20,28 @@ if TYPE_CHECKING:
     from jaxpaged.sampling.sampler import SamplerOutput
 
 
-def read_output(sched: SchedulerOutput, prepared: PreparedStep,
-                out: SamplerOutput) -> ModelRunnerOutput:
+def read_output(sched: SchedulerOutput, prepared: PreparedStep, out: SamplerOutput,
+                accepted: np.ndarray | None = None) -> ModelRunnerOutput:
     """The step's results (``out``, host arrays: ``token_ids`` [B] int32 and, when asked,
     logprobs [B] and prompt logprobs [T]), per scheduled sequence (see
-    :class:`ModelRunnerOutput`)."""
+    :class:`ModelRunnerOutput`). ``accepted`` ([B] bool, speculative decoding): whether each
+    row's proposal was accepted; a speculating sequence then emits its rows up to and
+    including the first one whose proposal was not (the resampled or bonus token)."""
     tokens = out.token_ids.tolist()
     starts = prepared.row_starts
-    sampled = [tokens[starts[i]:starts[i] + s.num_samples] if s.samples else []
+    taken = [s.num_samples for s in sched.scheduled]
+    if accepted is not None:
+        for i, s in enumerate(sched.scheduled):
+            if s.draft_token_ids:
+                taken[i] = 1 + leading_true(accepted[starts[i]:starts[i + 1] - 1])
+    sampled = [tokens[starts[i]:starts[i] + taken[i]] if s.samples else []
                for i, s in enumerate(sched.scheduled)]
     logprobs = None
     if out.logprobs is not None:
         lp = out.logprobs
         logprobs = [[(float(lp.logprobs[r]), int(lp.ranks[r]), lp.top_ids[r].tolist(),
                       lp.top_logprobs[r].tolist())
-                     for r in range(starts[i], starts[i] + s.num_samples)]
+                     for r in range(starts[i], starts[i] + taken[i])]
                     for i, s in enumerate(sched.scheduled)]
     prompt = None
     if any(s.request.params.prompt_logprobs is not None for s in sched.scheduled):
@@ -40,6 +49,12 @@ def read_output(sched: SchedulerOutput, prepared: PreparedStep,
                   for s, q in zip(sched.scheduled, prepared.layout.query_start_loc)]
     return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs,
                              prompt_logprobs=prompt)
+
+
+def leading_true(flags: np.ndarray) -> int:
+    """How many of ``flags`` ([m] bool) are True before the first False."""
+    misses = np.flatnonzero(~flags)
+    return int(misses[0]) if misses.size else len(flags)
 
 
 def prompt_logprobs_of(s, scored, first_token: int) -> list[TokenLogprob] | None:

@@ -72,6 +72,21 @@ class StepPrograms:
     prefill: jax.stages.Wrapped
 
 
+def build_verify_program(replicated: jax.sharding.Sharding) -> jax.stages.Wrapped:
+    """The speculative-decoding sampler, jitted: ``(logits, sample_inputs, draft_ids [B])
+    -> (SamplerOutput without prompt logprobs, accepted [B] bool)``
+    (``jaxpaged.spec_decode.rejection.verify``). Built only when speculation is configured;
+    it then replaces ``sample`` (async scheduling is off, so no ``prev_tokens``)."""
+    from jaxpaged.spec_decode.rejection import verify
+
+    def verify_rows(logits, inputs: dict, draft_ids):
+        return verify(logits, inputs["sampling"], inputs["with_logprobs"], inputs["adjust"],
+                      inputs["token_bitmask"], draft_ids)
+
+    return jax.jit(verify_rows, in_shardings=(replicated,) * 3,
+                   out_shardings=(replicated, replicated))
+
+
 def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
                    replicated: jax.sharding.Sharding) -> StepPrograms:
     """Jit the runner's programs for a model split into ``graphdef`` and a state of

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposals verified in one target step (``docs/speculative_decoding.md``)."""

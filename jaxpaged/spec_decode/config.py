@@ -1,0 +1,105 @@
+"""`SpeculativeConfig`: ``--speculative-config JSON`` / ``LLM(speculative_config={...})``.
+
+Field names are vLLM's (``vllm/config/speculative.py``): ``method``, ``num_speculative_tokens``,
+``prompt_lookup_max``, ``prompt_lookup_min`` and, for a draft model, ``model``. Only
+``method="ngram"`` (prompt lookup) runs; ``draft_model`` is validated and then refused with
+:class:`SpeculativeMethodNotImplemented` (its design is in ``docs/speculative_decoding.md``),
+never silently replaced by plain decoding. Pure Python.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+#: The methods a config may name; only ``ngram`` is implemented.
+METHODS = ("ngram", "draft_model")
+_FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+           "model"}
+
+
+class SpeculativeConfigError(ValueError):
+    """A speculative config that cannot be used; ``field`` names the offending key."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"speculative_config.{field}: {message}")
+        self.field = field
+
+
+class SpeculativeMethodNotImplemented(SpeculativeConfigError, NotImplementedError):
+    """A valid config for a method this build does not run (``draft_model``)."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """A validated speculative-decoding configuration.
+
+    Attributes:
+        method: ``"ngram"``.
+        num_speculative_tokens: k, the most tokens proposed per sequence per step (>= 1).
+        prompt_lookup_max: the longest n-gram matched against the sequence's earlier tokens.
+        prompt_lookup_min: the shortest (1 <= min <= max).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+    @classmethod
+    def from_dict(cls, value: dict | str | None) -> SpeculativeConfig | None:
+        """Validate ``value`` (a dict, or its JSON text; None: no speculation).
+
+        Defaults as vLLM's ``SpeculativeConfig``: a missing ``prompt_lookup_min`` takes
+        ``prompt_lookup_max`` and the other way round; with neither, both are 5.
+
+        Raises:
+            SpeculativeConfigError: an unknown key, a missing or ill-typed field, an
+                unknown method, ``prompt_lookup_min > prompt_lookup_max``.
+            SpeculativeMethodNotImplemented: ``method="draft_model"`` (valid, not built).
+        """
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise SpeculativeConfigError("<json>", f"not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise SpeculativeConfigError("<config>", f"must be a JSON object, got "
+                                         f"{type(value).__name__}")
+        unknown = sorted(set(value) - _FIELDS)
+        if unknown:
+            raise SpeculativeConfigError(unknown[0], f"unknown field; known: {sorted(_FIELDS)}")
+        method = value.get("method")
+        if method not in METHODS:
+            raise SpeculativeConfigError("method", f"must be one of {list(METHODS)}, got "
+                                         f"{method!r}")
+        k = _positive(value, "num_speculative_tokens", required=True)
+        if method == "draft_model":
+            if not isinstance(value.get("model"), str) or not value["model"]:
+                raise SpeculativeConfigError("model", "draft_model needs the draft model's "
+                                             "path")
+            raise SpeculativeMethodNotImplemented(
+                "method", "draft_model proposals are not implemented yet (only 'ngram' "
+                "runs; see docs/speculative_decoding.md)")
+        if "model" in value:
+            raise SpeculativeConfigError("model", "only method 'draft_model' takes a model")
+        high = _positive(value, "prompt_lookup_max")
+        low = _positive(value, "prompt_lookup_min")
+        if high is None and low is None:
+            high = low = 5
+        high, low = high or low, low or high
+        if low > high:
+            raise SpeculativeConfigError("prompt_lookup_min", f"{low} exceeds "
+                                         f"prompt_lookup_max={high}")
+        return cls(method, k, high, low)
+
+
+def _positive(value: dict, name: str, required: bool = False) -> int | None:
+    v = value.get(name)
+    if v is None and not required:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise SpeculativeConfigError(name, f"must be a positive integer, got {v!r}")
+    return v

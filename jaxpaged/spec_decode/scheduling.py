@@ -1,0 +1,138 @@
+"""The scheduler's side of speculative decoding: which sequences draft, how many tokens, and
+what a verified step does to their progress and to the acceptance counters.
+
+A decoding sequence that may speculate gets up to ``num_speculative_tokens`` proposals
+(:class:`~jaxpaged.spec_decode.ngram.NgramProposer`) appended to its one decode token, so the
+step computes ``1 + m`` tokens for it and samples ``1 + m`` rows (one per position, vLLM v1's
+layout, ``vllm/v1/core/sched/scheduler.py``: ``num_scheduled_tokens = 1 + len(spec_token_ids)``).
+The proposals live only in the ``ScheduledRequest`` (never in the request's tokens), so the
+prefix cache, which hashes only known token ids, never caches an unverified token. After the
+step ``a`` of the ``m`` proposals are accepted and ``a + 1`` tokens emitted; the sequence's
+``num_computed_tokens`` steps back over the ``m - a`` rejected positions, whose slots the next
+step writes again before attending (attention reads only up to each sequence's length, so the
+stale K/V there are never read). Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxpaged.engine.request import Request
+from jaxpaged.spec_decode.config import SpeculativeConfig
+from jaxpaged.spec_decode.ngram import NgramProposer
+
+
+@dataclass
+class SpecDecodingStats:
+    """Acceptance counters since the last report (vLLM's ``SpecDecodingStats``,
+    ``vllm/v1/spec_decode/metrics.py``).
+
+    Attributes:
+        num_spec_tokens: k (the length of ``num_accepted_tokens_per_pos``).
+        num_drafts: sequence-steps that verified at least one proposal.
+        num_draft_tokens: proposals verified.
+        num_accepted_tokens: proposals accepted.
+        num_accepted_tokens_per_pos: accepted proposals by their position 0 .. k-1.
+    """
+
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per drafting sequence-step, ``1 + accepted / drafts`` (vLLM's
+        "Mean acceptance length"); 0.0 before any draft."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class SpecDecodeScheduling:
+    """Drafting decisions of one scheduler.
+
+    Args:
+        config: the speculative config.
+        max_num_seqs: sampling rows a step may hold (every proposal takes one, as a seat).
+        max_model_len: most tokens of a sequence.
+    """
+
+    def __init__(self, config: SpeculativeConfig, max_num_seqs: int, max_model_len: int):
+        self.config = config
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                      config.prompt_lookup_max)
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        #: Proposals scheduled in the step being built (they hold seats).
+        self.step_drafts = 0
+        self._seats = 0
+        self.stats = SpecDecodingStats(config.num_speculative_tokens)
+        #: Totals since start-up (the benchmarks' acceptance rate).
+        self.totals = SpecDecodingStats(config.num_speculative_tokens)
+
+    def begin_step(self, running: list[Request]) -> None:
+        """Start a step over ``running``: every proposal must fit in the rows left."""
+        self.step_drafts = 0
+        self._seats = sum(r.n_samples for r in running)
+
+    def drafts(self, req: Request, num_new: int, budget: int) -> list[int] | None:
+        """The proposals to verify after ``req``'s ``num_new`` scheduled tokens, within
+        ``budget`` more tokens; None when it does not speculate this step (not a plain
+        decode, ``n > 1``, prompt logprobs, structured outputs, or no n-gram match).
+        Each proposal is capped so the emitted run stays within ``max_tokens`` and
+        ``max_model_len``."""
+        total = len(req.all_token_ids)
+        if (num_new != 1 or req.num_computed_tokens != total - 1 or req.n_samples != 1
+                or req.num_output_placeholders or req.params.prompt_logprobs is not None
+                or req.structured_output_request is not None):
+            return None
+        limit = min(budget, self.max_num_seqs - self._seats - self.step_drafts,
+                    req.max_tokens - (total - len(req.prompt_token_ids)) - 1,
+                    self.max_model_len - total - 1)
+        proposal = self.proposer.propose(req.all_token_ids, limit) if limit > 0 else []
+        if not proposal:
+            return None
+        self.step_drafts += len(proposal)
+        return proposal
+
+    def unschedule(self, drafts: list[int] | None) -> None:
+        """A sequence scheduled with ``drafts`` was taken out of the step (preempted)."""
+        if drafts:
+            self.step_drafts -= len(drafts)
+
+    def apply_verified(self, req: Request, drafts: list[int], tokens: list[int],
+                       logprobs: list | None, append, finish) -> int:
+        """Apply a verified run: ``tokens`` are the accepted proposals, then the resampled
+        or bonus token. Moves ``req.num_computed_tokens`` back over the rejected positions,
+        counts, and hands the tokens in order to ``append`` (``OutputProcessor.append_token``)
+        until one of them stops the sequence (then ``finish(req, *stop)``,
+        ``Scheduler.finish_request``); returns how many tokens were dropped after the stop."""
+        self._count(req, drafts, len(tokens))
+        for j, token in enumerate(tokens):
+            stop = append(req, token, None if logprobs is None else logprobs[j])
+            if stop is not None:
+                finish(req, *stop)
+                return len(tokens) - j - 1
+        return 0
+
+    def _count(self, req: Request, drafts: list[int], num_emitted: int) -> None:
+        accepted = num_emitted - 1
+        req.num_computed_tokens -= len(drafts) - accepted
+        for s in (self.stats, self.totals):
+            s.num_drafts += 1
+            s.num_draft_tokens += len(drafts)
+            s.num_accepted_tokens += accepted
+            for pos in range(accepted):
+                s.num_accepted_tokens_per_pos[pos] += 1
+
+    def take_stats(self) -> SpecDecodingStats | None:
+        """The counters since the last call (None if no sequence drafted)."""
+        stats = self.stats
+        if not stats.num_drafts:
+            return None
+        self.stats = SpecDecodingStats(self.config.num_speculative_tokens)
+        return stats

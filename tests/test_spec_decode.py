@@ -1,0 +1,363 @@
+"""Speculative decoding (n-gram proposals): configuration, proposals, the rejection sampler,
+and end to end against plain decoding (greedy token-identical; sampled distributions equal)."""
+
+import collections
+import json
+import logging
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as scipy_stats
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+from jaxpaged.sampling.sampler import SamplingMetadata, sample
+from jaxpaged.spec_decode.config import (SpeculativeConfig, SpeculativeConfigError,
+                                         SpeculativeMethodNotImplemented)
+from jaxpaged.spec_decode.ngram import NgramProposer
+from jaxpaged.spec_decode.rejection import verify
+from tests.conftest import STORIES
+from tests.test_continuous_batching import random_prompts
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
+LIMITS = dict(enforce_eager=True, max_num_seqs=64, max_num_batched_tokens=512,
+              max_model_len=256)
+# Prompts the bundled model's continuations copy from (stories repeat their phrases).
+COPY_PROMPTS = ["Once upon a time there was a little girl named Lily. She liked to play. "
+                "Once upon a time there was a little girl",
+                "The cat sat on the mat. The cat sat on the",
+                "Tom had a red ball. Tom had a big dog. Tom had a"]
+
+
+# ---- configuration -------------------------------------------------------------------------
+
+def test_config_takes_vllms_fields_and_defaults():
+    c = SpeculativeConfig.from_dict(json.dumps(NGRAM))
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == \
+        ("ngram", 4, 3, 1)
+    only_max = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
+                                            "prompt_lookup_max": 4})
+    assert (only_max.prompt_lookup_max, only_max.prompt_lookup_min) == (4, 4)
+    neither = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2})
+    assert (neither.prompt_lookup_max, neither.prompt_lookup_min) == (5, 5)
+    assert SpeculativeConfig.from_dict(None) is None
+
+
+@pytest.mark.parametrize("value, field", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": -1},
+     "prompt_lookup_max"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
+      "prompt_lookup_min": 3}, "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ("{not json", "<json>"),
+    ([1, 2], "<config>"),
+])
+def test_bad_configs_raise_naming_the_field(value, field):
+    with pytest.raises(SpeculativeConfigError) as e:
+        SpeculativeConfig.from_dict(value)
+    assert e.value.field == field
+    assert str(e.value).startswith(f"speculative_config.{field}:")
+    with pytest.raises(SpeculativeConfigError):
+        EngineArgs(speculative_config=value)
+
+
+def test_draft_model_is_refused_as_not_implemented_never_ignored():
+    value = {"method": "draft_model", "model": "/some/draft", "num_speculative_tokens": 3}
+    with pytest.raises(SpeculativeMethodNotImplemented, match="draft_model") as e:
+        SpeculativeConfig.from_dict(value)
+    assert isinstance(e.value, NotImplementedError) and e.value.field == "method"
+    with pytest.raises(NotImplementedError):
+        LLM(speculative_config=value, **LIMITS)
+
+
+def test_cli_flag_parses_json():
+    import argparse
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(
+        ["--speculative-config", json.dumps(NGRAM)]))
+    assert SpeculativeConfig.from_dict(args.speculative_config).num_speculative_tokens == 4
+
+
+# ---- proposals -----------------------------------------------------------------------------
+
+def test_ngram_proposals():
+    p = NgramProposer(3, 1, 3)
+    assert p.propose([1, 2, 3, 4, 1, 2, 3], 9) == [4, 1, 2]       # 3-gram [1 2 3]
+    assert p.propose([1, 2, 3, 4, 1, 2, 3], 2) == [4, 1]          # capped by the limit
+    assert p.propose([5, 1, 2, 9, 1, 2], 9) == [9, 1, 2]
+    assert p.propose([1, 2, 3, 4, 5], 9) == []                    # nothing recurs
+    # The longest recurring suffix wins over a more recent shorter one: [7 8] occurs at the
+    # start, [8] alone later.
+    assert p.propose([7, 8, 1, 8, 2, 7, 8], 9) == [1, 8, 2]
+    # Among equal matches the most recent.
+    assert p.propose([4, 1, 4, 2, 4], 1) == [2]
+    assert NgramProposer(3, 2, 3).propose([5, 1, 6, 1], 9) == []    # 1-gram only: too short
+    assert p.propose([1, 2, 1], 0) == []
+
+
+def test_speculating_runners_add_a_token_bucket_per_sequence_bucket():
+    from jaxpaged.runner.buckets import ShapeBuckets
+    kw = dict(max_num_tokens=2048, max_num_seqs=256, max_pages_per_seq=32,
+              page_buckets_by_width=False, max_padding=10**6)
+    assert ShapeBuckets(**kw).token_buckets == [16, 2048]
+    spec = ShapeBuckets(speculative=True, **kw)
+    assert spec.token_buckets == [16, 256, 2048] and spec.seq_buckets == [8, 16, 256]
+    assert spec.pad_sizes(5, 1, 5, 3, False) == (16, 16, 32)     # batch 1, 4 proposals
+    # A verification step of 64 sequences with 3 proposals each: 256 tokens, 256 rows.
+    assert spec.pad_sizes(256, 64, 256, 20, False) == (256, 256, 32)
+    assert (256, 256, 32, False) in spec.step_shapes()
+
+
+# ---- the rejection sampler -----------------------------------------------------------------
+
+def _meta(n, temperature, seeds, top_p=1.0):
+    return SamplingMetadata.from_host(
+        [(temperature, 0, top_p, 0.0, temperature == 0.0, s, 10) for s in seeds], n)
+
+
+def test_greedy_verification_is_the_longest_matching_prefix():
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, 50)), jnp.float32)
+    best = np.asarray(jnp.argmax(logits, -1))
+    drafts = jnp.asarray([best[0], (best[1] + 1) % 50, best[2], -1], jnp.int32)
+    out, accepted = verify(logits, _meta(4, 0.0, [0] * 4), False, None, None, drafts)
+    assert np.asarray(accepted).tolist() == [True, False, True, False]
+    assert np.asarray(out.token_ids).tolist() == best.tolist()
+
+
+def test_sampled_rows_accept_with_p_and_resample_without_the_rejected_token():
+    rng = np.random.default_rng(1)
+    n, vocab = 2000, 6
+    row = rng.normal(size=vocab).astype(np.float32)
+    p = np.exp(row.astype(np.float64))
+    p /= p.sum()
+    draft = 2
+    logits = jnp.asarray(np.tile(row, (n, 1)))
+    out, accepted = verify(logits, _meta(n, 1.0, range(n)), False, None, None,
+                           jnp.full(n, draft, jnp.int32))
+    tokens, accepted = np.asarray(out.token_ids), np.asarray(accepted)
+    assert (tokens[accepted] == draft).all() and (tokens[~accepted] != draft).all()
+    # Emitted tokens follow p exactly (accept w.p. p(x), else the residual): chi-square.
+    counts = np.bincount(tokens, minlength=vocab)
+    assert scipy_stats.chisquare(counts, p * n).pvalue > 0.01
+    assert abs(accepted.mean() - p[draft]) < 4 * np.sqrt(p[draft] * (1 - p[draft]) / n)
+    # A row without a proposal draws the plain sampler's token (same key).
+    plain = sample(logits, _meta(n, 1.0, range(n)))
+    out, _ = verify(logits, _meta(n, 1.0, range(n)), False, None, None,
+                    jnp.full(n, -1, jnp.int32))
+    assert (np.asarray(out.token_ids) == np.asarray(plain.token_ids)).all()
+
+
+# ---- end to end ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engines():
+    return LLM(**LIMITS), LLM(speculative_config=NGRAM, **LIMITS)
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _assert_all_pages_free(llm):
+    kv = llm.engine.kv_cache_manager
+    assert kv.num_free_pages == kv.num_usable_pages
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+def test_greedy_outputs_equal_plain_decoding_batch_1_and_32(engines):
+    plain, spec = engines
+    greedy = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    totals = spec.engine.scheduler.spec.totals
+    for prompts in (COPY_PROMPTS[:1], (COPY_PROMPTS * 11)[:32]):
+        before = totals.num_accepted_tokens
+        got = spec.generate(prompts, greedy, use_tqdm=False)
+        assert _ids(got) == _ids(plain.generate(prompts, greedy, use_tqdm=False))
+        assert [o.outputs[0].text for o in got] == [
+            o.outputs[0].text for o in plain.generate(prompts, greedy, use_tqdm=False)]
+        assert totals.num_accepted_tokens - before > 10 * len(prompts)   # it did speculate
+        _assert_all_pages_free(spec)
+    # The second batch found the first's prompt pages: prefix-cache hits with speculation.
+    assert spec.engine.kv_cache_manager.stats.hits > 0
+    assert totals.num_draft_tokens > totals.num_accepted_tokens > 0
+    assert sum(totals.num_accepted_tokens_per_pos) == totals.num_accepted_tokens
+
+
+def test_random_prompts_and_every_sampling_rule_inside_accepted_runs(engines):
+    plain, spec = engines
+    prompts = random_prompts(12, 512, seed=5, max_len=60) + COPY_PROMPTS
+    g = dict(temperature=0, max_tokens=40)
+    cases = [
+        SamplingParams(**g),
+        SamplingParams(stop=["Lily", " the"], **g),               # stop strings
+        SamplingParams(stop_token_ids=[13, 278], **g),            # stop ids
+        SamplingParams(temperature=0, max_tokens=7),              # length cuts a run
+        SamplingParams(logprobs=2, **g),
+        SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2,
+                       **g),
+        SamplingParams(logit_bias={278: 3.0, 13: -2.0}, **g),
+        SamplingParams(min_tokens=30, **g),
+        SamplingParams(bad_words=["girl", "cat"], **g),
+        SamplingParams(allowed_token_ids=list(range(250, 420)), **g),
+        SamplingParams(n=2, temperature=0, max_tokens=20),       # cannot speculate: runs plain
+        SamplingParams(prompt_logprobs=1, **g),                   # cannot speculate: runs plain
+    ]
+    params = [cases[i % len(cases)] for i in range(len(prompts))] + cases
+    prompts = prompts + [COPY_PROMPTS[0]] * len(cases)
+    totals = spec.engine.scheduler.spec.totals
+    before = totals.num_accepted_tokens
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert totals.num_accepted_tokens - before > 50
+    want = plain.generate(prompts, params, use_tqdm=False)
+    for g_out, w_out, p in zip(got, want, params):
+        assert [o.token_ids for o in g_out.outputs] == [o.token_ids for o in w_out.outputs], p
+        assert [o.text for o in g_out.outputs] == [o.text for o in w_out.outputs]
+        assert [o.finish_reason for o in g_out.outputs] == \
+            [o.finish_reason for o in w_out.outputs]
+        assert [o.stop_reason for o in g_out.outputs] == [o.stop_reason for o in w_out.outputs]
+        if p.logprobs:
+            for a, b in zip(g_out.outputs[0].logprobs, w_out.outputs[0].logprobs):
+                assert a.keys() == b.keys()
+                assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert any(o.outputs[0].finish_reason == "stop" for o in got)
+    _assert_all_pages_free(spec)
+
+
+def test_preemption_with_a_tiny_pool_matches_and_frees_every_page(engines):
+    plain, _ = engines
+    prompts = (COPY_PROMPTS * 6)[:16]
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    small = LLM(speculative_config=NGRAM, enforce_eager=True, max_num_seqs=32,
+                max_model_len=128, block_size=8, num_gpu_blocks_override=25)
+    got = small.generate(prompts, greedy, use_tqdm=False)
+    assert small.engine.num_preemptions > 0
+    assert small.engine.scheduler.spec.totals.num_accepted_tokens > 0
+    assert _ids(got) == _ids(plain.generate(prompts, greedy, use_tqdm=False))
+    _assert_all_pages_free(small)
+
+
+def test_random_llama_greedy_equal_and_seeded_runs_repeat(tmp_path):
+    cfg = json.load(open(f"{STORIES}/config.json"))
+    cfg.update(hidden_size=96, intermediate_size=200, num_hidden_layers=3,
+               num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
+        shutil.copy(f"{STORIES}/{name}", tmp_path / name)
+    kw = dict(LIMITS, model=str(tmp_path), load_format="dummy")
+    plain, spec = LLM(**kw), LLM(speculative_config=NGRAM, **kw)
+    prompts = random_prompts(32, 512, seed=9, max_len=50)
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    for batch in (prompts[:1], prompts):
+        assert _ids(spec.generate(batch, greedy, use_tqdm=False)) == \
+            _ids(plain.generate(batch, greedy, use_tqdm=False))
+    assert spec.engine.scheduler.spec.totals.num_accepted_tokens > 0
+    seeded = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=32,
+                             ignore_eos=True) for i in range(8)]
+    first = _ids(spec.generate(prompts[:8], seeded, use_tqdm=False))
+    alone = _ids(spec.generate(prompts[3:4], seeded[3:4], use_tqdm=False))
+    assert _ids(spec.generate(prompts[:8], seeded, use_tqdm=False)) == first
+    assert alone == first[3:4]       # independent of the batch
+    _assert_all_pages_free(spec)
+
+
+def test_seeded_sampled_outputs_equal_plain_decoding(engines):
+    """The acceptance test reuses the row's plain draw (``rejection.py``): a seeded
+    request's tokens are those of plain decoding with the same seed, however it speculated."""
+    plain, spec = engines
+    prompts = (COPY_PROMPTS * 8)[:24]
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k, seed=i, max_tokens=48,
+                             ignore_eos=True)
+              for i, (t, p, k) in enumerate([(1.0, 1.0, 0), (0.7, 0.9, 0), (1.2, 1.0, 20)] * 8)]
+    totals = spec.engine.scheduler.spec.totals
+    before = (totals.num_draft_tokens, totals.num_accepted_tokens)
+    got = _ids(spec.generate(prompts, params, use_tqdm=False))
+    assert totals.num_accepted_tokens - before[1] > 100
+    assert totals.num_draft_tokens - before[0] > totals.num_accepted_tokens - before[1]
+    assert got == _ids(plain.generate(prompts, params, use_tqdm=False))
+    _assert_all_pages_free(spec)
+
+
+def test_metrics_and_the_log_line(engines, caplog):
+    _, spec = engines
+    prom = PrometheusStatLogger("m", 256)
+    line = LoggingStatLogger(interval=0.0)
+    spec.engine.stat_loggers[:] = [prom, line]
+    try:
+        with caplog.at_level(logging.INFO, logger="jaxpaged.metrics"):
+            spec.generate(COPY_PROMPTS, SamplingParams(temperature=0, max_tokens=40,
+                                                       ignore_eos=True), use_tqdm=False)
+    finally:
+        spec.engine.stat_loggers.clear()
+
+    def value(name, **labels):
+        return prom.registry.get_sample_value(f"jaxpaged:{name}_total",
+                                              {"model_name": "m", **labels})
+
+    drafts, proposed = value("spec_decode_num_drafts"), value("spec_decode_num_draft_tokens")
+    accepted = value("spec_decode_num_accepted_tokens")
+    assert drafts > 0 and proposed >= drafts and 0 < accepted <= proposed
+    assert sum(value("spec_decode_num_accepted_tokens_per_pos", position=str(i))
+               for i in range(4)) == accepted
+    assert any("Mean acceptance length" in r.getMessage() for r in caplog.records)
+
+
+def test_no_compilation_after_start_up_with_speculation():
+    llm = LLM(speculative_config=NGRAM, max_num_seqs=8, max_model_len=64,
+              max_num_batched_tokens=32)
+    compiled = llm.engine.stats().num_compilations
+    prompts = [COPY_PROMPTS[1]] * 3 + [COPY_PROMPTS[2]]
+    params = [SamplingParams(temperature=0, max_tokens=20, logprobs=1),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=1, max_tokens=20),
+              SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.2,
+                             min_tokens=5),
+              SamplingParams(temperature=0.7, top_k=5, seed=2, max_tokens=20)]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.spec.totals.num_drafts > 0
+    assert llm.engine.stats().num_compilations == compiled
+
+
+def _first_tokens(llm, prompt, n, seed0, **params):
+    outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=4, ignore_eos=True,
+                                                      seed=seed0 + i, **params)
+                                       for i in range(n)], use_tqdm=False)
+    return [tuple(o.outputs[0].token_ids[:3]) for o in outs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=1.0, top_p=0.8)])
+def test_sampled_first_three_tokens_follow_plain_sampling(params):
+    """Two-sample chi-square over 4000 draws each of the first 3 tokens (prefixes of length
+    1, 2, 3), speculative against plain, on a prompt where about 30-40% of proposals are
+    accepted (so both acceptance and the residual draw are exercised)."""
+    # Proposals take sampling rows within max_num_seqs: room for them beside the sequences.
+    kw = dict(enforce_eager=True, max_num_seqs=512, max_num_batched_tokens=1024,
+              max_model_len=128)
+    spec = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                   "prompt_lookup_max": 2, "prompt_lookup_min": 1}, **kw)
+    plain = LLM(**kw)
+    n, prompt = 4000, COPY_PROMPTS[2]
+    a = _first_tokens(spec, prompt, n, 0, **params)
+    b = _first_tokens(plain, prompt, n, 10**6, **params)
+    totals = spec.engine.scheduler.spec.totals
+    assert 0.2 * totals.num_draft_tokens < totals.num_accepted_tokens \
+        < 0.8 * totals.num_draft_tokens
+    assert totals.num_draft_tokens > n / 2
+    for length in (1, 2, 3):
+        ca = collections.Counter(x[:length] for x in a)
+        cb = collections.Counter(x[:length] for x in b)
+        keys = [k for k in set(ca) | set(cb) if ca[k] + cb[k] >= 10]
+        table = np.array([[c[k] for k in keys] + [n - sum(c[k] for k in keys)]
+                          for c in (ca, cb)])
+        table = table[:, table.sum(0) > 0]
+        assert table.shape[1] >= 2
+        assert scipy_stats.chi2_contingency(table).pvalue > 0.01, (length, table)
+    _assert_all_pages_free(spec)
