@@ -52,11 +52,25 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(error_body(e).model_dump(), status_code=e.status, headers=e.headers)
 
 
+#: Names pydantic puts in an error's location for the branch of a union it tried.
+_UNION_BRANCHES = {"str", "int", "float", "bool", "list", "dict", "none", "is-instance"}
+
+
+def _field_path(loc: tuple) -> tuple:
+    """``loc`` without pydantic's union-branch and validator tags (``str``,
+    ``function-before[...]``, ``list[...]``): the path as the client wrote it."""
+    return tuple(p for p in loc if not (isinstance(p, str) and (
+        p in _UNION_BRANCHES or "[" in p or "(" in p)))
+
+
 def from_validation_error(e: ValidationError) -> APIError:
     """400 naming the first invalid field: ``param`` is the top-level request field, the
-    message gives the full path (``messages.0.role``) and pydantic's reason."""
-    first = e.errors()[0]
-    loc = first["loc"]
+    message gives the full path (``messages.0.role``) and pydantic's reason (each union
+    branch's reason, joined by "or", when the field may take several types)."""
+    errors = e.errors()
+    loc = _field_path(errors[0]["loc"])
+    reasons = list(dict.fromkeys(err["msg"] for err in errors
+                                 if _field_path(err["loc"]) == loc))
     path = ".".join(str(p) for p in loc)
-    return bad_request(f"invalid value for '{path}': {first['msg']}",
+    return bad_request(f"invalid value for '{path}': {' or '.join(reasons)}",
                        str(loc[0]) if loc else None)

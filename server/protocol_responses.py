@@ -185,6 +185,12 @@ class ResponsesRequest(_Strict):
     previous_response_id: str | None = None
     background: bool | None = None
     truncation: Literal["disabled"] | None = None     # "auto" (dropping turns) is refused
+    # accepted only with the values that ask for nothing (clients send them by default)
+    include: Annotated[list[str], Field(max_length=0)] | None = None
+    top_logprobs: Literal[0] | None = None
+    max_tool_calls: None = None
+    conversation: None = None
+    prompt: None = None
     # fields that change nothing here
     user: str | None = None
     service_tier: str | None = None

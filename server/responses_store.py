@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from jaxpaged.server.errors import APIError, bad_request
 from jaxpaged.server.protocol_responses import InputItem, ResponseObject
 
+#: Statuses of a response still being generated.
+RUNNING = ("queued", "in_progress")
 #: What a request that needs the store is told when the server keeps none.
 ENABLE_HINT = ("start jaxpaged serve with --responses-store-size N to keep the last N "
                "responses in memory")
@@ -48,11 +50,15 @@ class ResponsesStore:
                               f"keep: {ENABLE_HINT}", field)
 
     def put(self, entry: StoredResponse) -> None:
-        """Keep (or replace) ``entry``, dropping the least recently used beyond capacity."""
+        """Keep (or replace) ``entry``, dropping the least recently used beyond capacity.
+        A response still running (``queued`` / ``in_progress``: a ``background`` one) is
+        never dropped, so the store holds more than ``capacity`` while more than that run."""
         self._entries[entry.response.id] = entry
         self._entries.move_to_end(entry.response.id)
-        while len(self._entries) > max(self.capacity, 0):
-            self._entries.popitem(last=False)
+        excess = len(self._entries) - max(self.capacity, 0)
+        for response_id in [i for i, e in self._entries.items()
+                            if e.response.status not in RUNNING][:max(excess, 0)]:
+            del self._entries[response_id]
 
     def get(self, response_id: str, param: str | None = None) -> StoredResponse:
         """The stored response (now the most recently used).

@@ -209,6 +209,18 @@ def test_store_previous_response_id_and_background(client, http, live_server):
             respond(client, previous_response_id="resp_unknown")
 
 
+def test_fields_that_ask_for_nothing_are_accepted(http):
+    """What clients (e.g. Codex) send by default: empty or null values of features this
+    server does not have."""
+    r = http.post("/v1/responses", json={"model": MODEL, "input": USER, "max_output_tokens": 2,
+                                         "include": [], "top_logprobs": 0,
+                                         "max_tool_calls": None, "conversation": None,
+                                         "prompt": None})
+    assert r.status_code == 200, r.text
+    bad(http, "top_logprobs", top_logprobs=2)
+    bad(http, "conversation", conversation="conv_1")
+
+
 def test_unknown_and_unsupported_fields_are_400s_naming_them(http):
     bad(http, "include", "include", include=["message.output_text.logprobs"])
     bad(http, "tools", tools=[{"type": "web_search"}])
@@ -241,6 +253,14 @@ def test_store_flag_reaches_the_config_and_the_store_is_lru():
     assert len(store) == 2 and store.get("a").response.id == "a"
     with pytest.raises(APIError, match="'b' not found"):
         store.get("b")
+    # Running (background) responses are never dropped: the finished ones go first, and
+    # the store overflows only while more than its capacity run.
+    for name in ("q1", "q2", "q3"):
+        store.put(StoredResponse(ResponseObject(id=name, status="queued", model=MODEL), []))
+    assert len(store) == 3 and all(store.get(n) for n in ("q1", "q2", "q3"))
+    store.put(StoredResponse(ResponseObject(id="q1", status="completed", model=MODEL), []))
+    store.put(StoredResponse(ResponseObject(id="d", status="completed", model=MODEL), []))
+    assert sorted(i for i in ("q1", "q2", "q3", "d") if i in store._entries) == ["q2", "q3"]
 
 
 def test_cancel_a_background_response(client, http, live_server):
