@@ -8,23 +8,11 @@ steps (chunked prefill); ``long_prefill_token_threshold`` caps one prefill's chu
 the next step; finished ones leave at once. A waiting request first takes the longest cached
 prefix of its tokens (automatic prefix caching) and computes only the rest.
 
-When a running sequence cannot get a page, a victim is preempted by recompute — the newest
-running sequence (``fcfs``), the lowest-priority, newest one (``priority``), or the one last
-in ``sjf`` order: its pages are released and it goes back to the waiting queue with
-``num_computed_tokens = 0`` and its generated tokens kept, so nothing is lost or doubled when
-it resumes.
-
-``sjf`` (shortest job first with aging) orders the waiting queue by
-``arrival + K * remaining / max_model_len``: ``arrival`` the request's arrival number,
-``remaining`` the tokens it has left to process (prompt and outputs not in the pool, plus
-``max_tokens`` minus its outputs so far), ``K`` = ``sjf_aging_requests``. A request that
-arrived ``d`` requests later sorts ahead only if its remaining work is shorter by more than
-``d * max_model_len / K`` tokens, so **at most K requests that arrived after a request are
-scheduled before it** (aging: the bound is the same whatever the load, and no request
-starves). The key does not change while a request waits, so the queue stays sorted on insert.
-(Shortest-job-first for LLM serving with a starvation guard: Fu et al., "Efficient LLM
-Scheduling by Learning to Rank", NeurIPS 2024; here the job length is the request's own bound,
-not a prediction.)
+When a running sequence cannot get a page, a victim is preempted by recompute, chosen by
+the scheduling policy (``jaxpaged.engine.queue_policy``: the newest running sequence under
+``fcfs``): its pages are released and it goes back to the waiting queue, in the policy's order,
+with ``num_computed_tokens = 0`` and its generated tokens kept, so nothing is lost or doubled
+when it resumes.
 
 References: Yu et al., "Orca: A Distributed Serving System for Transformer-Based Generative
 Models" (OSDI 2022), section 3.2 (iteration-level scheduling); Agrawal et al., "Taming
@@ -38,9 +26,9 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from jaxpaged.constants import SCHEDULING_POLICIES
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
 from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup
+from jaxpaged.engine.queue_policy import QueuePolicy
 from jaxpaged.engine.request import Request, RequestStatus
 from jaxpaged.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxpaged.runner.output import ModelRunnerOutput
@@ -90,9 +78,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  output_processor: OutputProcessor,
                  speculative_config: SpeculativeConfig | None = None):
-        if config.policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"unknown scheduling policy {config.policy!r}; "
-                             f"choose from {list(SCHEDULING_POLICIES)}")
+        self.policy = QueuePolicy(config.policy, config.max_model_len,
+                                  config.sjf_aging_requests)
         self.config = config
         self.kv = kv_cache_manager
         self.output_processor = output_processor
@@ -104,22 +91,11 @@ class Scheduler:
         self.spec = None if speculative_config is None else SpecDecodeScheduling(
             speculative_config, config.max_num_seqs, config.max_model_len)
 
-    def _queue_key(self, req: Request):
-        policy = self.config.policy
-        if policy == "priority":
-            return (req.priority, req.arrival)
-        if policy == "sjf":
-            remaining = (len(req.all_token_ids) - req.num_computed_tokens
-                         + req.max_tokens - req.num_output_tokens)
-            return (req.arrival + self.config.sjf_aging_requests * remaining
-                    / self.config.max_model_len, req.arrival)
-        return (req.arrival,)
-
     def _enqueue(self, req: Request) -> None:
         """Insert into the waiting queue in policy order (arrival order for fcfs, so a
         preempted request goes back in front of everything that arrived after it)."""
-        self.waiting.insert(bisect.bisect(self.waiting, self._queue_key(req),
-                                          key=self._queue_key), req)
+        key = self.policy.key
+        self.waiting.insert(bisect.bisect(self.waiting, key(req), key=key), req)
 
     def add_request(self, request: Request) -> None:
         """Queue a new request; it can run from the next step."""
@@ -198,7 +174,7 @@ class Scheduler:
                     spec.unschedule(drafts)
                     num_new, drafts = num_new - len(drafts), None
                     continue
-                victim = self._pick_victim()
+                victim = self.policy.victim(self.running)
                 if self.running.index(victim) < i:   # already scheduled this step: undo it
                     undone = next(s for s in scheduled if s.request is victim)
                     scheduled.remove(undone)
@@ -282,13 +258,6 @@ class Scheduler:
             scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
         return admitted
-
-    def _pick_victim(self) -> Request:
-        if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival))
-        if self.config.policy == "sjf":
-            return max(self.running, key=self._queue_key)
-        return self.running[-1]
 
     def waiting_for_grammars(self) -> list:
         """The grammar states of waiting requests whose grammar still compiles."""
