@@ -54,6 +54,20 @@ inline void store(uint16_t* p, int64_t i, float x) { p[i] = float_to_bf16(x); }
 inline float round_weight(float p, const float*) { return p; }
 inline float round_weight(float p, const uint16_t*) { return bf16_to_float(float_to_bf16(p)); }
 
+template <typename T>
+inline float dot(const float* __restrict q, const T* __restrict k, int64_t n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t d = 0; d < n; ++d) sum += q[d] * load(k, d);
+  return sum;
+}
+
+template <typename T>
+inline void axpy(float* __restrict acc, float p, const T* __restrict v, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) acc[d] += p * load(v, d);
+}
+
 // exp(x) for x <= 0 (arguments below -87 give ~0): x = n ln2 + r, |r| <= ln2 / 2, 2^n built
 // in the exponent bits and e^r by its degree-6 Taylor polynomial (relative error < 2e-7).
 // Branch-free, so the loops calling it vectorize.
@@ -79,37 +93,41 @@ struct Shape {
   int64_t num_blocks, num_heads, head_dim, num_pages, page_size, num_kv_heads, pages_per_seq;
   float scale, soft_cap, v_scale;
   int32_t sliding_window;
+  int64_t heads_per_item;  // KV heads of one work item (a divisor of num_kv_heads)
 };
 
-// Scratch of one worker: the group's queries, scores and softmax state.
+// Scratch of one worker: the item's queries, scores and softmax state.
 struct Scratch {
   std::vector<float> q, s, m, l, acc;
   explicit Scratch(const Shape& sh) {
-    int64_t g = sh.num_heads / sh.num_kv_heads;
-    q.resize(g * sh.head_dim);
-    s.resize(g * sh.page_size);
-    m.resize(g);
-    l.resize(g);
-    acc.resize(g * sh.head_dim);
+    int64_t rows = sh.heads_per_item * (sh.num_heads / sh.num_kv_heads);
+    q.resize(rows * sh.head_dim);
+    s.resize(rows * sh.page_size);
+    m.resize(rows);
+    l.resize(rows);
+    acc.resize(rows * sh.head_dim);
   }
 };
 
+// One work item: block b's query heads of KV heads [h0, h0 + heads_per_item). Rows r of the
+// scratch are those query heads in order (query head h0 * G + r reads KV head h0 + r / G).
 template <typename T>
 void attend_item(const Shape& sh, int64_t item, const T* q, const T* k_pages, const T* v_pages,
                  const int32_t* page_table, const int32_t* block_seq,
                  const int32_t* block_pos, T* out, Scratch& w) {
-  const int64_t b = item / sh.num_kv_heads, h = item % sh.num_kv_heads;
+  const int64_t items_per_block = sh.num_kv_heads / sh.heads_per_item;
+  const int64_t b = item / items_per_block, h0 = item % items_per_block * sh.heads_per_item;
   const int64_t d_len = sh.head_dim, ps = sh.page_size, group = sh.num_heads / sh.num_kv_heads;
-  const int64_t row_stride = sh.num_kv_heads * d_len;
-  T* out_group = out + (b * sh.num_heads + h * group) * d_len;
+  const int64_t rows = sh.heads_per_item * group, row_stride = sh.num_kv_heads * d_len;
+  T* out_rows = out + (b * sh.num_heads + h0 * group) * d_len;
   const int32_t qpos = block_pos[b];
   if (qpos < 0) {
-    for (int64_t i = 0; i < group * d_len; ++i) store(out_group, i, 0.0f);
+    for (int64_t i = 0; i < rows * d_len; ++i) store(out_rows, i, 0.0f);
     return;
   }
-  const T* q_group = q + (b * sh.num_heads + h * group) * d_len;
+  const T* q_rows = q + (b * sh.num_heads + h0 * group) * d_len;
   float* qf = w.q.data();
-  for (int64_t i = 0; i < group * d_len; ++i) qf[i] = load(q_group, i);
+  for (int64_t i = 0; i < rows * d_len; ++i) qf[i] = load(q_rows, i);
   std::fill(w.m.begin(), w.m.end(), -INFINITY);
   std::fill(w.l.begin(), w.l.end(), 0.0f);
   std::fill(w.acc.begin(), w.acc.end(), 0.0f);
@@ -119,54 +137,48 @@ void attend_item(const Shape& sh, int64_t item, const T* q, const T* k_pages, co
   float* s = w.s.data();
   for (int64_t j = lo / ps; j <= last_page; ++j) {
     const int64_t page = std::clamp<int64_t>(pages[j], 0, sh.num_pages - 1);
-    const T* kp = k_pages + page * ps * row_stride + h * d_len;
-    const T* vp = v_pages + page * ps * row_stride + h * d_len;
+    const T* kp = k_pages + page * ps * row_stride + h0 * d_len;
+    const T* vp = v_pages + page * ps * row_stride + h0 * d_len;
     const int64_t t0 = std::max<int64_t>(0, lo - j * ps);
     const int64_t t1 = std::min<int64_t>(ps, qpos - j * ps + 1);
-    for (int64_t t = t0; t < t1; ++t) {
-      const T* krow = kp + t * row_stride;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = qf + g * d_len;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < d_len; ++d) dot += qg[d] * load(krow, d);
-        float x = dot * sh.scale;
+    for (int64_t t = t0; t < t1; ++t) {      // scores: the page's rows in memory order
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qr = qf + r * d_len;
+        const T* krow = kp + t * row_stride + (r / group) * d_len;
+        float x = dot(qr, krow, d_len) * sh.scale;
         if (sh.soft_cap > 0) x = sh.soft_cap * std::tanh(x / sh.soft_cap);
-        s[g * ps + t] = x;
+        s[r * ps + t] = x;
       }
     }
-    for (int64_t g = 0; g < group; ++g) {
-      float* sg = s + g * ps;
-      float m_new = w.m[g];
-      for (int64_t t = t0; t < t1; ++t) m_new = std::max(m_new, sg[t]);
-      const float correction = std::exp(w.m[g] - m_new);
+    for (int64_t r = 0; r < rows; ++r) {     // online softmax update
+      float* sr = s + r * ps;
+      float m_new = w.m[r];
+      for (int64_t t = t0; t < t1; ++t) m_new = std::max(m_new, sr[t]);
+      const float correction = std::exp(w.m[r] - m_new);
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t t = t0; t < t1; ++t) {
-        float p = exp_nonpositive(sg[t] - m_new);
+        float p = exp_nonpositive(sr[t] - m_new);
         sum += p;
-        sg[t] = round_weight(p, k_pages);
+        sr[t] = round_weight(p, k_pages);
       }
-      w.l[g] = w.l[g] * correction + sum;
-      w.m[g] = m_new;
-      float* acc = w.acc.data() + g * d_len;
+      w.l[r] = w.l[r] * correction + sum;
+      w.m[r] = m_new;
+      float* acc = w.acc.data() + r * d_len;
 #pragma omp simd
       for (int64_t d = 0; d < d_len; ++d) acc[d] *= correction;
     }
-    for (int64_t t = t0; t < t1; ++t) {
-      const T* vrow = vp + t * row_stride;
-      for (int64_t g = 0; g < group; ++g) {
-        float* acc = w.acc.data() + g * d_len;
-        const float p = s[g * ps + t];
-#pragma omp simd
-        for (int64_t d = 0; d < d_len; ++d) acc[d] += p * load(vrow, d);
+    for (int64_t t = t0; t < t1; ++t) {      // weighted values, same order
+      for (int64_t r = 0; r < rows; ++r) {
+        axpy(w.acc.data() + r * d_len, s[r * ps + t], vp + t * row_stride + (r / group) * d_len,
+             d_len);
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const float norm = sh.v_scale / w.l[g];
-    const float* acc = w.acc.data() + g * d_len;
-    for (int64_t d = 0; d < d_len; ++d) store(out_group, g * d_len + d, acc[d] * norm);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float norm = sh.v_scale / w.l[r];
+    const float* acc = w.acc.data() + r * d_len;
+    for (int64_t d = 0; d < d_len; ++d) store(out_rows, r * d_len + d, acc[d] * norm);
   }
 }
 
@@ -192,11 +204,11 @@ void run_items(const Shape& sh, const std::shared_ptr<Work>& work, const T* q, c
 }
 
 template <typename T>
-void launch(ffi::ThreadPool& pool, const Shape& sh, const T* q, const T* k, const T* v,
+void launch(ffi::ThreadPool& pool, Shape sh, const T* q, const T* k, const T* v,
             const int32_t* page_table, const int32_t* block_seq, const int32_t* block_pos,
             T* out) {
   auto work = std::make_shared<Work>();
-  work->total = sh.num_blocks * sh.num_kv_heads;
+  work->total = sh.num_blocks * (sh.num_kv_heads / sh.heads_per_item);
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total) - 1;
   for (int64_t i = 0; i < helpers; ++i) {
     pool.Schedule([=] { run_items(sh, work, q, k, v, page_table, block_seq, block_pos, out); });
@@ -216,7 +228,7 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
                                        "page_table [B, P]");
   }
   Shape sh{qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], page_table.dimensions()[1],
-           scale, soft_cap, v_scale, sliding_window};
+           scale, soft_cap, v_scale, sliding_window, 0};
   if (kd[3] != sh.head_dim || sh.num_heads % sh.num_kv_heads != 0 ||
       !std::equal(kd.begin(), kd.end(), v_pages.dimensions().begin(),
                   v_pages.dimensions().end()) ||
@@ -228,6 +240,14 @@ ffi::Error PagedDecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   if (k_pages.element_type() != dtype || v_pages.element_type() != dtype ||
       out->element_type() != dtype) {
     return ffi::Error::InvalidArgument("q, pools and output must share a dtype");
+  }
+  // Whole blocks make the longest contiguous reads (a page's rows of every KV head); split a
+  // block's KV heads only when there are too few blocks to keep the threads busy.
+  const int64_t wanted_items = 4 * std::max<int64_t>(1, pool.num_threads());
+  sh.heads_per_item = sh.num_kv_heads;
+  while (sh.heads_per_item % 2 == 0 &&
+         sh.num_blocks * (sh.num_kv_heads / sh.heads_per_item) < wanted_items) {
+    sh.heads_per_item /= 2;
   }
   const int32_t *pt = page_table.typed_data(), *seq = block_seq.typed_data(),
                 *pos = block_pos.typed_data();
