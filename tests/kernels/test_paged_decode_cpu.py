@@ -124,3 +124,40 @@ def test_failed_self_check_falls_back_to_xla(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger=selection.__name__):
         assert get_attention_backend("auto", dtype=jnp.float32).name == "xla"
     assert "differs from the xla reference" in caplog.text
+
+
+_LOAD_AND_RUN = """
+import sys, numpy as np, jax
+from jaxpaged.runner.executable_store import ExecutableStore
+data = np.load(sys.argv[2])
+step = ExecutableStore(sys.argv[1]).load("decode", jax.devices()[:1])
+out = step(*(data[f"a{i}"] for i in range(6)))
+print(float(np.abs(np.asarray(out) - data["out"]).max()))
+"""
+
+
+def test_stored_step_with_the_kernel_runs_in_a_fresh_process(tmp_path):
+    """A compiled step calling the kernel round-trips through the executable store: a new
+    process (which registers the FFI target in ``ExecutableStore.load``) runs it and gets the
+    same output."""
+    import os
+    import subprocess
+    import sys
+
+    from jaxpaged.runner.executable_store import ExecutableStore
+
+    rng = np.random.default_rng(7)
+    args = (jnp.asarray(rng.normal(size=(3, 4, 32)), jnp.float32),
+            *(jnp.asarray(rng.normal(size=(9, 8, 2, 32)), jnp.float32) for _ in range(2)),
+            jnp.asarray([[1, 2, 3, 4], [5, 6, 7, 8]], jnp.int32), jnp.asarray([1, 0, 1], jnp.int32),
+            jnp.asarray([30, 4, -1], jnp.int32))
+    f = jax.jit(lambda *a: paged_decode_cpu(*a, scale=0.2) * 2.0)
+    store = ExecutableStore(str(tmp_path / "steps"))
+    compiled = store.compile("decode", lambda: f.lower(*args))
+    assert os.listdir(tmp_path / "steps") == ["decode.pkl"]
+    out = np.asarray(compiled(*args))
+    np.savez(tmp_path / "data.npz", out=out, **{f"a{i}": np.asarray(a) for i, a in enumerate(args)})
+    run = subprocess.run([sys.executable, "-c", _LOAD_AND_RUN, str(tmp_path / "steps"),
+                          str(tmp_path / "data.npz")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert float(run.stdout.split()[-1]) == 0.0
