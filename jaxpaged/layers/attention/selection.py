@@ -44,6 +44,8 @@ def get_attention_backend(name: str, *, num_kv_heads: int = 8, num_heads: int = 
     if name == "pallas":
         return PallasAttentionBackend()
     if name == "cpu":
+        if jax.default_backend() != "cpu":
+            logger.warning("the cpu attention backend runs only on the CPU; using xla")
         return CpuAttentionBackend() if kernel_available() else XlaAttentionBackend()
     if name != "auto":
         raise ValueError(f"unknown attention backend {name!r}; choose from {list(ATTENTION_BACKENDS)}")

@@ -3,13 +3,15 @@
 // One query token per block (a decode), grouped-query attention, over the KV page pool of
 // jaxpaged.layers.attention.base: k_pages, v_pages [num_pages, page_size, KVH, D], a token at
 // position p of a sequence in page page_table[seq][p / page_size], row p % page_size. Each
-// work item is one (block, KV head) pair: it walks the block's pages in order, reads each
-// page's rows of its KV head once and folds them into a float32 online softmax (Milakov &
-// Gimelshein, "Online normalizer calculation for softmax", 2018; the per-page loop of vLLM's
-// paged attention v1 kernel and FlashAttention-2's rescaled accumulator, Dao 2023) for the
-// G = H / KVH query heads that share the KV head. Items are spread over XLA:CPU's intra-op
-// thread pool (the FFI ThreadPool context); the calling thread works too, so no thread ever
-// waits on work nobody has started.
+// work item is one block with all its KV heads (or, when there are too few blocks for the
+// threads, with a range of them): it walks the block's pages in order, reads each page's rows
+// once, in memory order, and folds them into a float32 online softmax (Milakov & Gimelshein,
+// "Online normalizer calculation for softmax", 2018; the per-page loop of vLLM's paged
+// attention v1 kernel and FlashAttention-2's rescaled accumulator, Dao 2023) for every query
+// head, the G = H / KVH query heads of a KV head reading the same rows. Items are spread
+// over XLA:CPU's intra-op thread pool (the FFI ThreadPool context); the calling thread works
+// too, so no thread ever waits on work nobody has started. One W1 decode layer measured
+// 1.2x faster with the pool's two threads than on the calling thread alone (7.1 / 5.9 ms).
 //
 // Numerics follow the xla backend's decode path (jaxpaged/layers/attention/xla.py): scores
 // q.k in float32 times `scale` (which includes k_scale), optional soft-capping
