@@ -2,8 +2,11 @@
 (:func:`jaxpaged.benchmarks.step_profile.build_step`) in float32 and in bfloat16 (weights,
 activations and KV pool, ``--dtype bfloat16``), calls interleaved in one process
 (float32, bfloat16, float32, ... ``--repeats`` times a round, ``--rounds`` rounds), so the
-ratio holds on a shared machine whose load moves. Also home of ``step_profile
---compare-options`` (XLA:CPU compile-option sets against the defaults, same interleaving).
+ratio holds on a shared machine whose load moves. ``--backends xla cpu`` compares attention
+backends instead (each step in ``--dtypes``' first dtype), and ``--layer`` first times one
+layer's decode attention alone (KV write and attention of W1's decode step, per backend).
+Also home of ``step_profile --compare-options`` (XLA:CPU compile-option sets against the
+defaults, same interleaving).
 
 Prints one JSON line per step kind: per round and dtype the best and median ms, the best's
 ratio to float32's, and whether the greedy tokens equal float32's (dummy weights give
@@ -96,18 +99,91 @@ def compare_dtypes(kind: str, model_dir: str, dtypes: list[str], repeats: int,
     return {"kind": kind, "rounds": interleave(calls, repeats, rounds)}
 
 
+def compare_backends(kind: str, model_dir: str, backends: list[str], dtype: str, repeats: int,
+                     rounds: int) -> dict:
+    """Best and median step time of ``kind`` with each attention backend in ``backends``,
+    calls interleaved; ratios are to the first backend."""
+    calls = {}
+    for backend in backends:
+        fn, state, kv, args, _, _ = build_step(kind, model_dir, dtype=dtype, backend=backend)
+        calls[backend] = step_caller(fn, state, {"kv": kv}, args)
+    return {"kind": kind, "dtype": dtype, "rounds": interleave(calls, repeats, rounds)}
+
+
+def compare_decode_layer(model_dir: str, backends: list[str], dtype: str, repeats: int,
+                         rounds: int) -> dict:
+    """One layer's attention (``forward``: KV write and attention, the pool donated) in W1's
+    decode step for each backend, random q/k/v and pool, calls interleaved; also the largest
+    difference of each backend's output from the first's and the KV bytes the layer reads
+    (``GB/s`` = those over the best time)."""
+    import jax
+    import jax.numpy as jnp
+    from jaxpaged.config import ModelConfig
+    from jaxpaged.layers.attention.selection import get_attention_backend
+    from jaxpaged.runner.input_batch import attention_metadata
+    from jaxpaged.benchmarks.step_profile import PAGE_SIZE, w1_layout
+
+    cfg = ModelConfig.from_pretrained(model_dir)
+    layout, _, num_pages = w1_layout("decode")
+    rng = np.random.default_rng(0)
+    h, kvh, d, t = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, layout.positions.shape[0]
+    new = lambda heads: jnp.asarray(rng.normal(size=(t, heads, d)), dtype)  # noqa: E731
+    q, k, v = new(h), new(kvh), new(kvh)
+    pools = [rng.normal(size=(num_pages, PAGE_SIZE, kvh, d)) for _ in range(2)]
+    calls, outs = {}, {}
+    for name in backends:
+        backend = get_attention_backend(name)
+        meta = {n: jnp.asarray(a) for n, a in attention_metadata(backend, layout).items()}
+        fn = jax.jit(lambda q, k, v, kv, meta, b=backend: b.forward(q, k, v, kv, meta,
+                                                                    scale=d ** -0.5),
+                     donate_argnums=(3,))
+        holder = {"kv": tuple(jnp.asarray(p, dtype) for p in pools)}   # the same pool each
+
+        def call(fn=fn, meta=meta, holder=holder):
+            t0 = time.perf_counter()
+            out, holder["kv"] = fn(q, k, v, holder["kv"], meta)
+            jax.block_until_ready(out)
+            return time.perf_counter() - t0, np.asarray(out, np.float32)[:layout.num_tokens]
+        calls[backend.name] = call
+        outs[backend.name] = call()[1]
+    first = next(iter(outs))
+    kv_bytes = 2 * int((layout.positions[:layout.num_tokens] + 1).sum()) * kvh * d \
+        * jnp.dtype(dtype).itemsize
+    result = interleave(calls, repeats, rounds)
+    for r in result:
+        for name, row in r.items():
+            del row["same_tokens"]
+            row["GB/s"] = round(kv_bytes / row["best_ms"] / 1e6, 1)
+    return {"layer": "decode attention", "dtype": dtype, "kv_mb": round(kv_bytes / 1e6, 1),
+            "max_abs_diff": {n: float(np.abs(o - outs[first]).max()) for n, o in outs.items()},
+            "rounds": result}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=os.path.join(ROOT, "configs", "models", "stories110m-shape"))
     p.add_argument("--steps", nargs="+", default=["decode", "prefill"],
                    choices=["decode", "prefill"])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--backends", nargs="+", default=None,
+                   help="compare these attention backends (e.g. xla cpu) instead of dtypes")
+    p.add_argument("--layer", action="store_true",
+                   help="with --backends: time one layer's decode attention first")
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
     result = {"cpu": cpu_model(), "load_average": os.getloadavg()}
+    if args.backends and args.layer:
+        result["layer"] = compare_decode_layer(args.model, args.backends, args.dtypes[0],
+                                               args.repeats, args.rounds)
+        print(json.dumps({"layer": result["layer"]}), flush=True)
     for kind in args.steps:
-        result[kind] = compare_dtypes(kind, args.model, args.dtypes, args.repeats, args.rounds)
+        if args.backends:
+            result[kind] = compare_backends(kind, args.model, args.backends, args.dtypes[0],
+                                            args.repeats, args.rounds)
+        else:
+            result[kind] = compare_dtypes(kind, args.model, args.dtypes, args.repeats,
+                                          args.rounds)
         print(json.dumps({kind: result[kind]}), flush=True)
     result["load_average_after"] = os.getloadavg()
     print(json.dumps(result))

@@ -109,10 +109,11 @@ def w1_layout(kind: str):
     return layout, logits_indices, next_page
 
 
-def build_step(kind: str, model_dir: str, compile_: bool = True, dtype: str = "float32"):
+def build_step(kind: str, model_dir: str, compile_: bool = True, dtype: str = "float32",
+               backend: str = "xla"):
     """(compiled step, its argument tuple, [(name, m, k, n)] matmul shapes) for ``kind``,
-    weights and KV pool in ``dtype`` (``--dtype``); the step returns (token ids [64] int32,
-    KV pool)."""
+    weights and KV pool in ``dtype`` (``--dtype``), attention by ``backend``
+    (``--attention-backend``); the step returns (token ids [64] int32, KV pool)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -124,7 +125,7 @@ def build_step(kind: str, model_dir: str, compile_: bool = True, dtype: str = "f
     from jaxpaged.sampling.sampler import SamplingMetadata, sample
 
     cfg = ModelConfig.from_pretrained(model_dir)
-    backend = get_attention_backend("xla")
+    backend = get_attention_backend(backend)
     model = load_model(model_dir, cfg, dtype=jnp.dtype(dtype), backend=backend,
                        load_format="dummy")
     graphdef, state = nnx.split(model)

@@ -12,7 +12,7 @@ NULL_PAGE = 0
 #: ``--dtype`` choices.
 DTYPES = ("auto", "float32", "bfloat16")
 #: ``--attention-backend`` choices (see ``jaxpaged.layers.attention.selection``).
-ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+ATTENTION_BACKENDS = ("auto", "xla", "pallas", "cpu")
 #: ``--kv-cache-dtype`` choices: ``auto`` (the model's dtype) or float8_e4m3fn under either of
 #: vLLM's names (``jaxpaged.layers.attention.base`` defines the pool).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")

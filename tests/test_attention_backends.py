@@ -24,7 +24,10 @@ def test_engine_on_pallas_reproduces_reference_greedy_outputs():
         assert "Once upon a time" + once.outputs[0].text + "\n" == f.read()
 
 
-def test_auto_is_xla_on_cpu():
+def test_auto_is_cpu_on_cpu_unless_the_kernel_cannot_build(monkeypatch):
+    from jaxpaged.layers.attention import cpu_build
+    assert get_attention_backend("auto").name == "cpu"
+    monkeypatch.setenv(cpu_build.CXX_ENV, "/nonexistent/g++")
     assert get_attention_backend("auto").name == "xla"
     assert get_attention_backend("xla").name == "xla"
     assert get_attention_backend("pallas").name == "pallas"

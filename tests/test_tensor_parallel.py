@@ -52,6 +52,15 @@ def test_bundled_model_greedy_identical_for_tp_1_2_4(backend):
         assert greedy_ids(STORIES, tp, backend, prompts)[0] == ref, f"tp={tp}"
 
 
+def test_cpu_kernel_under_tp2_matches_xla_at_tp1(gqa8_model):
+    """The C++ decode kernel inside shard_map (8 KV heads, 4 a device) gives xla's tokens."""
+    kw = dict(load_format="dummy", seed=7)
+    prompts = random_prompts(3, 512, seed=2, max_len=30)
+    ref, _ = greedy_ids(gqa8_model, 1, "xla", prompts, **kw)
+    out, llm = greedy_ids(gqa8_model, 2, "cpu", prompts, **kw)
+    assert llm.engine.runner._backend.name == "cpu" and out == ref
+
+
 def test_tp8_replicates_kv_heads_and_matches_tp1():
     """8 devices, 4 KV heads: each KV head lives on two devices."""
     ref, _ = greedy_ids(STORIES, 1)

@@ -55,8 +55,9 @@ class EngineArgs:
         calculate_kv_scales: derive each layer's fp8 ``k_scale`` / ``v_scale`` from a short
             calibration prefill at start-up (``jaxpaged.runner.kv_scales``) instead of
             using 1.0; needs an fp8 ``kv_cache_dtype``.
-        attention_backend: ``xla``, ``pallas`` or ``auto`` (pallas on a GPU after a
-            self-check, else xla).
+        attention_backend: ``xla``, ``pallas``, ``cpu`` or ``auto`` (pallas on a GPU after
+            a self-check; on a CPU ``cpu``, the C++ decode kernel, after its self-check, when
+            it builds and reads the KV dtype; else xla).
         enable_prefix_caching: reuse KV pages of earlier requests with the same prefix.
         max_num_partial_prefills: most prompts mid-prefill (chunked) at once.
         long_prefill_token_threshold: most prompt tokens one request prefills per step
@@ -236,7 +237,8 @@ class EngineArgs:
                             "start-up instead of using 1.0")
         g.add_argument("--attention-backend", default=d.attention_backend,
                        choices=ATTENTION_BACKENDS,
-                       help="auto: pallas on a GPU after a self-check, else xla")
+                       help="auto: pallas on a GPU, cpu (C++ decode kernel) on a CPU, "
+                            "each after a self-check; else xla")
         g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=d.enable_prefix_caching, help="automatic prefix caching")
         g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,

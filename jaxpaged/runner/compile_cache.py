@@ -32,14 +32,20 @@ DISABLE_ENV = "JAXPAGED_DISABLE_COMPILE_CACHE"
 CACHE_ROOT_ENV = "JAXPAGED_CACHE_ROOT"
 
 
-def default_cache_dir() -> str:
-    """``$JAXPAGED_CACHE_ROOT/compile_cache``, the root defaulting to
-    ``$XDG_CACHE_HOME/jaxpaged`` or ``~/.cache/jaxpaged``."""
+def cache_root() -> str:
+    """``$JAXPAGED_CACHE_ROOT``, defaulting to ``$XDG_CACHE_HOME/jaxpaged`` or
+    ``~/.cache/jaxpaged`` (also where the CPU attention kernel is built,
+    ``jaxpaged.layers.attention.cpu_build``)."""
     root = os.environ.get(CACHE_ROOT_ENV)
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = os.path.join(xdg, "jaxpaged")
-    return os.path.join(root, "compile_cache")
+    return root
+
+
+def default_cache_dir() -> str:
+    """``<cache_root()>/compile_cache``."""
+    return os.path.join(cache_root(), "compile_cache")
 
 
 def resolve_cache_dir(flag: str | None) -> str | None:

@@ -59,7 +59,7 @@ def persistent_cache_hits() -> int:
 
 @functools.lru_cache(maxsize=1)
 def _source_digest() -> str:
-    """SHA-256 of every ``.py`` file of the packages that build the step."""
+    """SHA-256 of every ``.py`` and ``.cc`` file of the packages that build the step."""
     digest = hashlib.sha256()
     for name in _PACKAGES:
         module = __import__(name)
@@ -67,7 +67,7 @@ def _source_digest() -> str:
         for folder, dirs, files in sorted(os.walk(root)):
             dirs.sort()
             for f in sorted(files):
-                if f.endswith(".py"):
+                if f.endswith((".py", ".cc")):      # .cc: the CPU attention kernel
                     digest.update(f.encode())
                     with open(os.path.join(folder, f), "rb") as fh:
                         digest.update(fh.read())
@@ -109,10 +109,17 @@ class ExecutableStore:
     def load(self, name: str, devices: list):
         """The executable stored as ``name`` (a :func:`fingerprint`) loaded onto ``devices``
         (the step's mesh, in its order), or None; an entry that cannot be read or loaded is
-        ignored (logged) and compiled again."""
+        ignored (logged) and compiled again. On the CPU the C++ attention kernel's FFI target
+        is registered first (``jaxpaged.layers.attention.cpu_build``)."""
         if self.directory is None or not os.path.exists(self._path(name)):
             return None
         from jax.experimental import serialize_executable
+        if {d.platform for d in devices} == {"cpu"}:
+            # A step may call the CPU attention kernel: its FFI target must be registered
+            # before the executable is deserialized (a failure is logged; the load then fails
+            # below and the step is compiled again).
+            from jaxpaged.layers.attention.cpu_build import load_paged_decode
+            load_paged_decode()
         try:
             with open(self._path(name), "rb") as f:
                 return serialize_executable.deserialize_and_load(

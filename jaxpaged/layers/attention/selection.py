@@ -1,9 +1,12 @@
-"""``--attention-backend {auto,xla,pallas}``: pick a backend, with a start-up self-check.
+"""``--attention-backend {auto,xla,pallas,cpu}``: pick a backend, with a start-up self-check.
 
 ``auto`` picks ``pallas`` on a GPU only after the kernels reproduce the ``xla`` reference on a
 small mixed prefill/decode batch over a pool of the engine's KV cache dtype (fp8 included);
-any exception or mismatch logs a warning and falls back to ``xla``. Everywhere else ``auto``
-is ``xla`` (the kernels would run in the slow interpreter).
+any exception or mismatch logs a warning and falls back to ``xla``. On the CPU ``auto`` picks
+``cpu`` (the C++ paged decode kernel, :mod:`jaxpaged.layers.attention.cpu`) when the model's
+dtype is float32 or bfloat16 with a KV pool of that dtype, the kernel builds, and its decode
+output matches the ``xla`` backend's on a small batch; otherwise ``xla``. ``cpu`` asked for by
+name also falls back to ``xla`` (with a warning) when the kernel cannot be built.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import numpy as np
 
 from jaxpaged.constants import ATTENTION_BACKENDS
 from jaxpaged.layers.attention.base import AttentionBackend, BatchLayout
+from jaxpaged.layers.attention.cpu import (CpuAttentionBackend, decode_self_check,
+                                           kernel_available, kernel_supports)
 from jaxpaged.layers.attention.pallas import PallasAttentionBackend
 from jaxpaged.layers.attention.xla import XlaAttentionBackend
 from pallas_kernels.kv_quant import quantize_kv
@@ -38,8 +43,15 @@ def get_attention_backend(name: str, *, num_kv_heads: int = 8, num_heads: int = 
         return XlaAttentionBackend()
     if name == "pallas":
         return PallasAttentionBackend()
+    if name == "cpu":
+        if jax.default_backend() != "cpu":
+            logger.warning("the cpu attention backend runs only on the CPU; using xla")
+        return CpuAttentionBackend() if kernel_available() else XlaAttentionBackend()
     if name != "auto":
         raise ValueError(f"unknown attention backend {name!r}; choose from {list(ATTENTION_BACKENDS)}")
+    if jax.default_backend() == "cpu":
+        return _auto_on_cpu(num_kv_heads, num_heads, head_dim, page_size, dtype,
+                            dtype if kv_cache_dtype is None else kv_cache_dtype)
     if jax.default_backend() != "gpu":
         return XlaAttentionBackend()
     try:
@@ -56,6 +68,25 @@ def get_attention_backend(name: str, *, num_kv_heads: int = 8, num_heads: int = 
         return XlaAttentionBackend()
     logger.info("attention backend: pallas (self-check max error %.3g)", err)
     return PallasAttentionBackend()
+
+
+def _auto_on_cpu(num_kv_heads, num_heads, head_dim, page_size, dtype, kv_cache_dtype):
+    """``cpu`` if the kernel reads this pool, builds and passes :func:`decode_self_check`."""
+    if not kernel_supports(dtype, kv_cache_dtype) or not kernel_available():
+        return XlaAttentionBackend()
+    try:
+        err = decode_self_check(num_kv_heads, num_heads, head_dim, page_size, dtype)
+    except Exception as e:  # noqa: BLE001 - any kernel failure means: do not use it
+        logger.warning("cpu attention failed its self-check (%s: %s); using xla",
+                       type(e).__name__, e)
+        return XlaAttentionBackend()
+    tolerance = 1e-5 if jnp.dtype(dtype) == jnp.float32 else 2e-2
+    if not err <= tolerance:
+        logger.warning("cpu attention differs from the xla reference by %.3g (> %.0e); "
+                       "using xla", err, tolerance)
+        return XlaAttentionBackend()
+    logger.info("attention backend: cpu (self-check max error %.3g)", err)
+    return CpuAttentionBackend()
 
 
 def self_check(backend: AttentionBackend, num_kv_heads: int, num_heads: int, head_dim: int,

@@ -28,7 +28,7 @@ class TensorParallelAttention(AttentionBackend):
     """``inner`` run per device over ``mesh``'s ``tp`` axis.
 
     Attributes:
-        inner: the single-device backend (``xla`` or ``pallas``).
+        inner: the single-device backend (``xla``, ``pallas`` or ``cpu``).
         mesh: the engine's mesh.
     """
 

@@ -1,0 +1,163 @@
+"""The C++ paged decode kernel (``cpu`` backend) against the ``xla`` backend, its oracle."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged.layers.attention import cpu_build, get_attention_backend, selection
+from jaxpaged.layers.attention.cpu import CpuAttentionBackend, kernel_available, paged_decode_cpu
+from jaxpaged.layers.attention.xla import XlaAttentionBackend, paged_attention_chunked
+from pallas_kernels.kv_quant import FP8_DTYPE, quantize_kv
+from tests.kernels.ragged_batches import device_metadata, make_batch
+
+pytestmark = pytest.mark.skipif(not kernel_available(), reason="no C++ compiler: "
+                                "test_missing_compiler_falls_back_to_xla covers that")
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def forward_both(batch, backend_kwargs=None, **options):
+    """Both backends' forward (KV write, then attention) on ``batch``: (cpu, xla) outputs as
+    float32 numpy over the real tokens, and the two updated pools."""
+    outs, pools = [], []
+    for backend in (CpuAttentionBackend(**(backend_kwargs or {})),
+                    XlaAttentionBackend(**(backend_kwargs or {}))):
+        meta = device_metadata(backend, batch.layout)
+        fn = jax.jit(lambda q, k, v, pool, meta: backend.forward(
+            q, k, v, pool, meta, scale=batch.q.shape[-1] ** -0.5, **options))
+        out, pool = fn(batch.q, batch.k, batch.v, (batch.k_pages, batch.v_pages), meta)
+        outs.append(np.asarray(out, np.float32)[:batch.layout.num_tokens])
+        pools.append(pool)
+    return outs, pools
+
+
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,page_size", [
+    (jnp.float32, 4, 4, 16), (jnp.float32, 8, 2, 16), (jnp.bfloat16, 8, 2, 16),
+    (jnp.bfloat16, 12, 4, 8)])
+def test_decode_batch_matches_xla(dtype, num_heads, num_kv_heads, page_size):
+    """Decodes at context 1, on both sides of page boundaries and over many pages (up to 40),
+    pages shuffled in the pool, padding sequences and tokens."""
+    rng = np.random.default_rng(num_heads + page_size)
+    contexts = [0, page_size - 1, page_size, 2 * page_size - 1, 5, 40 * page_size - 3, 77]
+    batch = make_batch(rng, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+                       page_size=page_size, dtype=dtype, seqs=[(c, 1) for c in contexts],
+                       pad_tokens=0)
+    assert batch.layout.is_decode_only
+    (ours, theirs), (pool, pool_xla) = forward_both(batch)
+    np.testing.assert_allclose(ours, theirs, atol=TOLERANCE[dtype], rtol=0)
+    assert all(jnp.array_equal(a, b) for a, b in zip(pool, pool_xla))      # same KV write
+
+
+@pytest.mark.parametrize("sliding_window,soft_cap", [(24, None), (None, 30.0), (7, 20.0)])
+def test_sliding_window_and_soft_cap_match_xla(sliding_window, soft_cap):
+    rng = np.random.default_rng(3)
+    batch = make_batch(rng, num_heads=8, num_kv_heads=2, head_dim=32, page_size=16,
+                       dtype=jnp.float32, seqs=[(c, 1) for c in (0, 6, 23, 24, 100, 161)],
+                       pad_tokens=0)
+    (ours, theirs), _ = forward_both(batch, sliding_window=sliding_window, soft_cap=soft_cap)
+    np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_kv_scales_match_xla():
+    rng = np.random.default_rng(4)
+    batch = make_batch(rng, num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                       dtype=jnp.float32, seqs=[(c, 1) for c in (3, 50, 129)], pad_tokens=0)
+    (ours, theirs), _ = forward_both(batch, dict(k_scale=0.5, v_scale=2.0))
+    np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_mixed_step_and_fp8_pool_take_the_xla_path():
+    """Prefill query blocks (block_q 16) and an fp8 pool never reach the kernel: the result
+    is the xla backend's, bit for bit."""
+    rng = np.random.default_rng(5)
+    batch = make_batch(rng, num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                       dtype=jnp.float32, seqs=[(10, 1), (0, 20), (33, 5)])
+    (ours, theirs), _ = forward_both(batch)
+    assert np.array_equal(ours, theirs)
+    q = jnp.asarray(rng.normal(size=(3, 1, 4, 64)), jnp.float32)
+    pool = quantize_kv(jnp.asarray(rng.normal(size=(8, 16, 2, 64)), jnp.float32), 1.0, FP8_DTYPE)
+    args = (q, (pool, pool), jnp.asarray([[1, 2], [3, 4]], jnp.int32),
+            jnp.asarray([0, 1, 0], jnp.int32), jnp.asarray([[20], [9], [-1]], jnp.int32))
+    ours = CpuAttentionBackend().attend(*args, scale=0.125)
+    theirs = XlaAttentionBackend().attend(*args, scale=0.125)
+    assert jnp.array_equal(ours, theirs, equal_nan=True)    # (the padding block: NaN)
+
+
+def test_padding_blocks_are_zero_and_thread_split_agrees():
+    """One long sequence (2 blocks: too few to fill the threads, so each block's KV heads are
+    split over work items) equals the oracle; a padding block (position -1) gives zeros."""
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.normal(size=(2, 8, 64)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(70, 16, 4, 64)), jnp.float32) for _ in range(2))
+    page_table = jnp.asarray(rng.permutation(np.arange(1, 70))[None, :64], jnp.int32)
+    seq, pos = jnp.zeros(2, jnp.int32), jnp.asarray([1000, -1], jnp.int32)
+    out = np.asarray(paged_decode_cpu(q, k, v, page_table, seq, pos, scale=0.125))
+    ref = np.asarray(paged_attention_chunked(q[:, None], k, v, page_table, seq, pos[:, None],
+                                             scale=0.125))[:, 0]
+    np.testing.assert_allclose(out[0], ref[0], atol=1e-5, rtol=0)
+    assert not out[1].any()
+
+
+def test_auto_picks_cpu_on_cpu_for_its_dtypes():
+    assert get_attention_backend("auto", num_kv_heads=2, num_heads=4, head_dim=64,
+                                 dtype=jnp.float32).name == "cpu"
+    assert get_attention_backend("cpu").name == "cpu"
+    assert get_attention_backend("auto", num_kv_heads=2, num_heads=4, head_dim=64,
+                                 dtype=jnp.bfloat16, kv_cache_dtype=FP8_DTYPE).name == "xla"
+
+
+def test_missing_compiler_falls_back_to_xla(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv(cpu_build.CXX_ENV, str(tmp_path / "no-such-g++"))
+    with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
+        assert not cpu_build.load_paged_decode()
+        assert get_attention_backend("cpu").name == "xla"
+        assert get_attention_backend("auto", num_kv_heads=2, num_heads=4, head_dim=64,
+                                     dtype=jnp.float32).name == "xla"
+    warnings = [r for r in caplog.records if "kernel unavailable" in r.getMessage()]
+    assert len(warnings) == 1 and "no-such-g++" in warnings[0].getMessage()
+
+
+def test_failed_self_check_falls_back_to_xla(monkeypatch, caplog):
+    monkeypatch.setattr(selection, "decode_self_check", lambda *a: 0.5)
+    with caplog.at_level(logging.WARNING, logger=selection.__name__):
+        assert get_attention_backend("auto", dtype=jnp.float32).name == "xla"
+    assert "differs from the xla reference" in caplog.text
+
+
+_LOAD_AND_RUN = """
+import sys, numpy as np, jax
+from jaxpaged.runner.executable_store import ExecutableStore
+data = np.load(sys.argv[2])
+step = ExecutableStore(sys.argv[1]).load("decode", jax.devices()[:1])
+out = step(*(data[f"a{i}"] for i in range(6)))
+print(float(np.abs(np.asarray(out) - data["out"]).max()))
+"""
+
+
+def test_stored_step_with_the_kernel_runs_in_a_fresh_process(tmp_path):
+    """A compiled step calling the kernel round-trips through the executable store: a new
+    process (which registers the FFI target in ``ExecutableStore.load``) runs it and gets the
+    same output."""
+    import os
+    import subprocess
+    import sys
+
+    from jaxpaged.runner.executable_store import ExecutableStore
+
+    rng = np.random.default_rng(7)
+    args = (jnp.asarray(rng.normal(size=(3, 4, 32)), jnp.float32),
+            *(jnp.asarray(rng.normal(size=(9, 8, 2, 32)), jnp.float32) for _ in range(2)),
+            jnp.asarray([[1, 2, 3, 4], [5, 6, 7, 8]], jnp.int32), jnp.asarray([1, 0, 1], jnp.int32),
+            jnp.asarray([30, 4, -1], jnp.int32))
+    f = jax.jit(lambda *a: paged_decode_cpu(*a, scale=0.2) * 2.0)
+    store = ExecutableStore(str(tmp_path / "steps"))
+    compiled = store.compile("decode", lambda: f.lower(*args))
+    assert os.listdir(tmp_path / "steps") == ["decode.pkl"]
+    out = np.asarray(compiled(*args))
+    np.savez(tmp_path / "data.npz", out=out, **{f"a{i}": np.asarray(a) for i, a in enumerate(args)})
+    run = subprocess.run([sys.executable, "-c", _LOAD_AND_RUN, str(tmp_path / "steps"),
+                          str(tmp_path / "data.npz")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert float(run.stdout.split()[-1]) == 0.0
