@@ -40,8 +40,8 @@ from starlette.responses import JSONResponse, Response
 
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.server.app import APIKeyMiddleware
-from jaxpaged.server.errors import APIError, error_response
-from jaxpaged.server.serving import ServerConfig, engine_error
+from jaxpaged.server.errors import error_response
+from jaxpaged.server.serving import ServerConfig, engine_error, model_not_found
 
 #: The fields a model entry may have.
 ENTRY_FIELDS = ("model", "served_model_name", "kv_cache_memory_share", "engine_args")
@@ -211,9 +211,8 @@ class ModelRouter:
 
     async def _to(self, model, scope, receive, send):
         if isinstance(model, str) and model and model not in self.by_name:
-            e = APIError(404, f"The model `{model}` does not exist; this server serves "
-                              f"{self.names}.", "NotFoundError", "model")
-            return await error_response(e)(scope, receive, send)
+            return await error_response(model_not_found(model, self.names))(
+                scope, receive, send)
         app = self.by_name.get(model, self.default) if isinstance(model, str) else self.default
         return await app(scope, receive, send)
 

@@ -125,9 +125,7 @@ class OpenAIServing:
     def check_model(self, name: str | None) -> None:
         """Raises APIError 404 (``model_not_found``) for a model that is not served."""
         if name and name not in self.config.served_model_names:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves "
-                                f"{self.config.served_model_names}.", "NotFoundError",
-                           "model")
+            raise model_not_found(name, self.config.served_model_names)
 
     @staticmethod
     def request_id(raw_request: Request, prefix: str, body_id: str | None = None) -> str:
@@ -379,6 +377,12 @@ def sampling_error(e: SamplingParamsError, param_names: dict[str, str] | None = 
     SamplingParams names to request names, e.g. ``logprobs`` -> ``top_logprobs`` for chat)."""
     param = (param_names or {}).get(e.param, e.param)
     return bad_request(param + e.detail[len(e.param):], param)
+
+
+def model_not_found(name: str, served: list[str]) -> APIError:
+    """404 (``NotFoundError``, param ``model``) for a ``model`` none of ``served`` is."""
+    return APIError(404, f"The model `{name}` does not exist; this server serves {served}.",
+                    "NotFoundError", "model")
 
 
 def clamp_logprob(value: float) -> float:
