@@ -4,11 +4,14 @@ tokenizer's own Python code runs only with ``trust_remote_code``)."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from jaxpaged.models.gguf_loader import is_gguf
 from jaxpaged.models.gguf_tokenizer import gguf_tokenizer
+
+if TYPE_CHECKING:   # transformers is imported when a tokenizer is loaded, not with jaxpaged
+    from transformers import PreTrainedTokenizerBase
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
@@ -31,6 +34,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
         return gguf_tokenizer(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer directory {path!r} does not exist")
+    from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True,
                                              trust_remote_code=trust_remote_code)

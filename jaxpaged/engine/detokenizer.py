@@ -34,10 +34,9 @@ import re
 import weakref
 from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase, TokenizersBackend
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # transformers comes with the tokenizer (jaxpaged.tokenizer), not jaxpaged
     from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerBase
 
 #: Prompt tokens decoded before the generated ones as context (vLLM's initial offset).
 INITIAL_OFFSET = 5
@@ -107,6 +106,7 @@ def fast_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
     """The ``tokenizers.Tokenizer`` whose ``decode`` gives exactly ``tokenizer.decode``'s text,
     or None (a slow tokenizer, a subclass with its own ``_decode``, text clean-up on, or a
     decoder not known to be local)."""
+    from transformers import TokenizersBackend
     if (not isinstance(tokenizer, TokenizersBackend)
             or type(tokenizer)._decode is not TokenizersBackend._decode
             or tokenizer.clean_up_tokenization_spaces):

@@ -18,6 +18,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,11 +115,25 @@ class Engine:
         self.pooler = args.pooler
         self.model_config = cfg = ModelConfig.from_pretrained(args.model).with_quantization(
             args.quantization)
-        self.tokenizer = load_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
+        speculative_config = SpeculativeConfig.from_dict(args.speculative_config)
+        # The tokenizer (transformers' import and the tokenizer files: ~1.5 s of Python) loads
+        # on its own thread while this one loads the model and compiles its steps (XLA
+        # compiles without the GIL); a tokenizer that fails stops the precompile early.
+        with ThreadPoolExecutor(1, thread_name_prefix="jaxpaged-tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, args.tokenizer or args.model,
+                                    args.trust_remote_code)
+            worker = build_worker(args, cfg, max_model_len=self.max_model_len,
+                                  tokenizer=tokenizer.result, devices=devices)
+            if speculative_config is not None:
+                worker.runner.enable_spec_decode()
+            if not args.enforce_eager:
+                worker.runner.precompile(should_stop=lambda: stop_requested_anywhere() or (
+                    tokenizer.done() and tokenizer.exception() is not None))
+            self.tokenizer = tokenizer.result()
         generation_config = load_generation_config(args.model)
         #: generation_config.json's default sampling fields, by SamplingParams name.
         self.generation_defaults = generation_defaults(generation_config)
@@ -131,10 +146,8 @@ class Engine:
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size,
                                               self.max_model_len, args.max_num_seqs,
                                               self.structured_outputs)
-        worker = build_worker(args, cfg, max_model_len=self.max_model_len,
-                              eos_token_ids=self.output_processor.eos_token_ids,
-                              tokenizer=self.tokenizer, devices=devices)
         self.runner = worker.runner
+        self.runner.eos_token_ids = self.output_processor.eos_token_ids
         self.dtype = worker.dtype
         #: The KV pool's element type (the model's dtype, or float8_e4m3fn for fp8).
         self.kv_cache_dtype = worker.kv_cache_dtype
@@ -149,12 +162,7 @@ class Engine:
             max_num_partial_prefills=args.max_num_partial_prefills,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             policy=args.scheduling_policy, sjf_aging_requests=args.sjf_aging_requests),
-            self.kv_cache_manager, self.output_processor,
-            speculative_config := SpeculativeConfig.from_dict(args.speculative_config))
-        if speculative_config is not None:
-            self.runner.enable_spec_decode()
-        if not args.enforce_eager:
-            self.runner.precompile(should_stop=stop_requested_anywhere)
+            self.kv_cache_manager, self.output_processor, speculative_config)
         self._stats = StatsRecorder()
         self.stat_loggers: list[StatLogger] = self._stats.loggers
         self._arrivals = 0

@@ -12,7 +12,10 @@ same special tokens, BOS/EOS flags and ``chat_template`` (checked against it tok
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 from jaxpaged.models.gguf_loader import BadGGUFError, metadata, open_gguf
 

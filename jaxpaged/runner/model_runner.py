@@ -84,7 +84,9 @@ class ModelRunner:
         backend: the attention backend the model was built with.
         page_size: tokens per page.
         limits: the largest padded shapes.
-        eos_token_ids: the model's EOS ids (masked before a request's ``min_tokens``).
+        eos_token_ids: the model's EOS ids (masked before a request's ``min_tokens``); the
+            engine sets :attr:`eos_token_ids` once its tokenizer is loaded (the runner is
+            built and compiles while the tokenizer loads), before the first step.
         replicated: the sharding of every per-step input and output (the whole mesh); the
             parameters and the pool keep the shardings they arrived with.
         executable_dir: where compiled steps are kept whole across runs
@@ -92,7 +94,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: nnx.Module, kv_caches: list[KVPages], backend: AttentionBackend,
-                 *, page_size: int, limits: RunnerLimits, eos_token_ids: frozenset[int],
+                 *, page_size: int, limits: RunnerLimits, eos_token_ids: frozenset[int] = frozenset(),
                  replicated: jax.sharding.Sharding, executable_dir: str | None = None):
         self._kv_caches = kv_caches
         self._store = ExecutableStore(executable_dir)
@@ -103,7 +105,7 @@ class ModelRunner:
         self._num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
         self._set_buckets()
         self._executables: dict[tuple, object] = {}
-        self._eos_token_ids = eos_token_ids
+        self.eos_token_ids = eos_token_ids
         self._verify = None     # the speculative sampler (enable_spec_decode)
         self._load(model)
 
@@ -227,7 +229,7 @@ class ModelRunner:
         """
         self.copy_pages(scheduler_output.page_copies)
         prepared = prepare_step(scheduler_output, page_size=self._page_size,
-                                backend=self._backend, eos_token_ids=self._eos_token_ids,
+                                backend=self._backend, eos_token_ids=self.eos_token_ids,
                                 pad_sizes=self._pad_sizes, prev_rows=self._prev_rows,
                                 bitmask_words=num_words(self._limits.vocab_size),
                                 free_bitmask=self._free_bitmask,

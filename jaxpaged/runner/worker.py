@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -67,15 +69,15 @@ def resolve_dtype(name: str, checkpoint_dtype: str):
 
 
 def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
-                 eos_token_ids: frozenset[int], tokenizer, devices: list | None = None) -> Worker:
+                 tokenizer: Callable[[], Any], devices: list | None = None) -> Worker:
     """Load the model onto its devices and build its one :class:`ModelRunner`.
 
     Args:
         args: the engine configuration.
         cfg: the model's configuration (with ``args.quantization`` applied).
         max_model_len: the resolved length limit.
-        eos_token_ids: the model's EOS ids (banned before ``min_tokens``).
-        tokenizer: the model's tokenizer (the calibration prompt).
+        tokenizer: returns the model's tokenizer (called only to make the fp8 KV-scale
+            calibration prompt; the engine loads it on another thread meanwhile).
         devices: the ``tensor_parallel_size`` devices to use (default: the first ones).
 
     Raises:
@@ -110,7 +112,7 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
     # Calibration reads the exact K/V, so it runs on an unquantized scratch pool first.
     runner = ModelRunner(
         model, pool(2, dtype if args.calculate_kv_scales else kv_cache_dtype), backend,
-        page_size=page_size, eos_token_ids=eos_token_ids, replicated=tp.replicated,
+        page_size=page_size, replicated=tp.replicated,
         executable_dir=cache_dir and os.path.join(cache_dir, "steps"),
         limits=RunnerLimits(max_num_tokens=args.max_num_batched_tokens,
                             max_num_seqs=args.max_num_seqs, max_pages_per_seq=pages_per_seq,
@@ -119,7 +121,7 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
     scales = [(1.0, 1.0)] * cfg.num_layers
     if args.calculate_kv_scales:
         scales = calibrate_kv_scales(runner, calibration_token_ids(
-            tokenizer, cfg.max_position_embeddings, cfg.vocab_size))
+            tokenizer(), cfg.max_position_embeddings, cfg.vocab_size))
         runner.set_kv_scales(scales)
         runner.set_kv_pool(pool(2))
         logger.info("calibrated fp8 KV scales: k_scale %s; v_scale %s",

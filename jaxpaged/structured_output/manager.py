@@ -25,10 +25,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy
 import numpy as np
-import transformers
 
 from jaxpaged.sampling_params import SamplingParamsError, StructuredOutputsParams
 from jaxpaged.structured_output.grammar import cache_key, serialize
@@ -140,6 +138,7 @@ class StructuredOutputManager:
     def _ll(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._ll_tokenizer is None:
+                import llguidance.hf    # (imports transformers: not at jaxpaged's import)
                 n_vocab = max(self.vocab_size, len(self._tokenizer))
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
                     self._tokenizer, n_vocab=n_vocab, eos_token=self._eos)
@@ -160,6 +159,7 @@ class StructuredOutputManager:
             SamplingParamsError: the engine's tokenizer is not a fast (``tokenizer.json``)
                 one, which llguidance needs.
         """
+        import transformers     # loaded with the tokenizer already
         if not isinstance(self._tokenizer, transformers.PreTrainedTokenizerFast):
             raise SamplingParamsError("structured_outputs", "needs a fast tokenizer (one with "
                                       "tokenizer.json); this model's is "
