@@ -101,8 +101,9 @@ def test_query_blocks_of_any_size_match_xla(block_q, group, dtype, nb):
     over work items)."""
     rng = np.random.default_rng(block_q * 10 + group)
     args, real = block_inputs(rng, nb=nb, block_q=block_q, group=group, dtype=dtype)
-    ours = np.asarray(jax.jit(lambda *a: paged_attention_cpu(*a, scale=0.125))(*args),
-                      np.float32)
+    q, k, v, page_table, seq, pos = args
+    ours = np.asarray(jax.jit(lambda q, k, v, *a: CpuAttentionBackend().attend(
+        q, (k, v), *a, scale=0.125))(*args), np.float32)
     theirs = np.asarray(jax.jit(lambda *a: paged_attention_chunked(*a, scale=0.125))(*args),
                         np.float32)
     np.testing.assert_allclose(ours[real], theirs[real], atol=TOLERANCE[dtype], rtol=0)
@@ -129,7 +130,7 @@ def test_padding_blocks_are_zero_and_thread_split_agrees():
     k, v = (jnp.asarray(rng.normal(size=(70, 16, 4, 64)), jnp.float32) for _ in range(2))
     page_table = jnp.asarray(rng.permutation(np.arange(1, 70))[None, :64], jnp.int32)
     seq, pos = jnp.zeros(2, jnp.int32), jnp.asarray([[1000], [-1]], jnp.int32)
-    out = np.asarray(paged_attention_cpu(q, k, v, page_table, seq, pos, scale=0.125))
+    out = np.asarray(CpuAttentionBackend().attend(q, (k, v), page_table, seq, pos, scale=0.125))
     ref = np.asarray(paged_attention_chunked(q, k, v, page_table, seq, pos, scale=0.125))
     np.testing.assert_allclose(out[0], ref[0], atol=1e-5, rtol=0)
     assert not out[1].any()
@@ -166,7 +167,7 @@ import sys, numpy as np, jax
 from jaxpaged.runner.executable_store import ExecutableStore
 data = np.load(sys.argv[2])
 step = ExecutableStore(sys.argv[1]).load("decode", jax.devices()[:1])
-out = step(*(data[f"a{i}"] for i in range(6)))
+out = step(*(data[f"a{i}"] for i in range(7)))
 print(float(np.abs(np.asarray(out) - data["out"]).max()))
 """
 
@@ -182,9 +183,10 @@ def test_stored_step_with_the_kernel_runs_in_a_fresh_process(tmp_path):
     from jaxpaged.runner.executable_store import ExecutableStore
 
     rng = np.random.default_rng(7)
-    args = (jnp.asarray(rng.normal(size=(3, 2, 4, 32)), jnp.float32),
+    args = (jnp.asarray(rng.normal(size=(4, 4, 32)), jnp.float32),
             *(jnp.asarray(rng.normal(size=(9, 8, 2, 32)), jnp.float32) for _ in range(2)),
-            jnp.asarray([[1, 2, 3, 4], [5, 6, 7, 8]], jnp.int32), jnp.asarray([1, 0, 1], jnp.int32),
+            jnp.asarray([[1, 2, 3, 4], [5, 6, 7, 8]], jnp.int32),
+            jnp.asarray([[0, 1], [2, 4], [4, 4]], jnp.int32), jnp.asarray([1, 0, 1], jnp.int32),
             jnp.asarray([[30, 31], [4, -1], [-1, -1]], jnp.int32))
     f = jax.jit(lambda *a: paged_attention_cpu(*a, scale=0.2) * 2.0)
     store = ExecutableStore(str(tmp_path / "steps"))

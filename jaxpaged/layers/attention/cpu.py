@@ -7,7 +7,10 @@ queries computes all 16 rows even when one is real (a decode inside a mixed step
 backend sends every query block (``block_q`` = 1 in a decode-only step, 16 otherwise, or a
 speculative verify block's 1 + k) to ``csrc/paged_attention_cpu.cc``, which walks the page
 table itself, reads each K/V page once per block with the softmax fused and skips padding
-queries (:mod:`jaxpaged.layers.attention.cpu_build` builds and registers it). The KV write
+queries (:mod:`jaxpaged.layers.attention.cpu_build` builds and registers it). It reads the
+queries and writes the outputs in token order, so ``forward`` gathers nothing into blocks
+and scatters nothing back (on W1's 2048-token prefill step those two copies were about as
+long as the kernel itself, ``docs/benchmarks.md``). The KV write
 stays on the ``xla`` path (an in-place scatter), and so do pools the kernel does not read (an
 fp8 pool, or one whose dtype differs from the queries'); the ``xla`` backend remains the
 numerical oracle.
@@ -38,30 +41,34 @@ def kernel_supports(q_dtype, pool_dtype) -> bool:
 
 
 def paged_attention_cpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                        page_table: jax.Array, block_seq: jax.Array, block_positions: jax.Array,
-                        *, scale: float, sliding_window: int | None = None,
-                        soft_cap: float | None = None, k_scale: float = 1.0,
-                        v_scale: float = 1.0) -> jax.Array:
-    """Paged attention of query blocks by the C++ kernel (the FFI target must be registered:
-    :func:`~jaxpaged.layers.attention.cpu_build.load_paged_attention`).
+                        page_table: jax.Array, block_tokens: jax.Array, block_seq: jax.Array,
+                        block_positions: jax.Array, *, scale: float,
+                        sliding_window: int | None = None, soft_cap: float | None = None,
+                        k_scale: float = 1.0, v_scale: float = 1.0) -> jax.Array:
+    """Paged attention of a step's query tokens, in query blocks, by the C++ kernel (the FFI
+    target must be registered: :func:`~jaxpaged.layers.attention.cpu_build.load_paged_attention`).
 
     Args:
-        q: [NB, Bq, H, D] queries of NB blocks of Bq tokens of one sequence each, float32 or
-            bfloat16 (Bq = 1 for decodes).
+        q: [T, H, D] query tokens, float32 or bfloat16.
         k_pages, v_pages: [num_pages, page_size, KVH, D] in q's dtype, holding K / k_scale
             and V / v_scale; H a multiple of KVH (grouped-query attention).
-        page_table: [B, P] int32; block_seq: [NB] int32 each block's page-table row;
-        block_positions: [NB, Bq] int32 each query's position (-1: a padding query, output 0).
+        page_table: [B, P] int32.
+        block_tokens: [NB, Bq] int32 the token (row of q) of each query of NB blocks of Bq
+            tokens of one sequence each (Bq = 1 for decodes; out of [0, T): padding).
+        block_seq: [NB] int32 each block's page-table row.
+        block_positions: [NB, Bq] int32 each query's position (-1: a padding query).
         scale: softmax scale; sliding_window, soft_cap: as
             :meth:`~jaxpaged.layers.attention.base.AttentionBackend.forward`.
 
     Returns:
-        [NB, Bq, H, D] in q's dtype: softmax(scale * q.k) . v over the keys at positions
-        ``<= position`` (and within the window), accumulated in float32.
+        [T, H, D] in q's dtype: for each block query, softmax(scale * q.k) . v over the keys
+        at positions ``<= position`` (and within the window), accumulated in float32, in its
+        token's row; zeros in the rows of tokens no block query names.
     """
     call = jax.ffi.ffi_call(PAGED_ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_pages, v_pages, page_table.astype(jnp.int32),
-                block_seq.astype(jnp.int32), block_positions.astype(jnp.int32),
+                block_tokens.astype(jnp.int32), block_seq.astype(jnp.int32),
+                block_positions.astype(jnp.int32),
                 scale=np.float32(scale * k_scale), soft_cap=np.float32(soft_cap or 0.0),
                 sliding_window=np.int32(sliding_window or 0), v_scale=np.float32(v_scale))
 
@@ -76,16 +83,36 @@ class CpuAttentionBackend(XlaAttentionBackend):
 
     name: str = "cpu"
 
+    def forward(self, q, k, v, kv_pages, metadata, *, scale, sliding_window=None,
+                soft_cap=None):
+        """The KV write, then the kernel on the tokens in place (no gather into blocks);
+        a pool the kernel does not read: the ``xla`` backend's forward."""
+        if not kernel_supports(q.dtype, kv_pages[0].dtype):
+            return super().forward(q, k, v, kv_pages, metadata, scale=scale,
+                                   sliding_window=sliding_window, soft_cap=soft_cap)
+        kv_pages = self.write_kv(kv_pages, k, v, metadata["slot_mapping"])
+        out = paged_attention_cpu(q, *kv_pages, metadata["page_table"], metadata["block_tokens"],
+                                  metadata["block_seq"], metadata["block_positions"],
+                                  scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                  k_scale=self.k_scale, v_scale=self.v_scale)
+        return out, kv_pages
+
     def attend(self, q_blocks, kv_pages, page_table, block_seq, block_positions, *, scale,
                sliding_window=None, soft_cap=None):
-        """Query blocks over a pool the kernel reads: the kernel; else
+        """Query blocks [NB, Bq, H, D] over a pool the kernel reads: the kernel; else
         :func:`~jaxpaged.layers.attention.xla.paged_attention_chunked`."""
         k_pages, v_pages = kv_pages
-        kernel = paged_attention_cpu if kernel_supports(q_blocks.dtype, k_pages.dtype) \
-            else paged_attention_chunked
-        return kernel(q_blocks, k_pages, v_pages, page_table, block_seq, block_positions,
-                      scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                      k_scale=self.k_scale, v_scale=self.v_scale)
+        options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                       k_scale=self.k_scale, v_scale=self.v_scale)
+        if not kernel_supports(q_blocks.dtype, k_pages.dtype):
+            return paged_attention_chunked(q_blocks, k_pages, v_pages, page_table, block_seq,
+                                           block_positions, **options)
+        nb, block_q, num_heads, head_dim = q_blocks.shape
+        tokens = jnp.arange(nb * block_q, dtype=jnp.int32).reshape(nb, block_q)
+        out = paged_attention_cpu(q_blocks.reshape(nb * block_q, num_heads, head_dim), k_pages,
+                                  v_pages, page_table, tokens, block_seq, block_positions,
+                                  **options)
+        return out.reshape(q_blocks.shape)
 
 
 def kernel_available() -> bool:

@@ -2,10 +2,13 @@
 // sequence each (Bq = 1: decodes; Bq = 16: prefill chunks and the decodes of a mixed step; any
 // Bq for speculative verify blocks), grouped-query attention, causal by each query's position.
 //
-// Inputs: q [NB, Bq, H, D]; k_pages, v_pages [num_pages, page_size, KVH, D] (the pool layout
-// of jaxpaged.layers.attention.base, holding K / k_scale and V / v_scale) in q's dtype;
-// page_table [B, P]; block_seq [NB] each block's page-table row; block_pos [NB, Bq] each
-// query's position, -1 for a padding query (skipped, output 0). Output [NB, Bq, H, D].
+// Inputs: q [T, H, D] the step's query tokens; k_pages, v_pages [num_pages, page_size, KVH, D]
+// (the pool layout of jaxpaged.layers.attention.base, holding K / k_scale and V / v_scale) in
+// q's dtype; page_table [B, P]; block_tokens [NB, Bq] the token (row of q) of each block
+// query; block_seq [NB] each block's page-table row; block_pos [NB, Bq] each query's
+// position, -1 for a padding query (skipped). Output [T, H, D]: each block query's
+// attention in its token's row, zeros in the rows of tokens no block query names. Reading q
+// and writing the output by token spares the step a gather into blocks and a scatter back.
 //
 // A work item is one block with a range of its KV heads (all of them unless there are too few
 // blocks to keep the threads busy). Its real queries take one of two paths:
@@ -27,6 +30,7 @@
 #include <atomic>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "one_query.h"
 #include "row_tiles.h"
@@ -49,7 +53,7 @@ struct Scratch {
 template <typename T>
 struct Operands {
   const T *q, *k, *v;
-  const int32_t *page_table, *block_seq, *block_pos;
+  const int32_t *page_table, *block_tokens, *block_seq, *block_pos;
   T* out;
 };
 
@@ -60,23 +64,17 @@ void attend_item(const Shape& sh, int64_t item, const Operands<T>& x, Scratch& w
   const int64_t b = item / items_per_block, h0 = item % items_per_block * sh.heads_per_item;
   const int64_t d_len = sh.head_dim, group = sh.group(), nh = sh.heads_per_item;
   const int32_t* pos = x.block_pos + b * sh.block_q;
+  const int32_t* tokens = x.block_tokens + b * sh.block_q;
   const int32_t* pages = x.page_table + static_cast<int64_t>(x.block_seq[b]) * sh.pages_per_seq;
-  // Query i's heads h0 * G .. (h0 + nh) * G are nh * G contiguous rows of D.
+  // Query i's heads h0 * G .. (h0 + nh) * G are nh * G contiguous rows of D in its token's row.
   auto rows_of = [&](auto* base, int64_t i) {
-    return base + ((b * sh.block_q + i) * sh.num_heads + h0 * group) * d_len;
+    return base + (static_cast<int64_t>(tokens[i]) * sh.num_heads + h0 * group) * d_len;
   };
   int64_t real = 0;
-  for (int64_t i = 0; i < sh.block_q; ++i) {
-    if (pos[i] >= 0) {
-      ++real;
-    } else {
-      T* out = rows_of(x.out, i);
-      for (int64_t e = 0; e < nh * group * d_len; ++e) store(out, e, 0.0f);
-    }
-  }
+  for (int64_t i = 0; i < sh.block_q; ++i) real += sh.is_query(pos[i], tokens[i]);
   if (real * group < kMinTileRows) {
     for (int64_t i = 0; i < sh.block_q; ++i) {
-      if (pos[i] >= 0) {
+      if (sh.is_query(pos[i], tokens[i])) {
         attend_one_query(sh, rows_of(x.q, i), pos[i], pages, h0, nh, x.k, x.v,
                          rows_of(x.out, i), w.query);
       }
@@ -86,7 +84,7 @@ void attend_item(const Shape& sh, int64_t item, const Operands<T>& x, Scratch& w
   for (int64_t h = h0; h < h0 + nh; ++h) {
     RowTile<T> tile;
     for (int64_t i = 0; i < sh.block_q; ++i) {
-      if (pos[i] < 0) continue;
+      if (!sh.is_query(pos[i], tokens[i])) continue;
       for (int64_t g = 0; g < group; ++g) {           // row (i, g): query head h * G + g
         const int64_t offset = ((h - h0) * group + g) * d_len;
         tile.q[tile.n] = rows_of(x.q, i) + offset;
@@ -121,8 +119,22 @@ void run_items(const Shape& sh, const std::shared_ptr<Work>& work, const Operand
   work->done.fetch_add(finished, std::memory_order_release);
 }
 
+// Zeros in the output rows of tokens that are no block's query (padding tokens).
+template <typename T>
+void zero_other_tokens(const Shape& sh, const Operands<T>& x) {
+  std::vector<bool> named(sh.num_tokens, false);
+  for (int64_t e = 0; e < sh.num_blocks * sh.block_q; ++e) {
+    if (sh.is_query(x.block_pos[e], x.block_tokens[e])) named[x.block_tokens[e]] = true;
+  }
+  const int64_t row = sh.num_heads * sh.head_dim;
+  for (int64_t t = 0; t < sh.num_tokens; ++t) {
+    if (!named[t]) std::fill(x.out + t * row, x.out + (t + 1) * row, T{0});
+  }
+}
+
 template <typename T>
 void launch(ffi::ThreadPool& pool, const Shape& sh, const Operands<T>& x) {
+  zero_other_tokens(sh, x);
   auto work = std::make_shared<Work>();
   work->total = sh.num_blocks * (sh.num_kv_heads / sh.heads_per_item);
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total) - 1;
@@ -133,22 +145,24 @@ void launch(ffi::ThreadPool& pool, const Shape& sh, const Operands<T>& x) {
 
 template <typename T, typename Ptr>
 Operands<T> operands(Ptr data, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                     const int32_t* pt, const int32_t* seq, const int32_t* pos,
-                     ffi::Result<ffi::AnyBuffer>& out) {
-  return {data(q), data(k), data(v), pt, seq, pos, data(*out)};
+                     const int32_t* pt, const int32_t* tokens, const int32_t* seq,
+                     const int32_t* pos, ffi::Result<ffi::AnyBuffer>& out) {
+  return {data(q), data(k), data(v), pt, tokens, seq, pos, data(*out)};
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_table,
+                              ffi::Buffer<ffi::S32> block_tokens,
                               ffi::Buffer<ffi::S32> block_seq, ffi::Buffer<ffi::S32> block_pos,
                               ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap,
                               int32_t sliding_window, float v_scale) {
-  auto qd = q.dimensions(), kd = k_pages.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || page_table.dimensions().size() != 2) {
-    return ffi::Error::InvalidArgument("expected q [NB, Bq, H, D], pages [N, S, KVH, D], "
-                                       "page_table [B, P]");
+  auto qd = q.dimensions(), kd = k_pages.dimensions(), bd = block_tokens.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || page_table.dimensions().size() != 2 ||
+      bd.size() != 2) {
+    return ffi::Error::InvalidArgument("expected q [T, H, D], pages [N, S, KVH, D], "
+                                       "page_table [B, P], block_tokens [NB, Bq]");
   }
-  Shape sh{qd[0], qd[1], qd[2], qd[3], kd[0], kd[1], kd[2], page_table.dimensions()[1],
+  Shape sh{qd[0], bd[0], bd[1], qd[1], qd[2], kd[0], kd[1], kd[2], page_table.dimensions()[1],
            scale, soft_cap, v_scale, sliding_window, 0};
   if (kd[3] != sh.head_dim || sh.num_heads % sh.num_kv_heads != 0 ||
       !std::equal(kd.begin(), kd.end(), v_pages.dimensions().begin(),
@@ -170,14 +184,14 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
          sh.num_blocks * (sh.num_kv_heads / sh.heads_per_item) < wanted_items) {
     sh.heads_per_item /= 2;
   }
-  const int32_t *pt = page_table.typed_data(), *seq = block_seq.typed_data(),
-                *pos = block_pos.typed_data();
+  const int32_t *pt = page_table.typed_data(), *tokens = block_tokens.typed_data(),
+                *seq = block_seq.typed_data(), *pos = block_pos.typed_data();
   if (dtype == ffi::DataType::F32) {
     auto data = [](auto buffer) { return buffer.template typed_data<float>(); };
-    launch(pool, sh, operands<float>(data, q, k_pages, v_pages, pt, seq, pos, out));
+    launch(pool, sh, operands<float>(data, q, k_pages, v_pages, pt, tokens, seq, pos, out));
   } else if (dtype == ffi::DataType::BF16) {
     auto data = [](auto buffer) { return buffer.template reinterpret_data<uint16_t>(); };
-    launch(pool, sh, operands<uint16_t>(data, q, k_pages, v_pages, pt, seq, pos, out));
+    launch(pool, sh, operands<uint16_t>(data, q, k_pages, v_pages, pt, tokens, seq, pos, out));
   } else {
     return ffi::Error::InvalidArgument("dtype must be float32 or bfloat16");
   }
@@ -193,6 +207,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, jaxpaged_cpu::PagedAttenti
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

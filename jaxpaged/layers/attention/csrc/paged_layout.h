@@ -11,12 +11,16 @@
 namespace jaxpaged_cpu {
 
 struct Shape {
-  int64_t num_blocks, block_q, num_heads, head_dim;             // q [NB, Bq, H, D]
+  int64_t num_tokens, num_blocks, block_q, num_heads, head_dim;  // q [T, H, D]; NB blocks of Bq
   int64_t num_pages, page_size, num_kv_heads, pages_per_seq;    // pools, page_table [B, P]
   float scale, soft_cap, v_scale;     // scale includes k_scale; soft_cap 0: none
   int32_t sliding_window;             // 0: none
   int64_t heads_per_item;             // KV heads of one work item (a divisor of KVH)
 
+  // A block query that attends: a real position and a token row of q.
+  bool is_query(int32_t pos, int32_t token) const {
+    return pos >= 0 && token >= 0 && token < num_tokens;
+  }
   int64_t group() const { return num_heads / num_kv_heads; }        // query heads per KV head
   int64_t row_stride() const { return num_kv_heads * head_dim; }    // elements between rows
   // First key position a query at `qpos` sees (its sliding window's start, or 0).
