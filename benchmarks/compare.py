@@ -173,6 +173,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "device each); adds a tp=1 row for comparison")
     p.add_argument("--small", action="store_true",
                    help="a seconds-long version on the bundled model (CI)")
+    p.add_argument("--attention-backend", default="auto",
+                   help="the jaxpaged rows' --attention-backend (e.g. xla against cpu)")
+    p.add_argument("--dtype", default="auto",
+                   help="the jaxpaged rows' --dtype (W1's checkpoint is float32)")
     p.add_argument("--startup", action="store_true",
                    help="also measure the jaxpaged row's start-up with the precompile on: "
                         "cold, warm, and compilations during a timed run")
@@ -206,7 +210,9 @@ def jaxpaged_rows(args: argparse.Namespace, model: str, requests: list[SampleReq
         rows.append(contiguous_static(model, requests, min(slots, len(requests)), max_len, page,
                                       max_num_batched_tokens=args.max_num_batched_tokens,
                                       enforce_eager=True, tensor_parallel_size=tp,
-                                      data_parallel_size=dp))
+                                      data_parallel_size=dp,
+                                      attention_backend=args.attention_backend,
+                                      dtype=args.dtype))
         rows[-1]["kv_slots"] = slots
     sweep = [(args.max_num_seqs, rows[0]["output_tokens_per_second"])]
     for n in (int(x) for x in args.sweep_max_num_seqs.split(",") if x):
@@ -256,7 +262,8 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = ModelConfig.from_pretrained(model)
     engine = dict(max_model_len=max_len, block_size=page, enforce_eager=True,
                   max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=tp,
-                  data_parallel_size=dp)
+                  data_parallel_size=dp, attention_backend=args.attention_backend,
+                  dtype=args.dtype)
     rows, sweep = [], []
     if "jaxpaged" in args.rows:
         rows, sweep = jaxpaged_rows(args, model, requests, engine, max_len, page)
@@ -283,7 +290,8 @@ def main(argv: list[str] | None = None) -> dict:
               **machine(load_before), "num_requests": len(requests),
               "matmul_peak_gflops": peak / 1e9,
               "model_tflops": flops / 1e12, "roofline_seconds": flops / peak,
-              "tensor_parallel_size": tp, "data_parallel_size": dp, "rows": rows,
+              "tensor_parallel_size": tp, "data_parallel_size": dp,
+              "attention_backend": args.attention_backend, "dtype": args.dtype, "rows": rows,
               "startup": startup,
               "max_num_seqs_sweep": [{"max_num_seqs": n, "output_tokens_per_second": v}
                                      for n, v in sorted(sweep)]}

@@ -3,7 +3,8 @@
 activations and KV pool, ``--dtype bfloat16``), calls interleaved in one process
 (float32, bfloat16, float32, ... ``--repeats`` times a round, ``--rounds`` rounds), so the
 ratio holds on a shared machine whose load moves. ``--backends xla cpu`` compares attention
-backends instead (each step in ``--dtypes``' first dtype), and ``--layer`` first times one
+backends instead (each step in ``--dtypes``' first dtype; a single backend, e.g.
+``--backends cpu``, compares the dtypes with it), and ``--layer`` first times one
 layer's decode attention alone (KV write and attention of W1's decode step, per backend).
 Also home of ``step_profile --compare-options`` (XLA:CPU compile-option sets against the
 defaults, same interleaving).
@@ -89,14 +90,14 @@ def interleave(calls: dict, repeats: int, rounds: int) -> list[dict]:
 
 
 def compare_dtypes(kind: str, model_dir: str, dtypes: list[str], repeats: int,
-                   rounds: int) -> dict:
+                   rounds: int, backend: str = "xla") -> dict:
     """Best and median step time of ``kind`` in each of ``dtypes`` (each its own weights and
-    pool), calls interleaved; ratios are to the first dtype."""
+    pool) with the attention ``backend``, calls interleaved; ratios are to the first dtype."""
     calls = {}
     for dtype in dtypes:
-        fn, state, kv, args, _, _ = build_step(kind, model_dir, dtype=dtype)
+        fn, state, kv, args, _, _ = build_step(kind, model_dir, dtype=dtype, backend=backend)
         calls[dtype] = step_caller(fn, state, {"kv": kv}, args)
-    return {"kind": kind, "rounds": interleave(calls, repeats, rounds)}
+    return {"kind": kind, "backend": backend, "rounds": interleave(calls, repeats, rounds)}
 
 
 def compare_backends(kind: str, model_dir: str, backends: list[str], dtype: str, repeats: int,
@@ -166,7 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
                    choices=["decode", "prefill"])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--backends", nargs="+", default=None,
-                   help="compare these attention backends (e.g. xla cpu) instead of dtypes")
+                   help="compare these attention backends (e.g. xla cpu) instead of dtypes; "
+                        "one backend: compare --dtypes with it")
     p.add_argument("--layer", action="store_true",
                    help="with --backends: time one layer's decode attention first")
     p.add_argument("--repeats", type=int, default=6)
@@ -178,7 +180,10 @@ def main(argv: list[str] | None = None) -> dict:
                                                args.repeats, args.rounds)
         print(json.dumps({"layer": result["layer"]}), flush=True)
     for kind in args.steps:
-        if args.backends:
+        if args.backends and len(args.backends) == 1:
+            result[kind] = compare_dtypes(kind, args.model, args.dtypes, args.repeats,
+                                          args.rounds, args.backends[0])
+        elif args.backends:
             result[kind] = compare_backends(kind, args.model, args.backends, args.dtypes[0],
                                             args.repeats, args.rounds)
         else:

@@ -275,10 +275,11 @@ def thunk_self_times(xplane: str, num_steps: int) -> dict[str, float]:
 
 
 def profile_step(kind: str, model_dir: str, repeats: int, trace_steps: int,
-                 dtype: str = "float32") -> dict:
-    """Time, trace and attribute one step of ``kind`` (see the module docstring)."""
+                 dtype: str = "float32", backend: str = "xla") -> dict:
+    """Time, trace and attribute one step of ``kind`` (see the module docstring) with the
+    attention ``backend``."""
     import jax
-    fn, state, kv, args, shapes, cfg = build_step(kind, model_dir, dtype=dtype)
+    fn, state, kv, args, shapes, cfg = build_step(kind, model_dir, dtype=dtype, backend=backend)
     holder = {"kv": kv}
 
     def run():
@@ -323,10 +324,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights and KV pool dtype of the profiled steps")
+    p.add_argument("--attention-backend", default="xla", choices=["xla", "cpu"],
+                   help="attention backend of the profiled steps")
     p.add_argument("--output-json", help="also write the result here")
     args = p.parse_args(argv)
     load_before = os.getloadavg()[0]
-    result = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "dtype": args.dtype}
+    result = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "dtype": args.dtype,
+              "attention_backend": args.attention_backend}
     if args.compare_options:
         for kind in args.steps:
             from jaxpaged.benchmarks.step_compare import OPTION_SETS, compare_options
@@ -336,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         for kind in args.steps:
             result[kind] = profile_step(kind, args.model, args.repeats, args.trace_steps,
-                                        args.dtype)
+                                        args.dtype, args.attention_backend)
         # After the steps, best of several: one slow call on a shared machine says nothing.
         result["peak_gflops"] = round(matmul_gflops(4096, 4096, 4096, 8), 1)
     result.update(machine(load_before))

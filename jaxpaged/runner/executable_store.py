@@ -118,8 +118,8 @@ class ExecutableStore:
             # A step may call the CPU attention kernel: its FFI target must be registered
             # before the executable is deserialized (a failure is logged; the load then fails
             # below and the step is compiled again).
-            from jaxpaged.layers.attention.cpu_build import load_paged_decode
-            load_paged_decode()
+            from jaxpaged.layers.attention.cpu_build import load_paged_attention
+            load_paged_attention()
         try:
             with open(self._path(name), "rb") as f:
                 return serialize_executable.deserialize_and_load(

@@ -1,17 +1,23 @@
-"""The ``cpu`` attention backend: decode blocks through a C++ paged decode kernel (XLA FFI).
+"""The ``cpu`` attention backend: query blocks through a C++ paged attention kernel (XLA FFI).
 
-The ``xla`` backend's decode blocks walk 4-page chunks, each gathered into a materialized
-copy and reduced by two small YNNPACK calls, three passes over the KV the step reads; on W1
-decode attention was ~70% of a CPU decode step (``docs/benchmarks.md``, "W1 step profile").
-This backend sends decode blocks (one query token each, ``block_q = 1``: every block of a
-decode-only step) to ``csrc/paged_decode_cpu.cc``, which walks the page table itself and
-reads each K/V page once with the softmax fused (:mod:`jaxpaged.layers.attention.cpu_build`
-builds and registers it). Everything else stays on the ``xla`` path, which remains the
-numerical oracle: prefill query blocks, the KV write, and pools the kernel does not read
-(an fp8 pool, or one whose dtype differs from the queries').
+The ``xla`` backend walks 4-page chunks, each gathered into a materialized copy and reduced by
+small YNNPACK calls, several passes over the KV a step reads; on W1 decode attention was ~70%
+of a CPU decode step (``docs/benchmarks.md``, "W1 step profile"), and a prefill block of 16
+queries computes all 16 rows even when one is real (a decode inside a mixed step). This
+backend sends every query block (``block_q`` = 1 in a decode-only step, 16 otherwise, or a
+speculative verify block's 1 + k) to ``csrc/paged_attention_cpu.cc``, which walks the page
+table itself, reads each K/V page once per block with the softmax fused and skips padding
+queries (:mod:`jaxpaged.layers.attention.cpu_build` builds and registers it). It reads the
+queries and writes the outputs in token order, so ``forward`` gathers nothing into blocks
+and scatters nothing back (on W1's 2048-token prefill step those two copies were about as
+long as the kernel itself, ``docs/benchmarks.md``). The KV write
+stays on the ``xla`` path (an in-place scatter), and so do pools the kernel does not read (an
+fp8 pool, or one whose dtype differs from the queries'); the ``xla`` backend remains the
+numerical oracle.
 
 Reference: the online softmax of Milakov & Gimelshein (2018) over PagedAttention's page table
-(Kwon et al., SOSP 2023), structured as vLLM's paged attention v1 decode kernel.
+(Kwon et al., SOSP 2023), decodes structured as vLLM's paged attention v1 kernel and query
+blocks as FlashAttention-2's tiles (Dao, 2023).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.layers.attention.cpu_build import PAGED_DECODE_TARGET, load_paged_decode
+from jaxpaged.layers.attention.cpu_build import PAGED_ATTENTION_TARGET, load_paged_attention
 from jaxpaged.layers.attention.xla import XlaAttentionBackend, paged_attention_chunked
 
 #: Query and pool dtypes the kernel reads (the pool in the queries' dtype).
@@ -34,37 +40,42 @@ def kernel_supports(q_dtype, pool_dtype) -> bool:
     return jnp.dtype(q_dtype) in KERNEL_DTYPES and jnp.dtype(pool_dtype) == jnp.dtype(q_dtype)
 
 
-def paged_decode_cpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                     page_table: jax.Array, block_seq: jax.Array, block_positions: jax.Array,
-                     *, scale: float, sliding_window: int | None = None,
-                     soft_cap: float | None = None, k_scale: float = 1.0,
-                     v_scale: float = 1.0) -> jax.Array:
-    """Paged decode attention by the C++ kernel (the FFI target must be registered:
-    :func:`~jaxpaged.layers.attention.cpu_build.load_paged_decode`).
+def paged_attention_cpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                        page_table: jax.Array, block_tokens: jax.Array, block_seq: jax.Array,
+                        block_positions: jax.Array, *, scale: float,
+                        sliding_window: int | None = None, soft_cap: float | None = None,
+                        k_scale: float = 1.0, v_scale: float = 1.0) -> jax.Array:
+    """Paged attention of a step's query tokens, in query blocks, by the C++ kernel (the FFI
+    target must be registered: :func:`~jaxpaged.layers.attention.cpu_build.load_paged_attention`).
 
     Args:
-        q: [NB, H, D] one query per block, float32 or bfloat16.
+        q: [T, H, D] query tokens, float32 or bfloat16.
         k_pages, v_pages: [num_pages, page_size, KVH, D] in q's dtype, holding K / k_scale
             and V / v_scale; H a multiple of KVH (grouped-query attention).
-        page_table: [B, P] int32; block_seq: [NB] int32 each block's page-table row;
-        block_positions: [NB] int32 each query's position (-1: a padding block, output 0).
+        page_table: [B, P] int32.
+        block_tokens: [NB, Bq] int32 the token (row of q) of each query of NB blocks of Bq
+            tokens of one sequence each (Bq = 1 for decodes; out of [0, T): padding).
+        block_seq: [NB] int32 each block's page-table row.
+        block_positions: [NB, Bq] int32 each query's position (-1: a padding query).
         scale: softmax scale; sliding_window, soft_cap: as
             :meth:`~jaxpaged.layers.attention.base.AttentionBackend.forward`.
 
     Returns:
-        [NB, H, D] in q's dtype: softmax(scale * q.k) . v over the keys at positions
-        ``<= position`` (and within the window), accumulated in float32.
+        [T, H, D] in q's dtype: for each block query, softmax(scale * q.k) . v over the keys
+        at positions ``<= position`` (and within the window), accumulated in float32, in its
+        token's row; zeros in the rows of tokens no block query names.
     """
-    call = jax.ffi.ffi_call(PAGED_DECODE_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    call = jax.ffi.ffi_call(PAGED_ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_pages, v_pages, page_table.astype(jnp.int32),
-                block_seq.astype(jnp.int32), block_positions.astype(jnp.int32),
+                block_tokens.astype(jnp.int32), block_seq.astype(jnp.int32),
+                block_positions.astype(jnp.int32),
                 scale=np.float32(scale * k_scale), soft_cap=np.float32(soft_cap or 0.0),
                 sliding_window=np.int32(sliding_window or 0), v_scale=np.float32(v_scale))
 
 
 @dataclass(frozen=True)
 class CpuAttentionBackend(XlaAttentionBackend):
-    """The ``xla`` backend with decode blocks on the C++ kernel (see the module docstring).
+    """The ``xla`` backend with its query blocks on the C++ kernel (see the module docstring).
 
     Build it through :func:`~jaxpaged.layers.attention.selection.get_attention_backend`,
     which registers the kernel first (and falls back to ``xla`` when it cannot be built).
@@ -72,47 +83,38 @@ class CpuAttentionBackend(XlaAttentionBackend):
 
     name: str = "cpu"
 
+    def forward(self, q, k, v, kv_pages, metadata, *, scale, sliding_window=None,
+                soft_cap=None):
+        """The KV write, then the kernel on the tokens in place (no gather into blocks);
+        a pool the kernel does not read: the ``xla`` backend's forward."""
+        if not kernel_supports(q.dtype, kv_pages[0].dtype):
+            return super().forward(q, k, v, kv_pages, metadata, scale=scale,
+                                   sliding_window=sliding_window, soft_cap=soft_cap)
+        kv_pages = self.write_kv(kv_pages, k, v, metadata["slot_mapping"])
+        out = paged_attention_cpu(q, *kv_pages, metadata["page_table"], metadata["block_tokens"],
+                                  metadata["block_seq"], metadata["block_positions"],
+                                  scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                                  k_scale=self.k_scale, v_scale=self.v_scale)
+        return out, kv_pages
+
     def attend(self, q_blocks, kv_pages, page_table, block_seq, block_positions, *, scale,
                sliding_window=None, soft_cap=None):
-        """Decode blocks ([NB, 1, H, D]) with a pool the kernel reads: the kernel; else
+        """Query blocks [NB, Bq, H, D] over a pool the kernel reads: the kernel; else
         :func:`~jaxpaged.layers.attention.xla.paged_attention_chunked`."""
         k_pages, v_pages = kv_pages
-        if q_blocks.shape[1] != 1 or not kernel_supports(q_blocks.dtype, k_pages.dtype):
+        options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                       k_scale=self.k_scale, v_scale=self.v_scale)
+        if not kernel_supports(q_blocks.dtype, k_pages.dtype):
             return paged_attention_chunked(q_blocks, k_pages, v_pages, page_table, block_seq,
-                                           block_positions, scale=scale,
-                                           sliding_window=sliding_window, soft_cap=soft_cap,
-                                           k_scale=self.k_scale, v_scale=self.v_scale)
-        out = paged_decode_cpu(q_blocks[:, 0], k_pages, v_pages, page_table, block_seq,
-                               block_positions[:, 0], scale=scale,
-                               sliding_window=sliding_window, soft_cap=soft_cap,
-                               k_scale=self.k_scale, v_scale=self.v_scale)
-        return out[:, None]
-
-
-def decode_self_check(num_kv_heads: int, num_heads: int, head_dim: int, page_size: int,
-                      dtype) -> float:
-    """Max abs difference between the kernel and the ``xla`` backend's chunked attention on
-    four decode blocks over a shuffled random pool of ``dtype`` (contexts 1, a page boundary,
-    three pages and a half, and a padding block), both jitted. The kernel must be loaded."""
-    rng = np.random.default_rng(0)
-    pages_per_seq = 4
-    num_pages = 3 * pages_per_seq + 1
-    page_table = rng.permutation(np.arange(1, num_pages)).reshape(3, pages_per_seq)
-    page_table = jnp.asarray(page_table, jnp.int32)
-    positions = jnp.asarray([[0], [page_size - 1], [3 * page_size + page_size // 2], [-1]],
-                            jnp.int32)
-    block_seq = jnp.asarray([0, 1, 2, 0], jnp.int32)
-    q = jnp.asarray(rng.normal(size=(4, 1, num_heads, head_dim)), dtype)
-    k, v = (jnp.asarray(rng.normal(size=(num_pages, page_size, num_kv_heads, head_dim)), dtype)
-            for _ in range(2))
-    scale = head_dim ** -0.5
-    kernel = jax.jit(lambda *a: paged_decode_cpu(a[0][:, 0], *a[1:5], a[5][:, 0], scale=scale))
-    oracle = jax.jit(lambda *a: paged_attention_chunked(*a, scale=scale)[:, 0])
-    args = (q, k, v, page_table, block_seq, positions)
-    ours, theirs = (np.asarray(f(*args), np.float32)[:3] for f in (kernel, oracle))
-    return float(np.abs(ours - theirs).max())
+                                           block_positions, **options)
+        nb, block_q, num_heads, head_dim = q_blocks.shape
+        tokens = jnp.arange(nb * block_q, dtype=jnp.int32).reshape(nb, block_q)
+        out = paged_attention_cpu(q_blocks.reshape(nb * block_q, num_heads, head_dim), k_pages,
+                                  v_pages, page_table, tokens, block_seq, block_positions,
+                                  **options)
+        return out.reshape(q_blocks.shape)
 
 
 def kernel_available() -> bool:
     """True when this process runs on the CPU and the kernel is built and registered."""
-    return jax.default_backend() == "cpu" and load_paged_decode()
+    return jax.default_backend() == "cpu" and load_paged_attention()

@@ -1,9 +1,9 @@
-"""Build, cache and register the C++ CPU attention kernels (``csrc/*.cc``) as XLA FFI targets.
+"""Build, cache and register the C++ CPU attention kernel (``csrc/``) as an XLA FFI target.
 
-On first use the source is compiled with the C++ compiler (``$JAXPAGED_CXX``, default
+On first use ``csrc/paged_attention_cpu.cc`` (with the headers beside it) is compiled with the C++ compiler (``$JAXPAGED_CXX``, default
 ``g++``) against the XLA FFI headers jaxlib ships (``jax.ffi.include_dir()``) into
 ``$JAXPAGED_CACHE_ROOT/kernels`` (``~/.cache/jaxpaged/kernels`` by default, the root of
-:mod:`jaxpaged.runner.compile_cache`), named by a hash of the source, the compiler command,
+:mod:`jaxpaged.runner.compile_cache`), named by a hash of the sources, the compiler command,
 its version, the jaxlib version and this CPU's feature flags (``-march=native`` code is only
 valid on such a CPU). The library is written under a temporary name and renamed, so two
 processes building at once both end with a whole file. It is loaded with ``ctypes`` and its
@@ -31,11 +31,12 @@ logger = logging.getLogger(__name__)
 
 #: Environment variable naming the C++ compiler.
 CXX_ENV = "JAXPAGED_CXX"
-#: The XLA FFI target of the paged decode attention kernel.
-PAGED_DECODE_TARGET = "jaxpaged_paged_decode"
+#: The XLA FFI target of the paged attention kernel.
+PAGED_ATTENTION_TARGET = "jaxpaged_paged_attention"
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode_cpu.cc")
-_SYMBOL = "JaxpagedPagedDecode"
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_SOURCE = os.path.join(_CSRC, "paged_attention_cpu.cc")
+_SYMBOL = "JaxpagedPagedAttention"
 # OpenMP only for its `simd` pragmas (no runtime): threads come from XLA:CPU's pool.
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
@@ -59,11 +60,12 @@ def library_path(cxx: str) -> str:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True,
                              timeout=60).stdout
     digest = hashlib.sha256()
-    with open(_SOURCE, "rb") as f:
-        digest.update(f.read())
+    for name in sorted(os.listdir(_CSRC)):
+        with open(os.path.join(_CSRC, name), "rb") as f:
+            digest.update(name.encode() + f.read())
     for part in (cxx, version, " ".join(_FLAGS), jaxlib.__version__, _cpu_flags()):
         digest.update(part.encode())
-    return os.path.join(cache_root(), "kernels", f"paged_decode_cpu-{digest.hexdigest()[:20]}.so")
+    return os.path.join(cache_root(), "kernels", f"paged_attention_cpu-{digest.hexdigest()[:20]}.so")
 
 
 def _build(cxx: str, path: str) -> None:
@@ -93,7 +95,7 @@ def _load(cxx: str) -> bool:
             logger.info("building the CPU attention kernel with %s into %s", cxx, path)
             _build(cxx, path)
         library = ctypes.CDLL(path)
-        jax.ffi.register_ffi_target(PAGED_DECODE_TARGET,
+        jax.ffi.register_ffi_target(PAGED_ATTENTION_TARGET,
                                     jax.ffi.pycapsule(getattr(library, _SYMBOL)),
                                     platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: attend with the xla backend
@@ -104,8 +106,8 @@ def _load(cxx: str) -> bool:
     return True
 
 
-def load_paged_decode() -> bool:
-    """Build (or find in the cache) and register the paged decode kernel; True when the FFI
-    target :data:`PAGED_DECODE_TARGET` is registered for the CPU. Never raises: a failure is
+def load_paged_attention() -> bool:
+    """Build (or find in the cache) and register the paged attention kernel; True when the FFI
+    target :data:`PAGED_ATTENTION_TARGET` is registered for the CPU. Never raises: a failure is
     logged once (per compiler) and returns False."""
     return _load(os.environ.get(CXX_ENV) or "g++")

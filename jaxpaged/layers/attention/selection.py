@@ -3,9 +3,10 @@
 ``auto`` picks ``pallas`` on a GPU only after the kernels reproduce the ``xla`` reference on a
 small mixed prefill/decode batch over a pool of the engine's KV cache dtype (fp8 included);
 any exception or mismatch logs a warning and falls back to ``xla``. On the CPU ``auto`` picks
-``cpu`` (the C++ paged decode kernel, :mod:`jaxpaged.layers.attention.cpu`) when the model's
-dtype is float32 or bfloat16 with a KV pool of that dtype, the kernel builds, and its decode
-output matches the ``xla`` backend's on a small batch; otherwise ``xla``. ``cpu`` asked for by
+``cpu`` (the C++ paged attention kernel, :mod:`jaxpaged.layers.attention.cpu`) when the
+model's dtype is float32 or bfloat16 with a KV pool of that dtype, the kernel builds, and its
+output matches the ``xla`` backend's on the same small mixed batch and on a decode-only one;
+otherwise ``xla``. ``cpu`` asked for by
 name also falls back to ``xla`` (with a warning) when the kernel cannot be built.
 """
 
@@ -19,8 +20,7 @@ import numpy as np
 
 from jaxpaged.constants import ATTENTION_BACKENDS
 from jaxpaged.layers.attention.base import AttentionBackend, BatchLayout
-from jaxpaged.layers.attention.cpu import (CpuAttentionBackend, decode_self_check,
-                                           kernel_available, kernel_supports)
+from jaxpaged.layers.attention.cpu import CpuAttentionBackend, kernel_available, kernel_supports
 from jaxpaged.layers.attention.pallas import PallasAttentionBackend
 from jaxpaged.layers.attention.xla import XlaAttentionBackend
 from pallas_kernels.kv_quant import quantize_kv
@@ -71,11 +71,14 @@ def get_attention_backend(name: str, *, num_kv_heads: int = 8, num_heads: int = 
 
 
 def _auto_on_cpu(num_kv_heads, num_heads, head_dim, page_size, dtype, kv_cache_dtype):
-    """``cpu`` if the kernel reads this pool, builds and passes :func:`decode_self_check`."""
+    """``cpu`` if the kernel reads this pool, builds and passes :func:`self_check` on a mixed
+    step and on a decode-only one."""
     if not kernel_supports(dtype, kv_cache_dtype) or not kernel_available():
         return XlaAttentionBackend()
     try:
-        err = decode_self_check(num_kv_heads, num_heads, head_dim, page_size, dtype)
+        err = max(self_check(CpuAttentionBackend(), num_kv_heads, num_heads, head_dim,
+                             page_size, dtype, decode_only=decode_only)
+                  for decode_only in (False, True))
     except Exception as e:  # noqa: BLE001 - any kernel failure means: do not use it
         logger.warning("cpu attention failed its self-check (%s: %s); using xla",
                        type(e).__name__, e)
@@ -90,26 +93,30 @@ def _auto_on_cpu(num_kv_heads, num_heads, head_dim, page_size, dtype, kv_cache_d
 
 
 def self_check(backend: AttentionBackend, num_kv_heads: int, num_heads: int, head_dim: int,
-               page_size: int, dtype, kv_cache_dtype=None) -> float:
+               page_size: int, dtype, kv_cache_dtype=None, decode_only: bool = False) -> float:
     """Max abs difference between ``backend`` and the xla backend over one step through
     ``build_metadata`` and ``forward`` (KV write, then attention): a 20-token prefill chunk
     starting at position 5 and one decode at position 37 (capped by the 4-page table), plus
-    padding, over a random pool of ``kv_cache_dtype`` (default ``dtype``)."""
+    padding, over a random pool of ``kv_cache_dtype`` (default ``dtype``); with
+    ``decode_only``, the chunk's last token alone (a decode at position 24)."""
     rng = np.random.default_rng(0)
     num_pages = 8
     kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
     pool = rng.normal(size=(2, num_pages, page_size, num_kv_heads, head_dim))
     page_table = np.asarray([[3, 1, 6, 2], [5, 7, 4, 0]], np.int32)
     decode_pos = min(37, 4 * page_size - 1)
-    positions = np.concatenate([np.arange(5, 25), [decode_pos], np.zeros(3)]).astype(np.int32)
-    rows = np.concatenate([np.zeros(20, np.int64), [1]])
-    slots = page_table[rows, positions[:21] // page_size] * page_size + positions[:21] % page_size
-    layout = BatchLayout(query_start_loc=np.asarray([0, 20, 21], np.int32),
+    chunk = np.arange(24, 25) if decode_only else np.arange(5, 25)
+    n = len(chunk) + 1                                  # real tokens
+    t_pad = 4 if decode_only else 24
+    positions = np.concatenate([chunk, [decode_pos], np.zeros(t_pad - n)]).astype(np.int32)
+    rows = np.concatenate([np.zeros(n - 1, np.int64), [1]])
+    slots = page_table[rows, positions[:n] // page_size] * page_size + positions[:n] % page_size
+    layout = BatchLayout(query_start_loc=np.asarray([0, n - 1, n], np.int32),
                          seq_lens=np.asarray([25, decode_pos + 1], np.int32),
                          positions=positions,
-                         slot_mapping=np.concatenate([slots, np.zeros(3)]).astype(np.int32),
-                         page_table=page_table, num_seqs=2, num_tokens=21)
-    q, k, v = (jnp.asarray(rng.normal(size=(24, h, head_dim)), dtype)
+                         slot_mapping=np.concatenate([slots, np.zeros(t_pad - n)]).astype(np.int32),
+                         page_table=page_table, num_seqs=2, num_tokens=n)
+    q, k, v = (jnp.asarray(rng.normal(size=(t_pad, h, head_dim)), dtype)
                for h in (num_heads, num_kv_heads, num_kv_heads))
     outs = []
     for impl in (backend, XlaAttentionBackend()):
@@ -120,5 +127,5 @@ def self_check(backend: AttentionBackend, num_kv_heads: int, num_heads: int, hea
         kv_pages = tuple(quantize_kv(jnp.asarray(p, dtype), 1.0, kv_cache_dtype) for p in pool)
         out, _ = impl.forward(q, k, v, kv_pages, {n: jnp.asarray(a) for n, a in metadata.items()},
                               scale=head_dim ** -0.5)
-        outs.append(np.asarray(out, np.float32)[:21])
+        outs.append(np.asarray(out, np.float32)[:n])
     return float(np.abs(outs[0] - outs[1]).max())

@@ -1,7 +1,8 @@
 """The ``xla`` attention backend: paged attention in plain jnp, page chunk by page chunk.
 
-Runs on every platform; on the CPU the ``cpu`` backend (:mod:`jaxpaged.layers.attention.cpu`)
-sends its decode blocks to a C++ kernel and keeps this one for the rest. Instead of gathering every query block's whole
+Runs on every platform, and is the numerical oracle of the others; on the CPU the ``cpu``
+backend (:mod:`jaxpaged.layers.attention.cpu`) sends its query blocks to a C++ kernel and
+keeps this one's KV write. Instead of gathering every query block's whole
 sequence of pages at once (``pallas_kernels.reference``, the numerical oracle, which writes a
 ``[blocks, pages * page_size, heads, dim]`` copy of the KV cache per layer), it walks the page
 table a chunk of :data:`PAGES_PER_CHUNK` pages at a time with an online softmax. The query

@@ -1,4 +1,4 @@
-"""The C++ paged decode kernel (``cpu`` backend) against the ``xla`` backend, its oracle."""
+"""The C++ paged attention kernel (``cpu`` backend) against the ``xla`` backend, its oracle."""
 
 import logging
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from jaxpaged.layers.attention import cpu_build, get_attention_backend, selection
-from jaxpaged.layers.attention.cpu import CpuAttentionBackend, kernel_available, paged_decode_cpu
+from jaxpaged.layers.attention.cpu import CpuAttentionBackend, kernel_available, paged_attention_cpu
 from jaxpaged.layers.attention.xla import XlaAttentionBackend, paged_attention_chunked
 from pallas_kernels.kv_quant import FP8_DTYPE, quantize_kv
-from tests.kernels.ragged_batches import device_metadata, make_batch
+from tests.kernels.ragged_batches import block_inputs, device_metadata, make_batch, random_seqs
 
 pytestmark = pytest.mark.skipif(not kernel_available(), reason="no C++ compiler: "
                                 "test_missing_compiler_falls_back_to_xla covers that")
@@ -50,32 +50,69 @@ def test_decode_batch_matches_xla(dtype, num_heads, num_kv_heads, page_size):
     assert all(jnp.array_equal(a, b) for a, b in zip(pool, pool_xla))      # same KV write
 
 
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,page_size,head_dim", [
+    (jnp.float32, 4, 4, 16, 64), (jnp.float32, 8, 2, 16, 64), (jnp.bfloat16, 8, 2, 16, 64),
+    (jnp.bfloat16, 12, 4, 8, 32), (jnp.float32, 16, 2, 32, 80), (jnp.float32, 8, 1, 16, 128)])
+def test_mixed_step_matches_xla(dtype, num_heads, num_kv_heads, page_size, head_dim):
+    """A mixed step (block_q 16): decodes, first prefill chunks, chunks starting mid-sequence
+    and a 70-token prompt, with padding tokens and sequences; G = 1, 3, 4 and 8 (so blocks
+    take both the row-tile path and, for blocks with few real queries, the one-query path)."""
+    rng = np.random.default_rng(num_heads * page_size + head_dim)
+    seqs = random_seqs(rng, 9, page_size) + [(0, 70), (3 * page_size - 1, 2)]
+    batch = make_batch(rng, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                       page_size=page_size, dtype=dtype, seqs=seqs)
+    assert not batch.layout.is_decode_only
+    (ours, theirs), (pool, pool_xla) = forward_both(batch)
+    np.testing.assert_allclose(ours, theirs, atol=TOLERANCE[dtype], rtol=0)
+    assert all(jnp.array_equal(a, b) for a, b in zip(pool, pool_xla))      # same KV write
+
+
 @pytest.mark.parametrize("sliding_window,soft_cap", [(24, None), (None, 30.0), (7, 20.0)])
-def test_sliding_window_and_soft_cap_match_xla(sliding_window, soft_cap):
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_sliding_window_and_soft_cap_match_xla(sliding_window, soft_cap, decode_only):
     rng = np.random.default_rng(3)
+    seqs = [(c, 1) for c in (0, 6, 23, 24, 100, 161)]
+    if not decode_only:
+        seqs += [(0, 40), (30, 19), (100, 3)]
     batch = make_batch(rng, num_heads=8, num_kv_heads=2, head_dim=32, page_size=16,
-                       dtype=jnp.float32, seqs=[(c, 1) for c in (0, 6, 23, 24, 100, 161)],
-                       pad_tokens=0)
+                       dtype=jnp.float32, seqs=seqs, pad_tokens=0 if decode_only else 5)
     (ours, theirs), _ = forward_both(batch, sliding_window=sliding_window, soft_cap=soft_cap)
     np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
 
 
-def test_kv_scales_match_xla():
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_kv_scales_match_xla(decode_only):
     rng = np.random.default_rng(4)
+    seqs = [(c, 1) for c in (3, 50, 129)] + ([] if decode_only else [(0, 33)])
     batch = make_batch(rng, num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
-                       dtype=jnp.float32, seqs=[(c, 1) for c in (3, 50, 129)], pad_tokens=0)
+                       dtype=jnp.float32, seqs=seqs, pad_tokens=0)
     (ours, theirs), _ = forward_both(batch, dict(k_scale=0.5, v_scale=2.0))
     np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
 
 
-def test_mixed_step_and_fp8_pool_take_the_xla_path():
-    """Prefill query blocks (block_q 16) and an fp8 pool never reach the kernel: the result
-    is the xla backend's, bit for bit."""
+@pytest.mark.parametrize("block_q,group,dtype,nb", [
+    (2, 1, jnp.float32, 11), (3, 4, jnp.float32, 11), (5, 2, jnp.bfloat16, 11),
+    (8, 1, jnp.float32, 11), (16, 1, jnp.bfloat16, 11), (16, 3, jnp.float32, 11),
+    (16, 8, jnp.float32, 1)])
+def test_query_blocks_of_any_size_match_xla(block_q, group, dtype, nb):
+    """Blocks of block_q consecutive queries (a speculative verify step's 1 + k), each with a
+    random number of real queries and padding after them: the kernel equals the oracle on the
+    real queries and writes zeros for the padding ones (one block: its KV heads are split
+    over work items)."""
+    rng = np.random.default_rng(block_q * 10 + group)
+    args, real = block_inputs(rng, nb=nb, block_q=block_q, group=group, dtype=dtype)
+    q, k, v, page_table, seq, pos = args
+    ours = np.asarray(jax.jit(lambda q, k, v, *a: CpuAttentionBackend().attend(
+        q, (k, v), *a, scale=0.125))(*args), np.float32)
+    theirs = np.asarray(jax.jit(lambda *a: paged_attention_chunked(*a, scale=0.125))(*args),
+                        np.float32)
+    np.testing.assert_allclose(ours[real], theirs[real], atol=TOLERANCE[dtype], rtol=0)
+    assert not ours[~real].any()
+
+
+def test_fp8_pool_takes_the_xla_path():
+    """An fp8 pool never reaches the kernel: the result is the xla backend's, bit for bit."""
     rng = np.random.default_rng(5)
-    batch = make_batch(rng, num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
-                       dtype=jnp.float32, seqs=[(10, 1), (0, 20), (33, 5)])
-    (ours, theirs), _ = forward_both(batch)
-    assert np.array_equal(ours, theirs)
     q = jnp.asarray(rng.normal(size=(3, 1, 4, 64)), jnp.float32)
     pool = quantize_kv(jnp.asarray(rng.normal(size=(8, 16, 2, 64)), jnp.float32), 1.0, FP8_DTYPE)
     args = (q, (pool, pool), jnp.asarray([[1, 2], [3, 4]], jnp.int32),
@@ -89,13 +126,12 @@ def test_padding_blocks_are_zero_and_thread_split_agrees():
     """One long sequence (2 blocks: too few to fill the threads, so each block's KV heads are
     split over work items) equals the oracle; a padding block (position -1) gives zeros."""
     rng = np.random.default_rng(6)
-    q = jnp.asarray(rng.normal(size=(2, 8, 64)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(2, 1, 8, 64)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(70, 16, 4, 64)), jnp.float32) for _ in range(2))
     page_table = jnp.asarray(rng.permutation(np.arange(1, 70))[None, :64], jnp.int32)
-    seq, pos = jnp.zeros(2, jnp.int32), jnp.asarray([1000, -1], jnp.int32)
-    out = np.asarray(paged_decode_cpu(q, k, v, page_table, seq, pos, scale=0.125))
-    ref = np.asarray(paged_attention_chunked(q[:, None], k, v, page_table, seq, pos[:, None],
-                                             scale=0.125))[:, 0]
+    seq, pos = jnp.zeros(2, jnp.int32), jnp.asarray([[1000], [-1]], jnp.int32)
+    out = np.asarray(CpuAttentionBackend().attend(q, (k, v), page_table, seq, pos, scale=0.125))
+    ref = np.asarray(paged_attention_chunked(q, k, v, page_table, seq, pos, scale=0.125))
     np.testing.assert_allclose(out[0], ref[0], atol=1e-5, rtol=0)
     assert not out[1].any()
 
@@ -111,7 +147,7 @@ def test_auto_picks_cpu_on_cpu_for_its_dtypes():
 def test_missing_compiler_falls_back_to_xla(monkeypatch, caplog, tmp_path):
     monkeypatch.setenv(cpu_build.CXX_ENV, str(tmp_path / "no-such-g++"))
     with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
-        assert not cpu_build.load_paged_decode()
+        assert not cpu_build.load_paged_attention()
         assert get_attention_backend("cpu").name == "xla"
         assert get_attention_backend("auto", num_kv_heads=2, num_heads=4, head_dim=64,
                                      dtype=jnp.float32).name == "xla"
@@ -120,7 +156,7 @@ def test_missing_compiler_falls_back_to_xla(monkeypatch, caplog, tmp_path):
 
 
 def test_failed_self_check_falls_back_to_xla(monkeypatch, caplog):
-    monkeypatch.setattr(selection, "decode_self_check", lambda *a: 0.5)
+    monkeypatch.setattr(selection, "self_check", lambda *a, **k: 0.5)
     with caplog.at_level(logging.WARNING, logger=selection.__name__):
         assert get_attention_backend("auto", dtype=jnp.float32).name == "xla"
     assert "differs from the xla reference" in caplog.text
@@ -131,7 +167,7 @@ import sys, numpy as np, jax
 from jaxpaged.runner.executable_store import ExecutableStore
 data = np.load(sys.argv[2])
 step = ExecutableStore(sys.argv[1]).load("decode", jax.devices()[:1])
-out = step(*(data[f"a{i}"] for i in range(6)))
+out = step(*(data[f"a{i}"] for i in range(7)))
 print(float(np.abs(np.asarray(out) - data["out"]).max()))
 """
 
@@ -147,11 +183,12 @@ def test_stored_step_with_the_kernel_runs_in_a_fresh_process(tmp_path):
     from jaxpaged.runner.executable_store import ExecutableStore
 
     rng = np.random.default_rng(7)
-    args = (jnp.asarray(rng.normal(size=(3, 4, 32)), jnp.float32),
+    args = (jnp.asarray(rng.normal(size=(4, 4, 32)), jnp.float32),
             *(jnp.asarray(rng.normal(size=(9, 8, 2, 32)), jnp.float32) for _ in range(2)),
-            jnp.asarray([[1, 2, 3, 4], [5, 6, 7, 8]], jnp.int32), jnp.asarray([1, 0, 1], jnp.int32),
-            jnp.asarray([30, 4, -1], jnp.int32))
-    f = jax.jit(lambda *a: paged_decode_cpu(*a, scale=0.2) * 2.0)
+            jnp.asarray([[1, 2, 3, 4], [5, 6, 7, 8]], jnp.int32),
+            jnp.asarray([[0, 1], [2, 4], [4, 4]], jnp.int32), jnp.asarray([1, 0, 1], jnp.int32),
+            jnp.asarray([[30, 31], [4, -1], [-1, -1]], jnp.int32))
+    f = jax.jit(lambda *a: paged_attention_cpu(*a, scale=0.2) * 2.0)
     store = ExecutableStore(str(tmp_path / "steps"))
     compiled = store.compile("decode", lambda: f.lower(*args))
     assert os.listdir(tmp_path / "steps") == ["decode.pkl"]

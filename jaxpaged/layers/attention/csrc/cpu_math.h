@@ -1,0 +1,70 @@
+// Scalar and small-vector helpers shared by the CPU attention kernel: bfloat16 <-> float32,
+// and exp / tanh written branch-free so the loops calling them vectorize (no libm calls).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace jaxpaged_cpu {
+
+// Sixteen float32 lanes as a GCC/Clang vector type: one AVX-512 register (two AVX2 ones
+// elsewhere; the compiler lowers the arithmetic to whatever the target has). `may_alias` and
+// 4-byte alignment let it load from and store to any float pointer.
+typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
+constexpr int kLanes = 16;
+
+inline v16 load16(const float* p) { return *reinterpret_cast<const v16*>(p); }
+inline void store16(float* p, v16 x) { *reinterpret_cast<v16*>(p) = x; }
+
+inline float bf16_to_float(uint16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even (finite inputs)
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
+inline void store(float* p, int64_t i, float x) { p[i] = x; }
+inline void store(uint16_t* p, int64_t i, float x) { p[i] = float_to_bf16(x); }
+// Softmax weights meet the values in the pool's dtype (as the xla backend's dots do).
+inline float round_weight(float p, const float*) { return p; }
+inline float round_weight(float p, const uint16_t*) { return bf16_to_float(float_to_bf16(p)); }
+
+// exp(x) for x <= 0 (arguments below -87 give ~0): x = n ln2 + r, |r| <= ln2 / 2, 2^n built
+// in the exponent bits and e^r by its degree-6 Taylor polynomial (relative error < 2e-7).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(n, -0.693145751953125f, x);
+  r = std::fma(n, -1.428606765330187045e-06f, r);
+  float p = 1.0f / 720;
+  p = std::fma(p, r, 1.0f / 120);
+  p = std::fma(p, r, 1.0f / 24);
+  p = std::fma(p, r, 1.0f / 6);
+  p = std::fma(p, r, 0.5f);
+  p = std::fma(p, r, 1.0f);
+  p = std::fma(p, r, 1.0f);
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Soft-capping cap * tanh(x / cap), with tanh(y) = sign(y) (1 - e) / (1 + e), e = e^(-2|y|)
+// (absolute error ~1e-7 times cap).
+inline float soft_cap_score(float x, float cap) {
+  const float e = exp_nonpositive(-2.0f * std::fabs(x / cap));
+  return std::copysign(cap * (1.0f - e) / (1.0f + e), x);
+}
+
+}  // namespace jaxpaged_cpu
