@@ -85,6 +85,12 @@ class EngineArgs:
         enable_expert_parallel: a mixture-of-experts model's experts split whole over those
             devices (each holds ``num_experts / tensor_parallel_size``) instead of each
             expert's intermediate columns (vLLM's ``--enable-expert-parallel``).
+        pipeline_parallel_size: stages the decoder layers are split into, each on its own
+            ``tensor_parallel_size`` devices (``pp x tp`` in all), a step's sequences run
+            through them as micro-batches (``jaxpaged.runner.pipeline_runner``; vLLM's
+            ``--pipeline-parallel-size``); not combinable with speculative decoding,
+            calibrated KV scales, expert or data parallelism or several processes, and it
+            turns async scheduling off.
         data_parallel_size: engine replicas, each on its own ``tensor_parallel_size``
             devices, sharing the requests (``jaxpaged.engine.data_parallel``).
         coordinator_address, num_processes, process_id: a multi-host job
@@ -128,6 +134,7 @@ class EngineArgs:
     compilation_cache_dir: str | None = None
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     coordinator_address: str | None = None
     num_processes: int = 1
@@ -147,8 +154,9 @@ class EngineArgs:
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                      "num_gpu_blocks_override", "kv_cache_memory_bytes",
                      "max_num_partial_prefills", "tensor_parallel_size", "data_parallel_size",
-                     "num_processes"):
+                     "num_processes", "pipeline_parallel_size"):
             positive(name)
+        self._check_pipeline_parallel()
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) \
                 or not 0 <= self.seed < 2**32:
             raise ValueError(f"EngineArgs.seed must be an integer in [0, 2**32), got {self.seed!r}")
@@ -194,6 +202,22 @@ class EngineArgs:
             raise ValueError(f"EngineArgs.attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
         resolve_pooler(self.model, self.runner, self.convert, self.pooler_config)
+
+    def _check_pipeline_parallel(self) -> None:
+        """Refuse, by name, what pipeline parallelism does not support."""
+        if self.pipeline_parallel_size == 1:
+            return
+        refused = [name for name, on in (
+            ("speculative_config", self.speculative_config is not None),
+            ("calculate_kv_scales", self.calculate_kv_scales),
+            ("enable_expert_parallel", self.enable_expert_parallel),
+            ("data_parallel_size > 1", self.data_parallel_size > 1),
+            ("num_processes > 1", self.num_processes > 1)) if on]
+        if refused:
+            from jaxpaged.distributed.pipeline_parallel import PipelineParallelError
+            raise PipelineParallelError(
+                f"EngineArgs.pipeline_parallel_size={self.pipeline_parallel_size} cannot be "
+                f"combined with {refused[0]} (not supported with pipeline parallelism)")
 
     @property
     def pooler(self) -> PoolerConfig | None:
@@ -268,6 +292,11 @@ class EngineArgs:
         g.add_argument("--enable-expert-parallel", action="store_true",
                        help="mixture-of-experts models: whole experts split over the "
                             "--tensor-parallel-size devices instead of every expert's columns")
+        g.add_argument("--pipeline-parallel-size", "-pp", type=int,
+                       default=d.pipeline_parallel_size,
+                       help="stages the layers are split into, each on its own "
+                            "--tensor-parallel-size devices; a step's sequences run through "
+                            "them as micro-batches")
         g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
                        help="engine replicas, each on its own --tensor-parallel-size devices, "
                             "sharing the requests")

@@ -1,0 +1,148 @@
+"""Pipeline parallelism on host CPU devices (tests/conftest.py sets XLA_FLAGS to 8)."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.config import ModelConfig
+from jaxpaged.distributed.pipeline_parallel import (PipelineParallel, PipelineParallelError,
+                                                    stage_layer_ranges)
+from jaxpaged.engine.arg_utils import EngineArgs, cli_error_message
+from jaxpaged.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxpaged.runner.output import ModelRunnerOutput
+from jaxpaged.runner.pipeline_runner import merge_outputs, split_micro_batches
+from tests.conftest import STORIES
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def shared_prefix_prompts(n, vocab, seed):
+    """``n`` prompts sharing a 32-token (two-page) prefix, with random tails."""
+    rng = np.random.default_rng(seed)
+    prefix = [1] + rng.integers(3, vocab, size=31).tolist()
+    return [prefix + rng.integers(3, vocab, size=int(k)).tolist()
+            for k in rng.integers(1, 30, size=n)]
+
+
+def run(model, prompts, **kw):
+    """Greedy and seeded-sampled token ids on a pool small enough to preempt."""
+    llm = LLM(model=model, tokenizer=STORIES, enforce_eager=True, max_num_seqs=8,
+              max_num_batched_tokens=64, max_model_len=128, num_gpu_blocks_override=14, **kw)
+    greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    sampled = llm.generate(prompts, [SamplingParams(temperature=0.9, seed=i, max_tokens=8)
+                                     for i in range(len(prompts))], use_tqdm=False)
+    return greedy, [o.outputs[0].token_ids for o in sampled], llm
+
+
+@pytest.fixture(scope="module")
+def random_llama(tmp_path_factory):
+    """A random untied Llama of 3 layers (uneven over 2 stages), 8 KV heads."""
+    d = tmp_path_factory.mktemp("pp_llama")
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
+           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+           "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 8,
+           "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+           "torch_dtype": "float32"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def test_stage_layer_ranges():
+    assert stage_layer_ranges(5, 2) == [(0, 3), (3, 5)]
+    assert stage_layer_ranges(10, 4) == [(0, 2), (2, 5), (5, 8), (8, 10)]
+    assert stage_layer_ranges(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert stage_layer_ranges(7, 1) == [(0, 7)]
+    with pytest.raises(PipelineParallelError, match="exceeds the model's 3 decoder layers"):
+        stage_layer_ranges(3, 4)
+
+
+def test_micro_batches_split_by_tokens_and_merge_in_order():
+    sizes = [40, 1, 1, 30, 8]
+    sched = SchedulerOutput(scheduled=[ScheduledRequest(None, 0, n, [1], True, 1)
+                                       for n in sizes])
+    parts = split_micro_batches(sched, 2)
+    assert [[s.num_new_tokens for s in p.scheduled] for p in parts] == [[40], [1, 1, 30, 8]]
+    parts = split_micro_batches(sched, 4)
+    assert [[s.num_new_tokens for s in p.scheduled] for p in parts] == [[40], [1, 1, 30], [8]]
+    assert len(split_micro_batches(SchedulerOutput(scheduled=sched.scheduled[:1]), 2)) == 1
+    merged = merge_outputs([
+        ModelRunnerOutput(sampled_token_ids=[[5]]),
+        ModelRunnerOutput(sampled_token_ids=[[6], [7, 8]],
+                          logprobs=[[(-1.0, 1, [6], [-1.0])], [(-2.0, 1, [7], [-2.0])] * 2])])
+    assert merged.sampled_token_ids == [[5], [6], [7, 8]]
+    assert merged.logprobs == [[None], [(-1.0, 1, [6], [-1.0])], [(-2.0, 1, [7], [-2.0])] * 2]
+    assert merged.prompt_logprobs is None and merged.pooled is None
+
+
+def test_bundled_model_pp2_and_pp2_tp2_equal_single_device():
+    """Greedy and seeded tokens at pp = 2 and pp = 2 x tp = 2 (4 devices) equal one
+    device's, with preemption and prefix-cache hits on the way."""
+    prompts = shared_prefix_prompts(6, 512, seed=4)
+    ref_greedy, ref_sampled, ref = run(STORIES, prompts)
+    assert ref.engine.scheduler.num_preemptions > 0
+    for pp, tp in ((2, 1), (2, 2)):
+        greedy, sampled, llm = run(STORIES, prompts, pipeline_parallel_size=pp,
+                                   tensor_parallel_size=tp)
+        assert greedy == ref_greedy, f"pp={pp} tp={tp}"
+        assert sampled == ref_sampled, f"pp={pp} tp={tp}"
+        engine = llm.engine
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.kv_cache_manager.stats.hits > 0
+        runner = engine.runner
+        assert runner.pipeline.layer_ranges == ((0, 3), (3, 5))
+        devices = jax.devices()
+        stage_devices = [set(devices[s * tp:(s + 1) * tp]) for s in range(pp)]
+        # Each layer's pool and weights on its stage's devices only.
+        assert [set(k.sharding.device_set) for k, _ in runner._kv_caches] == \
+            [stage_devices[0]] * 3 + [stage_devices[1]] * 2
+        for s, state in enumerate(runner._state):
+            assert all(set(x.sharding.device_set) == stage_devices[s]
+                       for x in jax.tree.leaves(state))
+        if tp == 2:
+            assert {sh.data.shape[2] for sh in runner._kv_caches[4][0].addressable_shards} == {2}
+
+
+def test_random_llama_pp2_tp2_equals_single_device(random_llama):
+    prompts = shared_prefix_prompts(5, 512, seed=5)
+    kw = dict(load_format="dummy", seed=7)
+    ref_greedy, ref_sampled, _ = run(random_llama, prompts, **kw)
+    greedy, sampled, llm = run(random_llama, prompts, pipeline_parallel_size=2,
+                               tensor_parallel_size=2, **kw)
+    assert llm.engine.runner.pipeline.layer_ranges == ((0, 2), (2, 3))
+    assert (greedy, sampled) == (ref_greedy, ref_sampled)
+
+
+def test_too_few_devices_names_both_flags():
+    cfg = ModelConfig.from_pretrained(STORIES)
+    with pytest.raises(PipelineParallelError,
+                       match=r"pipeline_parallel_size=3 x tensor_parallel_size=4 needs 12 "
+                             r"devices but this process has 8"):
+        PipelineParallel.create(3, 4, cfg)
+    with pytest.raises(PipelineParallelError, match="exceeds the model's 5 decoder layers"):
+        PipelineParallel.create(6, 1, cfg)
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}, "speculative_config"),
+    ("enable_expert_parallel", True, "enable_expert_parallel"),
+    ("data_parallel_size", 2, "data_parallel_size > 1"),
+])
+def test_unsupported_combinations_refused_by_name(field, value, named):
+    with pytest.raises(PipelineParallelError) as e:
+        EngineArgs(pipeline_parallel_size=2, **{field: value})
+    assert f"cannot be combined with {named}" in str(e.value)
+    assert "--pipeline-parallel-size" in cli_error_message(e.value)
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be a positive integer"):
+        EngineArgs(pipeline_parallel_size=0)
+
+
+def test_cli_flag():
+    import argparse
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(["--pipeline-parallel-size", "2",
+                                                       "-tp", "2"]))
+    assert (args.pipeline_parallel_size, args.tensor_parallel_size) == (2, 2)
