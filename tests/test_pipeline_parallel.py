@@ -78,42 +78,47 @@ def test_micro_batches_split_by_tokens_and_merge_in_order():
     assert merged.prompt_logprobs is None and merged.pooled is None
 
 
-def test_bundled_model_pp2_and_pp2_tp2_equal_single_device():
-    """Greedy and seeded tokens at pp = 2 and pp = 2 x tp = 2 (4 devices) equal one
-    device's, with preemption and prefix-cache hits on the way."""
-    prompts = shared_prefix_prompts(6, 512, seed=4)
-    ref_greedy, ref_sampled, ref = run(STORIES, prompts)
+def check_pipeline(model, prompts, pp, tp, layer_ranges, **kw):
+    """pp x tp greedy and seeded tokens equal one device's, with preemption and
+    prefix-cache hits on the way; every layer's pool and weights on its stage's devices."""
+    ref_greedy, ref_sampled, ref = run(model, prompts, **kw)
     assert ref.engine.scheduler.num_preemptions > 0
-    for pp, tp in ((2, 1), (2, 2)):
-        greedy, sampled, llm = run(STORIES, prompts, pipeline_parallel_size=pp,
-                                   tensor_parallel_size=tp)
-        assert greedy == ref_greedy, f"pp={pp} tp={tp}"
-        assert sampled == ref_sampled, f"pp={pp} tp={tp}"
-        engine = llm.engine
-        assert engine.scheduler.num_preemptions > 0
-        assert engine.kv_cache_manager.stats.hits > 0
-        runner = engine.runner
-        assert runner.pipeline.layer_ranges == ((0, 3), (3, 5))
-        devices = jax.devices()
-        stage_devices = [set(devices[s * tp:(s + 1) * tp]) for s in range(pp)]
-        # Each layer's pool and weights on its stage's devices only.
-        assert [set(k.sharding.device_set) for k, _ in runner._kv_caches] == \
-            [stage_devices[0]] * 3 + [stage_devices[1]] * 2
-        for s, state in enumerate(runner._state):
-            assert all(set(x.sharding.device_set) == stage_devices[s]
-                       for x in jax.tree.leaves(state))
-        if tp == 2:
-            assert {sh.data.shape[2] for sh in runner._kv_caches[4][0].addressable_shards} == {2}
+    greedy, sampled, llm = run(model, prompts, pipeline_parallel_size=pp,
+                               tensor_parallel_size=tp, **kw)
+    assert greedy == ref_greedy
+    assert sampled == ref_sampled
+    engine = llm.engine
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.kv_cache_manager.stats.hits > 0
+    runner = engine.runner
+    assert runner.pipeline.layer_ranges == layer_ranges
+    devices = jax.devices()
+    stage_devices = [set(devices[s * tp:(s + 1) * tp]) for s in range(pp)]
+    assert [set(k.sharding.device_set) for k, _ in runner._kv_caches] == \
+        [stage_devices[runner.pipeline.stage_of_layer(i)] for i in range(len(runner._kv_caches))]
+    for s, state in enumerate(runner._state):
+        assert all(set(x.sharding.device_set) == stage_devices[s]
+                   for x in jax.tree.leaves(state))
+    return runner
 
 
-def test_random_llama_pp2_tp2_equals_single_device(random_llama):
-    prompts = shared_prefix_prompts(5, 512, seed=5)
-    kw = dict(load_format="dummy", seed=7)
-    ref_greedy, ref_sampled, _ = run(random_llama, prompts, **kw)
-    greedy, sampled, llm = run(random_llama, prompts, pipeline_parallel_size=2,
-                               tensor_parallel_size=2, **kw)
-    assert llm.engine.runner.pipeline.layer_ranges == ((0, 2), (2, 3))
-    assert (greedy, sampled) == (ref_greedy, ref_sampled)
+def test_bundled_model_pp2_tp2_equals_single_device():
+    """4 devices: two stages of 3 and 2 layers, each split over 2 devices by KV head."""
+    runner = check_pipeline(STORIES, shared_prefix_prompts(6, 512, seed=4), 2, 2,
+                            ((0, 3), (3, 5)))
+    assert {sh.data.shape[2] for sh in runner._kv_caches[4][0].addressable_shards} == {2}
+
+
+@pytest.mark.slow
+def test_bundled_model_pp2_equals_single_device():
+    check_pipeline(STORIES, shared_prefix_prompts(6, 512, seed=4), 2, 1, ((0, 3), (3, 5)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp, tp", [(2, 1), (2, 2)])
+def test_random_llama_pipeline_equals_single_device(random_llama, pp, tp):
+    check_pipeline(random_llama, shared_prefix_prompts(5, 512, seed=5), pp, tp,
+                   ((0, 2), (2, 3)), load_format="dummy", seed=7)
 
 
 def test_too_few_devices_names_both_flags():
