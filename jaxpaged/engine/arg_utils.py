@@ -43,7 +43,10 @@ class EngineArgs:
             (``jaxpaged.layers.awq``); None keeps the checkpoint's weights
             (an fp8 checkpoint stays fp8).
         seed: engine seed; requests without a ``seed`` draw theirs from it.
-        block_size: tokens per KV page.
+        block_size: tokens per KV page (a power of two), or ``"auto"``: chosen at start-up
+            from the device's tuning table for the model's head shape and from
+            ``max_model_len`` (``jaxpaged.runner.page_size``; the choice and its reason are
+            logged).
         max_model_len: longest prompt + output (default: the model's trained context).
         max_num_seqs: most requests in one step.
         max_num_batched_tokens: most tokens in one step (longer prompts are chunked).
@@ -114,7 +117,7 @@ class EngineArgs:
     load_format: str = "auto"
     quantization: str | None = None
     seed: int = 0
-    block_size: int = 16
+    block_size: int | str = 16
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -151,7 +154,9 @@ class EngineArgs:
                                       or value < 1):
                 raise ValueError(f"EngineArgs.{name} must be a positive integer, got {value!r}")
 
-        for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+        if self.block_size != "auto":
+            positive("block_size")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
                      "num_gpu_blocks_override", "kv_cache_memory_bytes",
                      "max_num_partial_prefills", "tensor_parallel_size", "data_parallel_size",
                      "num_processes", "pipeline_parallel_size"):
@@ -170,7 +175,7 @@ class EngineArgs:
         if not isinstance(self.trust_remote_code, bool):
             raise ValueError("EngineArgs.trust_remote_code must be True or False, got "
                              f"{self.trust_remote_code!r}")
-        if self.block_size & (self.block_size - 1):
+        if self.block_size != "auto" and self.block_size & (self.block_size - 1):
             raise ValueError(f"EngineArgs.block_size must be a power of two, got {self.block_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineArgs.dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -243,7 +248,9 @@ class EngineArgs:
                             "(default: the checkpoint's own weights)")
         g.add_argument("--seed", type=int, default=d.seed,
                        help="engine seed: requests without their own seed draw one from it")
-        g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV page")
+        g.add_argument("--block-size", type=_block_size, default=d.block_size,
+                       help="tokens per KV page (a power of two), or auto: chosen at start-up "
+                            "from the device's tuning table and --max-model-len")
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
@@ -330,6 +337,16 @@ class EngineArgs:
         if values["enforce_eager"] is None:
             values["enforce_eager"] = enforce_eager_default
         return cls(**values)
+
+
+def _block_size(text: str) -> int | str:
+    """``--block-size``'s value: ``auto`` or an integer."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
 
 
 def cli_error_message(error: BaseException) -> str:

@@ -141,7 +141,7 @@ class Engine:
         #: Each layer's ``(k_scale, v_scale)`` (``jaxpaged.runner.kv_scales``).
         self.kv_scales = worker.kv_scales
         self.kv_bytes_per_page = worker.kv_bytes_per_page
-        num_pages, page_size = worker.num_pages, args.block_size
+        num_pages, page_size = worker.num_pages, worker.page_size
         self.kv_cache_manager = KVCacheManager(num_pages, page_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

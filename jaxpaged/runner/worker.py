@@ -32,6 +32,7 @@ from jaxpaged.models.mixtral import use_expert_parallelism
 from jaxpaged.models.loader import load_model
 from jaxpaged.runner.compile_cache import configure_compilation_cache, resolve_cache_dir
 from jaxpaged.runner.model_runner import ModelRunner, RunnerLimits
+from jaxpaged.runner.page_size import DEFAULT_PAGE_SIZE, choose_page_size
 from jaxpaged.runner.pipeline_runner import PipelineModelRunner
 from jaxpaged.sampling.logits_adjust import capacity as adjust_capacity
 
@@ -48,6 +49,7 @@ class Worker:
         kv_cache_dtype: the KV pool's element type.
         kv_scales: each layer's ``(k_scale, v_scale)`` (1.0 unless calibrated).
         num_pages: KV pages in the pool, the null page included.
+        page_size: tokens per page (``--block-size``, resolved when ``auto``).
         kv_bytes_per_page: bytes of one page on one device (all layers, K and V).
         tensor_parallel_size: devices the model is split over (in each pipeline stage).
     """
@@ -57,6 +59,7 @@ class Worker:
     kv_cache_dtype: object
     kv_scales: KVScales
     num_pages: int
+    page_size: int
     kv_bytes_per_page: int
     tensor_parallel_size: int
 
@@ -101,15 +104,24 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
     kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     backend = get_attention_backend(
         args.attention_backend, num_kv_heads=cfg.num_kv_heads, num_heads=cfg.num_heads,
-        head_dim=cfg.head_dim, page_size=args.block_size, dtype=dtype,
-        kv_cache_dtype=kv_cache_dtype)
+        head_dim=cfg.head_dim,
+        page_size=DEFAULT_PAGE_SIZE if args.block_size == "auto" else args.block_size,
+        dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    page_size = args.block_size
+    if page_size == "auto":
+        device = tp.mesh.devices.flat[0]
+        choice = choose_page_size(platform=device.platform, device_kind=device.device_kind,
+                                  backend=backend.name, head_dim=cfg.head_dim,
+                                  dtype=np.dtype(kv_cache_dtype).name,
+                                  max_model_len=max_model_len)
+        page_size = choice.page_size
+        logger.info("block_size auto: %d tokens per page (%s)", page_size, choice.reason)
     if tp.size > 1 and pipeline is None:    # (each stage wraps its own layers)
         backend = TensorParallelAttention(backend, tp.mesh)
     model = load_model(args.model, cfg, dtype=dtype, backend=backend,
                        load_format=args.load_format, seed=args.seed, tp=pipeline or tp)
     if tp.expert_parallel:
         use_expert_parallelism(model, tp.mesh)
-    page_size = args.block_size
     pages_per_seq = -(-max_model_len // page_size)
 
     def pool(num_pages, pool_dtype=kv_cache_dtype):
@@ -174,5 +186,5 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
                 runner.backend.name, tp.size,
                 pipeline.layer_ranges if pipeline else 1)
     return Worker(runner=runner, dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_scales=scales,
-                  num_pages=num_pages, kv_bytes_per_page=bytes_per_page,
+                  num_pages=num_pages, page_size=page_size, kv_bytes_per_page=bytes_per_page,
                   tensor_parallel_size=tp.size)
