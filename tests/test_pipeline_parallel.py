@@ -1,7 +1,5 @@
 """Pipeline parallelism on host CPU devices (tests/conftest.py sets XLA_FLAGS to 8)."""
 
-import json
-
 import jax
 import numpy as np
 import pytest
@@ -15,6 +13,7 @@ from jaxpaged.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxpaged.runner.output import ModelRunnerOutput
 from jaxpaged.runner.pipeline_runner import merge_outputs, split_micro_batches
 from tests.conftest import STORIES
+from tests.helpers.random_llama import write_random_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -39,16 +38,10 @@ def run(model, prompts, **kw):
 
 @pytest.fixture(scope="module")
 def random_llama(tmp_path_factory):
-    """A random untied Llama of 3 layers (uneven over 2 stages), 8 KV heads."""
-    d = tmp_path_factory.mktemp("pp_llama")
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
-           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
-           "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 8,
-           "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-           "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-           "torch_dtype": "float32"}
-    (d / "config.json").write_text(json.dumps(cfg))
-    return str(d)
+    """A random untied Llama of 3 layers (uneven over 2 stages), 8 query and 8 KV heads."""
+    return write_random_llama(tmp_path_factory.mktemp("pp_llama"), hidden_size=64,
+                              intermediate_size=128, num_hidden_layers=3,
+                              num_attention_heads=8)
 
 
 def test_stage_layer_ranges():
@@ -151,3 +144,14 @@ def test_cli_flag():
     args = EngineArgs.from_cli_args(parser.parse_args(["--pipeline-parallel-size", "2",
                                                        "-tp", "2"]))
     assert (args.pipeline_parallel_size, args.tensor_parallel_size) == (2, 2)
+
+
+def test_embeddings_through_the_pipeline_equal_single_device():
+    """Pooling rows come from the last stage: MEAN pooling over several micro-batches."""
+    prompts = shared_prefix_prompts(5, 512, seed=6)
+    kw = dict(runner="pooling", pooler_config={"pooling_type": "MEAN", "normalize": True},
+              enforce_eager=True, max_num_batched_tokens=64)
+    ref = LLM(**kw).embed(prompts, use_tqdm=False)
+    out = LLM(pipeline_parallel_size=2, **kw).embed(prompts, use_tqdm=False)
+    for a, b in zip(ref, out):
+        np.testing.assert_allclose(b.outputs.embedding, a.outputs.embedding, atol=1e-5)

@@ -133,6 +133,15 @@ def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
                                   inputs["attn_metadata"])
         return *forward_outputs(model, hidden, inputs), kv_caches
 
+    # Closures of this runner, not the module-level functions themselves: JAX's in-process
+    # caches key on the function, and an executable shared with another runner may be one
+    # that JAX's persistent cache served, which the executable store must not serialize.
+    def sample(logits, inputs, prev_tokens):
+        return sample_rows(logits, inputs, prev_tokens)
+
+    def copy_pages(kv_caches, src, dst):
+        return copy_kv_pages(kv_caches, src, dst)
+
     def prefill(state, kv_caches, input_ids, positions, attn_metadata):
         model = nnx.merge(graphdef, state)
         hidden, kv_caches = model(input_ids, positions, kv_caches, attn_metadata)
@@ -143,8 +152,8 @@ def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
         forward=jax.jit(forward, donate_argnums=(1,),
                         in_shardings=(state_sharding, kv_sharding, rep, rep),
                         out_shardings=(rep, rep, rep, kv_sharding)),
-        sample=jax.jit(sample_rows, in_shardings=(rep, rep, rep), out_shardings=(rep, rep)),
-        copy_pages=jax.jit(copy_kv_pages, donate_argnums=(0,),
+        sample=jax.jit(sample, in_shardings=(rep, rep, rep), out_shardings=(rep, rep)),
+        copy_pages=jax.jit(copy_pages, donate_argnums=(0,),
                            in_shardings=(kv_sharding, rep, rep), out_shardings=kv_sharding),
         # A scratch pool of any page count has the serving pool's per-array shardings.
         prefill=jax.jit(prefill, in_shardings=(state_sharding, kv_sharding, rep, rep, rep),
