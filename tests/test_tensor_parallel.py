@@ -13,6 +13,7 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.tensor_parallel import TensorParallel, TensorParallelError
 from tests.conftest import STORIES
+from tests.helpers.random_llama import write_random_llama
 from tests.test_continuous_batching import random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -28,15 +29,7 @@ def greedy_ids(model, tp, backend="xla", prompts=None, **kw):
 @pytest.fixture(scope="module")
 def gqa8_model(tmp_path_factory):
     """A random Llama with 16 query heads and 8 KV heads (dummy weights from the seed)."""
-    d = tmp_path_factory.mktemp("gqa8")
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
-           "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-           "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 8,
-           "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-           "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-           "torch_dtype": "float32"}
-    (d / "config.json").write_text(json.dumps(cfg))
-    return str(d)
+    return write_random_llama(tmp_path_factory.mktemp("gqa8"))
 
 
 def test_eight_host_devices_are_visible():

@@ -43,7 +43,10 @@ class EngineArgs:
             (``jaxpaged.layers.awq``); None keeps the checkpoint's weights
             (an fp8 checkpoint stays fp8).
         seed: engine seed; requests without a ``seed`` draw theirs from it.
-        block_size: tokens per KV page.
+        block_size: tokens per KV page (a power of two), or ``"auto"``: chosen at start-up
+            from the device's tuning table for the model's head shape and from
+            ``max_model_len`` (``jaxpaged.runner.page_size``; the choice and its reason are
+            logged).
         max_model_len: longest prompt + output (default: the model's trained context).
         max_num_seqs: most requests in one step.
         max_num_batched_tokens: most tokens in one step (longer prompts are chunked).
@@ -85,6 +88,12 @@ class EngineArgs:
         enable_expert_parallel: a mixture-of-experts model's experts split whole over those
             devices (each holds ``num_experts / tensor_parallel_size``) instead of each
             expert's intermediate columns (vLLM's ``--enable-expert-parallel``).
+        pipeline_parallel_size: stages the decoder layers are split into, each on its own
+            ``tensor_parallel_size`` devices (``pp x tp`` in all), a step's sequences run
+            through them as micro-batches (``jaxpaged.runner.pipeline_runner``; vLLM's
+            ``--pipeline-parallel-size``); not combinable with speculative decoding,
+            calibrated KV scales, expert or data parallelism or several processes, and it
+            turns async scheduling off.
         data_parallel_size: engine replicas, each on its own ``tensor_parallel_size``
             devices, sharing the requests (``jaxpaged.engine.data_parallel``).
         coordinator_address, num_processes, process_id: a multi-host job
@@ -108,7 +117,7 @@ class EngineArgs:
     load_format: str = "auto"
     quantization: str | None = None
     seed: int = 0
-    block_size: int = 16
+    block_size: int | str = 16
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -128,6 +137,7 @@ class EngineArgs:
     compilation_cache_dir: str | None = None
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     coordinator_address: str | None = None
     num_processes: int = 1
@@ -144,11 +154,14 @@ class EngineArgs:
                                       or value < 1):
                 raise ValueError(f"EngineArgs.{name} must be a positive integer, got {value!r}")
 
-        for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+        if self.block_size != "auto":
+            positive("block_size")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
                      "num_gpu_blocks_override", "kv_cache_memory_bytes",
                      "max_num_partial_prefills", "tensor_parallel_size", "data_parallel_size",
-                     "num_processes"):
+                     "num_processes", "pipeline_parallel_size"):
             positive(name)
+        self._check_pipeline_parallel()
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) \
                 or not 0 <= self.seed < 2**32:
             raise ValueError(f"EngineArgs.seed must be an integer in [0, 2**32), got {self.seed!r}")
@@ -162,7 +175,7 @@ class EngineArgs:
         if not isinstance(self.trust_remote_code, bool):
             raise ValueError("EngineArgs.trust_remote_code must be True or False, got "
                              f"{self.trust_remote_code!r}")
-        if self.block_size & (self.block_size - 1):
+        if self.block_size != "auto" and self.block_size & (self.block_size - 1):
             raise ValueError(f"EngineArgs.block_size must be a power of two, got {self.block_size}")
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineArgs.dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -195,6 +208,22 @@ class EngineArgs:
                              f"got {self.attention_backend!r}")
         resolve_pooler(self.model, self.runner, self.convert, self.pooler_config)
 
+    def _check_pipeline_parallel(self) -> None:
+        """Refuse, by name, what pipeline parallelism does not support."""
+        if self.pipeline_parallel_size == 1:
+            return
+        refused = [name for name, on in (
+            ("speculative_config", self.speculative_config is not None),
+            ("calculate_kv_scales", self.calculate_kv_scales),
+            ("enable_expert_parallel", self.enable_expert_parallel),
+            ("data_parallel_size > 1", self.data_parallel_size > 1),
+            ("num_processes > 1", self.num_processes > 1)) if on]
+        if refused:
+            from jaxpaged.distributed.pipeline_parallel import PipelineParallelError
+            raise PipelineParallelError(
+                f"EngineArgs.pipeline_parallel_size={self.pipeline_parallel_size} cannot be "
+                f"combined with {refused[0]} (not supported with pipeline parallelism)")
+
     @property
     def pooler(self) -> PoolerConfig | None:
         """The engine's pooler (None: it generates); ``jaxpaged.pooling_params``."""
@@ -219,7 +248,9 @@ class EngineArgs:
                             "(default: the checkpoint's own weights)")
         g.add_argument("--seed", type=int, default=d.seed,
                        help="engine seed: requests without their own seed draw one from it")
-        g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV page")
+        g.add_argument("--block-size", type=_block_size, default=d.block_size,
+                       help="tokens per KV page (a power of two), or auto: chosen at start-up "
+                            "from the device's tuning table and --max-model-len")
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
         g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
@@ -268,6 +299,11 @@ class EngineArgs:
         g.add_argument("--enable-expert-parallel", action="store_true",
                        help="mixture-of-experts models: whole experts split over the "
                             "--tensor-parallel-size devices instead of every expert's columns")
+        g.add_argument("--pipeline-parallel-size", "-pp", type=int,
+                       default=d.pipeline_parallel_size,
+                       help="stages the layers are split into, each on its own "
+                            "--tensor-parallel-size devices; a step's sequences run through "
+                            "them as micro-batches")
         g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
                        help="engine replicas, each on its own --tensor-parallel-size devices, "
                             "sharing the requests")
@@ -301,6 +337,16 @@ class EngineArgs:
         if values["enforce_eager"] is None:
             values["enforce_eager"] = enforce_eager_default
         return cls(**values)
+
+
+def _block_size(text: str) -> int | str:
+    """``--block-size``'s value: ``auto`` or an integer."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
 
 
 def cli_error_message(error: BaseException) -> str:

@@ -104,8 +104,8 @@ class Engine:
                  seed_rng: np.random.Generator | None = None):
         self.args = args
         # Both before anything starts JAX's backends:
-        request_host_devices(
-            args.tensor_parallel_size * args.data_parallel_size // args.num_processes)
+        request_host_devices(args.tensor_parallel_size * args.pipeline_parallel_size
+                             * args.data_parallel_size // args.num_processes)
         initialize_multihost(args.coordinator_address, args.num_processes, args.process_id)
         if args.num_processes > 1:
             install_signal_handlers()   # SIGINT / SIGTERM to any process stop the whole job
@@ -154,7 +154,7 @@ class Engine:
         #: Each layer's ``(k_scale, v_scale)`` (``jaxpaged.runner.kv_scales``).
         self.kv_scales = worker.kv_scales
         self.kv_bytes_per_page = worker.kv_bytes_per_page
-        num_pages, page_size = worker.num_pages, args.block_size
+        num_pages, page_size = worker.num_pages, worker.page_size
         self.kv_cache_manager = KVCacheManager(num_pages, page_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -171,9 +171,11 @@ class Engine:
         #: outputs made early (an abort) for the next step to return.
         self._in_flight: _InFlight | None = None
         # A multi-host job's processes take their steps in lockstep: synchronously; so do
-        # speculating engines (a step's proposals come from the previous step's tokens).
+        # speculating engines (a step's proposals come from the previous step's tokens), and
+        # pipelines (a step's micro-batches would each need the previous step's tokens).
         self._async_scheduling = (args.async_scheduling and args.num_processes == 1
-                                  and speculative_config is None)
+                                  and speculative_config is None
+                                  and args.pipeline_parallel_size == 1)
         self._early_outputs: list[RequestOutput] = []
         self.fault_injector: Callable[[int, list[str]], None] | None = None
         self._seed_rng = seed_rng or np.random.default_rng(args.seed)

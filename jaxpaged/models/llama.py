@@ -137,14 +137,37 @@ class LlamaModel(nnx.Module):
         self.embed_scale = config.hidden_size ** 0.5 if gemma_style else None
 
     def __call__(self, input_ids, positions, kv_caches: list[KVPages], metadata):
-        x = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            x = x * jnp.asarray(self.embed_scale, x.dtype)
-        new_caches = []
-        for layer, kv_pages in zip(self.layers, kv_caches):
-            x, kv_pages = layer(x, positions, kv_pages, metadata)
-            new_caches.append(kv_pages)
+        x = embed(self.embed_tokens, self.embed_scale, input_ids)
+        x, new_caches = run_layers(self.layers, x, positions, kv_caches, metadata)
         return self.norm(x), new_caches
+
+
+def embed(embed_tokens: nnx.Embed, scale: float | None, input_ids):
+    """input_ids [T] int32 -> [T, H] embeddings, times ``scale`` (rounded to their dtype)
+    unless None (Gemma's ``sqrt(hidden_size)``)."""
+    x = embed_tokens(input_ids)
+    return x if scale is None else x * jnp.asarray(scale, x.dtype)
+
+
+def run_layers(layers, x, positions, kv_caches: list[KVPages], metadata):
+    """x [T, H] through ``layers`` in order, layer i on ``kv_caches[i]`` ->
+    ([T, H], the updated caches)."""
+    new_caches = []
+    for layer, kv_pages in zip(layers, kv_caches):
+        x, kv_pages = layer(x, positions, kv_pages, metadata)
+        new_caches.append(kv_pages)
+    return x, new_caches
+
+
+def lm_logits(hidden, embed_tokens: nnx.Embed | None, lm_head, soft_cap: float | None):
+    """hidden [N, H] -> [N, V] float32 logits through ``lm_head`` (or the tied
+    ``embed_tokens`` when it is None), soft-capped as ``cap * tanh(logits / cap)`` unless
+    ``soft_cap`` is None."""
+    logits = (embed_tokens.attend(hidden) if lm_head is None else lm_head(hidden))
+    logits = logits.astype(jnp.float32)
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    return logits
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -185,11 +208,4 @@ class LlamaForCausalLM(nnx.Module):
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """hidden: [N, hidden_size] -> [N, vocab_size] float32 logits (soft-capped as
         ``cap * tanh(logits / cap)`` when the model sets ``final_logit_softcapping``)."""
-        if self.lm_head is None:
-            logits = self.model.embed_tokens.attend(hidden)
-        else:
-            logits = self.lm_head(hidden)
-        logits = logits.astype(jnp.float32)
-        if self.final_soft_cap is not None:
-            logits = self.final_soft_cap * jnp.tanh(logits / self.final_soft_cap)
-        return logits
+        return lm_logits(hidden, self.model.embed_tokens, self.lm_head, self.final_soft_cap)

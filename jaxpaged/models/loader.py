@@ -158,21 +158,34 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def param_path(key_path) -> tuple:
+    """The NNX path (``('model', 'layers', 0, 'self_attn', 'q_proj', 'kernel')``) of a
+    state leaf's JAX key path."""
+    keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in key_path]
+    return tuple(keys[:-1] if keys and keys[-1] == "value" else keys)
+
+
 def _dummy_state(cls, config, backend, dtype, seed, tp, abstract_state):
     """Random weights of the checkpoint-shaped model, KV heads replicated, each array
-    created directly with its sharding."""
-    def names(key_path):
-        keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in key_path]
-        return tuple(keys[:-1] if keys and keys[-1] == "value" else keys)
-
+    created directly with its sharding (one jitted draw per device set: the stages of
+    pipeline parallelism live on different devices, and one program runs on one set)."""
     def init():
         state = nnx.split(cls(config, backend, dtype, nnx.Rngs(seed)))[1]
         return jax.tree_util.tree_map_with_path(
-            lambda kp, x: tp.repeat_kv_heads(names(kp), x, xp=jnp), state)
+            lambda kp, x: tp.repeat_kv_heads(param_path(kp), x, xp=jnp), state)
 
-    shardings = jax.tree_util.tree_map_with_path(
-        lambda kp, x: tp.param_sharding(names(kp), x.shape), abstract_state)
-    return jax.jit(init, out_shardings=shardings)()
+    shardings, treedef = jax.tree.flatten(jax.tree_util.tree_map_with_path(
+        lambda kp, x: tp.param_sharding(param_path(kp), x.shape), abstract_state))
+    groups: dict[frozenset, list[int]] = {}
+    for i, sharding in enumerate(shardings):
+        groups.setdefault(frozenset(sharding.device_set), []).append(i)
+    leaves = [None] * len(shardings)
+    for idx in groups.values():
+        part = jax.jit(lambda idx=idx: [jax.tree.leaves(init())[i] for i in idx],
+                       out_shardings=[shardings[i] for i in idx])()
+        for i, x in zip(idx, part):
+            leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def _read_experts(reader, path: tuple, num_experts: int, method: str | None

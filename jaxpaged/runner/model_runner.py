@@ -94,7 +94,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: nnx.Module, kv_caches: list[KVPages], backend: AttentionBackend,
-                 *, page_size: int, limits: RunnerLimits, eos_token_ids: frozenset[int] = frozenset(),
+                 *, page_size: int, limits: RunnerLimits,
+                 eos_token_ids: frozenset[int] = frozenset(),
                  replicated: jax.sharding.Sharding, executable_dir: str | None = None):
         self._kv_caches = kv_caches
         self._store = ExecutableStore(executable_dir)
@@ -187,8 +188,8 @@ class ModelRunner:
     def reallocate_kv_pool(self) -> None:
         """Replace the pool with a zero-filled one of the same layout (after
         :attr:`kv_pool_lost`); every page's contents are then gone."""
-        k = self._kv_caches[0][0]
-        self._kv_caches = allocate_kv_pool(len(self._kv_caches), *k.shape, k.dtype, k.sharding)
+        self._kv_caches = [allocate_kv_pool(1, *k.shape, k.dtype, k.sharding)[0]
+                           for k, _ in self._kv_caches]
 
     # ---- execution ---------------------------------------------------------------------------
 
@@ -196,11 +197,7 @@ class ModelRunner:
         """Copy whole pages (source -> destination) in every layer, in place (copy-on-write)."""
         if not copies:
             return
-        n = pick_bucket(bucket_sizes(4, max(4, len(copies))), len(copies))
-        src = np.full(n, NULL_PAGE, np.int32)
-        dst = np.full(n, NULL_PAGE, np.int32)
-        src[:len(copies)], dst[:len(copies)] = zip(*copies)
-        self._kv_caches = self._programs.copy_pages(self._kv_caches, src, dst)
+        self._kv_caches = self._programs.copy_pages(self._kv_caches, *copy_indices(copies))
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: the step's page copies, then the forward pass and sampling.
@@ -228,27 +225,37 @@ class ModelRunner:
         two steps run back to back without the host in between.
         """
         self.copy_pages(scheduler_output.page_copies)
-        prepared = prepare_step(scheduler_output, page_size=self._page_size,
-                                backend=self._backend, eos_token_ids=self.eos_token_ids,
-                                pad_sizes=self._pad_sizes, prev_rows=self._prev_rows,
-                                bitmask_words=num_words(self._limits.vocab_size),
-                                free_bitmask=self._free_bitmask,
-                                adjust_capacity=self._limits.max_adjust_entries,
-                                speculative=self._verify is not None)
-        forward, sampler = self._executables_for(prepared.layout, prepared.inputs)
-        logits, prompt, pooled, self._kv_caches = forward(
-            self._state, self._kv_caches, forward_inputs(prepared.inputs), self._prev_tokens)
-        accepted = None
-        if self._verify is not None:
-            out, accepted = sampler(logits, sample_inputs(prepared.inputs), prepared.draft_ids)
-        else:
-            out, self._prev_tokens = sampler(logits, sample_inputs(prepared.inputs),
-                                             self._prev_tokens)
-        out = dataclasses.replace(out, prompt_logprobs=prompt)
+        prepared = self._prepare(scheduler_output)
+        out, pooled, accepted = self._launch(prepared.layout, prepared.inputs,
+                                             prepared.draft_ids)
         scheduled, starts = scheduler_output.scheduled, prepared.row_starts
         self._prev_rows = lambda: {s.request.request_id: starts[i]
                                    for i, s in enumerate(scheduled) if s.samples}
         return PendingStep(scheduler_output, prepared, out, pooled, accepted)
+
+    def _prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
+        """The step's padded host inputs (``jaxpaged.runner.input_batch.prepare_step``)."""
+        return prepare_step(scheduler_output, page_size=self._page_size,
+                            backend=self._backend, eos_token_ids=self.eos_token_ids,
+                            pad_sizes=self._pad_sizes, prev_rows=self._prev_rows,
+                            bitmask_words=num_words(self._limits.vocab_size),
+                            free_bitmask=self._free_bitmask,
+                            adjust_capacity=self._limits.max_adjust_entries,
+                            speculative=self._verify is not None)
+
+    def _launch(self, layout: BatchLayout, inputs: StepInputs, draft_ids=None) -> tuple:
+        """Dispatch the forward and the sampler over ``inputs`` (the pool updated in
+        place); returns (SamplerOutput with prompt logprobs, pooled rows, the verifier's
+        accepted [B] bool or None), all device arrays possibly not ready yet."""
+        forward, sampler = self._executables_for(layout, inputs)
+        logits, prompt, pooled, self._kv_caches = forward(
+            self._state, self._kv_caches, forward_inputs(inputs), self._prev_tokens)
+        accepted = None
+        if self._verify is not None:
+            out, accepted = sampler(logits, sample_inputs(inputs), draft_ids)
+        else:
+            out, self._prev_tokens = sampler(logits, sample_inputs(inputs), self._prev_tokens)
+        return dataclasses.replace(out, prompt_logprobs=prompt), pooled, accepted
 
     def _executables_for(self, layout: BatchLayout, inputs: StepInputs) -> tuple:
         """The compiled forward and sample programs for ``inputs``' shapes (compiled now,
@@ -256,7 +263,11 @@ class ModelRunner:
         forward = self._compiled(
             ("forward", *_shape_key(layout)), self._programs.forward, self._state,
             self._kv_caches, forward_inputs(inputs), self._prev_tokens)
-        logits = forward.out_info[0]
+        return forward, self._sampler_for(forward.out_info[0], inputs)
+
+    def _sampler_for(self, logits, inputs: StepInputs):
+        """The compiled sampler (or verifier) for ``logits`` (the forward's first output
+        info, [B, V]) and ``inputs``' adjustment capacity."""
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=self._replicated)
         verify = self._verify is not None    # (its third input: each row's proposal)
         sampler = self._compiled(
@@ -264,7 +275,7 @@ class ModelRunner:
              inputs.adjust.allowed_ids.shape[1]), self._verify or self._programs.sample,
             logits, sample_inputs(inputs),
             np.full(logits.shape[0], -1, np.int32) if verify else self._prev_tokens)
-        return forward, sampler
+        return sampler
 
     def _free_bitmask(self, rows: int) -> jax.Array:
         """The all-allowed grammar bitmask of ``rows`` rows, on the device (made once per row
@@ -275,12 +286,13 @@ class ModelRunner:
                 all_allowed(rows, num_words(self._limits.vocab_size)), self._replicated)
         return mask
 
-    def _compiled(self, key: tuple, program, *args):
-        """``program`` compiled for ``args`` (kept under ``key``)."""
+    def _compiled(self, key: tuple, program, *args, devices: list | None = None):
+        """``program`` compiled for ``args`` (kept under ``key``) on ``devices`` (default:
+        those of the per-step inputs)."""
         fn = self._executables.get(key)
         if fn is None:
             t0 = time.perf_counter()
-            devices = list(self._replicated.mesh.devices.flat)
+            devices = devices or list(self._replicated.mesh.devices.flat)
             name = fingerprint(self._graphdef, self._state, self._kv_caches, args,
                                (key, self._page_size, repr(self._replicated),
                                 [d.id for d in devices]))
@@ -357,13 +369,10 @@ class ModelRunner:
         t_pad = self._token_buckets[-1]
         _, b_pad, _ = self._pad_sizes(t_pad, 1, 1, 1, False)
         layout = self._dummy_layout(t_pad, b_pad, self._page_buckets[-1], False)
-        inputs = self._dummy_inputs(layout)
-        forward, sampler = self._executables_for(layout, inputs)
-        logits, _, _, self._kv_caches = forward(self._state, self._kv_caches,
-                                                forward_inputs(inputs), self._prev_tokens)
-        jax.block_until_ready(sampler(logits, sample_inputs(inputs), self._prev_tokens))
-        stats = jax.local_devices()[0].memory_stats()
-        return None if not stats else stats.get("peak_bytes_in_use")
+        jax.block_until_ready(self._launch(layout, self._dummy_inputs(layout))[0])
+        peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in self.devices
+                 if d.process_index == jax.process_index()]
+        return None if None in peaks or not peaks else max(peaks)
 
     def precompile(self, should_stop: Callable[[], bool] = lambda: False,
                    progress: bool | None = None) -> float:
@@ -421,6 +430,16 @@ class PendingStep:
             return result
         return dataclasses.replace(result, pooled=read_pooled(
             self.scheduler_output, self.prepared, to_host(self.pooled)))
+
+
+def copy_indices(copies: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """``(src, dst)`` int32 page ids of ``copies`` padded to a bucket with null-page
+    copies (one executable per bucket)."""
+    n = pick_bucket(bucket_sizes(4, max(4, len(copies))), len(copies))
+    src = np.full(n, NULL_PAGE, np.int32)
+    dst = np.full(n, NULL_PAGE, np.int32)
+    src[:len(copies)], dst[:len(copies)] = zip(*copies)
+    return src, dst
 
 
 def _shape_key(layout: BatchLayout) -> tuple:

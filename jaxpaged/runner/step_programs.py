@@ -47,6 +47,37 @@ def sample_inputs(inputs: StepInputs) -> dict:
             "token_bitmask": inputs.token_bitmask, "with_logprobs": inputs.with_logprobs}
 
 
+def forward_outputs(model, hidden: jax.Array, inputs: dict) -> tuple:
+    """What the forward program returns besides the pool, from the final hidden states
+    ``hidden`` [T, H]: (logits [B, V] float32 of the sampling rows, prompt TokenLogprobs of
+    [T] rows (zeros unless asked), pooled [2, B, H] float32 rows (zeros unless asked))."""
+    logits = model.compute_logits(hidden[inputs["logits_indices"]])
+    # Every token's distribution over the next prompt token (a chunk's last token
+    # predicts the first token of the request's next chunk, which is not among this
+    # step's inputs: the host passes every row's target); skipped on the device
+    # unless asked.
+    prompt = when(inputs["with_prompt_logprobs"], lambda: token_logprobs(
+        model.compute_logits(hidden), inputs["prompt_targets"]))
+    pooled = pool_rows(hidden, inputs["logits_indices"],
+                       inputs["attn_metadata"]["query_start_loc"], inputs["with_pooling"])
+    return logits, prompt, pooled
+
+
+def sample_rows(logits: jax.Array, inputs: dict,
+                prev_tokens: jax.Array) -> tuple[SamplerOutput, jax.Array]:
+    """The sample program's body (see :class:`StepPrograms`)."""
+    out = sample(logits, inputs["sampling"], inputs["with_logprobs"], inputs["adjust"],
+                 inputs["token_bitmask"])
+    # The sampled ids written over the first rows of the [R] buffer: the next step's
+    # prev_tokens (it reads only rows this step sampled).
+    return out, prev_tokens.at[:out.token_ids.shape[0]].set(out.token_ids)
+
+
+def copy_kv_pages(kv_caches: list[KVPages], src: jax.Array, dst: jax.Array) -> list[KVPages]:
+    """Every layer's pages ``src`` [n] copied over pages ``dst`` [n]."""
+    return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv_caches]
+
+
 @dataclass(frozen=True)
 class StepPrograms:
     """The runner's jitted functions (not yet compiled for any shape).
@@ -100,27 +131,16 @@ def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
         model = nnx.merge(graphdef, state)
         hidden, kv_caches = model(input_ids, inputs["positions"], kv_caches,
                                   inputs["attn_metadata"])
-        logits = model.compute_logits(hidden[inputs["logits_indices"]])
-        # Every token's distribution over the next prompt token (a chunk's last token
-        # predicts the first token of the request's next chunk, which is not among this
-        # step's inputs: the host passes every row's target); skipped on the device
-        # unless asked.
-        prompt = when(inputs["with_prompt_logprobs"], lambda: token_logprobs(
-            model.compute_logits(hidden), inputs["prompt_targets"]))
-        pooled = pool_rows(hidden, inputs["logits_indices"],
-                           inputs["attn_metadata"]["query_start_loc"], inputs["with_pooling"])
-        return logits, prompt, pooled, kv_caches
+        return *forward_outputs(model, hidden, inputs), kv_caches
 
-    def sample_rows(logits: jax.Array, inputs: dict,
-                    prev_tokens: jax.Array) -> tuple[SamplerOutput, jax.Array]:
-        out = sample(logits, inputs["sampling"], inputs["with_logprobs"], inputs["adjust"],
-                     inputs["token_bitmask"])
-        # The sampled ids written over the first rows of the [R] buffer: the next step's
-        # prev_tokens (it reads only rows this step sampled).
-        return out, prev_tokens.at[:out.token_ids.shape[0]].set(out.token_ids)
+    # Closures of this runner, not the module-level functions themselves: JAX's in-process
+    # caches key on the function, and an executable shared with another runner may be one
+    # that JAX's persistent cache served, which the executable store must not serialize.
+    def sample(logits, inputs, prev_tokens):
+        return sample_rows(logits, inputs, prev_tokens)
 
     def copy_pages(kv_caches, src, dst):
-        return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv_caches]
+        return copy_kv_pages(kv_caches, src, dst)
 
     def prefill(state, kv_caches, input_ids, positions, attn_metadata):
         model = nnx.merge(graphdef, state)
@@ -132,7 +152,7 @@ def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
         forward=jax.jit(forward, donate_argnums=(1,),
                         in_shardings=(state_sharding, kv_sharding, rep, rep),
                         out_shardings=(rep, rep, rep, kv_sharding)),
-        sample=jax.jit(sample_rows, in_shardings=(rep, rep, rep), out_shardings=(rep, rep)),
+        sample=jax.jit(sample, in_shardings=(rep, rep, rep), out_shardings=(rep, rep)),
         copy_pages=jax.jit(copy_pages, donate_argnums=(0,),
                            in_shardings=(kv_sharding, rep, rep), out_shardings=kv_sharding),
         # A scratch pool of any page count has the serving pool's per-array shardings.

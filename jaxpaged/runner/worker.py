@@ -11,6 +11,7 @@ allocate the serving pool. The engine gets the runner and the figures the host s
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.distributed.pipeline_parallel import PipelineParallel
 from jaxpaged.distributed.tensor_parallel import TensorParallel
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.runner.kv_scales import KVScales, calibrate_kv_scales, calibration_token_ids
@@ -32,6 +34,8 @@ from jaxpaged.models.mixtral import use_expert_parallelism
 from jaxpaged.models.loader import load_model
 from jaxpaged.runner.compile_cache import configure_compilation_cache, resolve_cache_dir
 from jaxpaged.runner.model_runner import ModelRunner, RunnerLimits
+from jaxpaged.runner.page_size import DEFAULT_PAGE_SIZE, choose_page_size
+from jaxpaged.runner.pipeline_runner import PipelineModelRunner
 from jaxpaged.sampling.logits_adjust import capacity as adjust_capacity
 
 logger = logging.getLogger(__name__)
@@ -47,8 +51,9 @@ class Worker:
         kv_cache_dtype: the KV pool's element type.
         kv_scales: each layer's ``(k_scale, v_scale)`` (1.0 unless calibrated).
         num_pages: KV pages in the pool, the null page included.
+        page_size: tokens per page (``--block-size``, resolved when ``auto``).
         kv_bytes_per_page: bytes of one page on one device (all layers, K and V).
-        tensor_parallel_size: devices the model is split over.
+        tensor_parallel_size: devices the model is split over (in each pipeline stage).
     """
 
     runner: ModelRunner
@@ -56,6 +61,7 @@ class Worker:
     kv_cache_dtype: object
     kv_scales: KVScales
     num_pages: int
+    page_size: int
     kv_bytes_per_page: int
     tensor_parallel_size: int
 
@@ -87,30 +93,52 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
     """
     cache_dir = resolve_cache_dir(args.compilation_cache_dir)
     configure_compilation_cache(cache_dir)
-    tp = TensorParallel.create(args.tensor_parallel_size, cfg, devices,
-                               args.enable_expert_parallel)
+    pipeline = None
+    if args.pipeline_parallel_size > 1:
+        pipeline = PipelineParallel.create(args.pipeline_parallel_size,
+                                           args.tensor_parallel_size, cfg, devices)
+        tp = pipeline.stages[0]      # every stage has the same tensor-parallel layout
+    else:
+        tp = TensorParallel.create(args.tensor_parallel_size, cfg, devices,
+                                   args.enable_expert_parallel)
     kv_heads = tp.physical_config(cfg).num_kv_heads
     dtype = resolve_dtype(args.dtype, cfg.checkpoint_dtype)
     kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     backend = get_attention_backend(
         args.attention_backend, num_kv_heads=cfg.num_kv_heads, num_heads=cfg.num_heads,
-        head_dim=cfg.head_dim, page_size=args.block_size, dtype=dtype,
-        kv_cache_dtype=kv_cache_dtype)
-    if tp.size > 1:
+        head_dim=cfg.head_dim,
+        page_size=DEFAULT_PAGE_SIZE if args.block_size == "auto" else args.block_size,
+        dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    page_size = args.block_size
+    if page_size == "auto":
+        device = tp.mesh.devices.flat[0]
+        choice = choose_page_size(platform=device.platform, device_kind=device.device_kind,
+                                  backend=backend.name, head_dim=cfg.head_dim,
+                                  dtype=np.dtype(kv_cache_dtype).name,
+                                  max_model_len=max_model_len)
+        page_size = choice.page_size
+        logger.info("block_size auto: %d tokens per page (%s)", page_size, choice.reason)
+    if tp.size > 1 and pipeline is None:    # (each stage wraps its own layers)
         backend = TensorParallelAttention(backend, tp.mesh)
     model = load_model(args.model, cfg, dtype=dtype, backend=backend,
-                       load_format=args.load_format, seed=args.seed, tp=tp)
+                       load_format=args.load_format, seed=args.seed, tp=pipeline or tp)
     if tp.expert_parallel:
         use_expert_parallelism(model, tp.mesh)
-    page_size = args.block_size
     pages_per_seq = -(-max_model_len // page_size)
 
     def pool(num_pages, pool_dtype=kv_cache_dtype):
+        if pipeline is not None:    # each stage's layers on its own devices
+            return [pair for (a, b), stage in zip(pipeline.layer_ranges, pipeline.stages)
+                    for pair in allocate_kv_pool(b - a, num_pages, page_size, kv_heads,
+                                                 cfg.head_dim, pool_dtype,
+                                                 stage.kv_pool_sharding)]
         return allocate_kv_pool(cfg.num_layers, num_pages, page_size, kv_heads, cfg.head_dim,
                                 pool_dtype, tp.kv_pool_sharding)
 
     # Calibration reads the exact K/V, so it runs on an unquantized scratch pool first.
-    runner = ModelRunner(
+    runner_cls = (ModelRunner if pipeline is None else
+                  functools.partial(PipelineModelRunner, pipeline=pipeline))
+    runner = runner_cls(
         model, pool(2, dtype if args.calculate_kv_scales else kv_cache_dtype), backend,
         page_size=page_size, replicated=tp.replicated,
         executable_dir=cache_dir and os.path.join(cache_dir, "steps"),
@@ -127,10 +155,13 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
         logger.info("calibrated fp8 KV scales: k_scale %s; v_scale %s",
                     " ".join(f"{k:.3g}" for k, _ in scales),
                     " ".join(f"{v:.3g}" for _, v in scales))
-    # Budgets are per device: each holds kv_heads / tp heads of every page.
-    bytes_per_page = kv_bytes_per_page(cfg.num_layers, page_size, kv_heads // tp.size,
+    # Budgets are per device: each holds kv_heads / tp heads of every page, of its stage's
+    # layers (the largest stage's count bounds the page count).
+    layers_per_device = max(b - a for a, b in pipeline.layer_ranges) if pipeline \
+        else cfg.num_layers
+    bytes_per_page = kv_bytes_per_page(layers_per_device, page_size, kv_heads // tp.size,
                                        cfg.head_dim, kv_cache_dtype)
-    num_devices = tp.size * args.data_parallel_size
+    num_devices = tp.size * args.pipeline_parallel_size * args.data_parallel_size
     num_pages = num_kv_pages(
         bytes_per_page=bytes_per_page, pages_per_seq=pages_per_seq,
         max_num_seqs=args.max_num_seqs, num_gpu_blocks_override=args.num_gpu_blocks_override,
@@ -151,9 +182,11 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
                 num_pages * bytes_per_page / 2**20, max_model_len,
                 (num_pages - 1) / pages_per_seq)
     logger.info("model %s (%s, %d layers), dtype %s, quantization %s (weights %.1f MiB), "
-                "max_model_len %d, attention %s, tensor parallel %d", args.model,
-                cfg.architecture, cfg.num_layers, np.dtype(dtype).name, cfg.quantization,
-                runner.weight_bytes / 2**20, max_model_len, runner.backend.name, tp.size)
+                "max_model_len %d, attention %s, tensor parallel %d, pipeline stages %s",
+                args.model, cfg.architecture, cfg.num_layers, np.dtype(dtype).name,
+                cfg.quantization, runner.weight_bytes / 2**20, max_model_len,
+                runner.backend.name, tp.size,
+                pipeline.layer_ranges if pipeline else 1)
     return Worker(runner=runner, dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_scales=scales,
-                  num_pages=num_pages, kv_bytes_per_page=bytes_per_page,
+                  num_pages=num_pages, page_size=page_size, kv_bytes_per_page=bytes_per_page,
                   tensor_parallel_size=tp.size)
