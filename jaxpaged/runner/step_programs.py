@@ -63,8 +63,8 @@ def forward_outputs(model, hidden: jax.Array, inputs: dict) -> tuple:
     return logits, prompt, pooled
 
 
-def sample_rows(logits: jax.Array, inputs: dict,
-                prev_tokens: jax.Array) -> tuple[SamplerOutput, jax.Array]:
+def sample_step_rows(logits: jax.Array, inputs: dict,
+                     prev_tokens: jax.Array) -> tuple[SamplerOutput, jax.Array]:
     """The sample program's body (see :class:`StepPrograms`)."""
     out = sample(logits, inputs["sampling"], inputs["with_logprobs"], inputs["adjust"],
                  inputs["token_bitmask"])
@@ -136,8 +136,8 @@ def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
     # Closures of this runner, not the module-level functions themselves: JAX's in-process
     # caches key on the function, and an executable shared with another runner may be one
     # that JAX's persistent cache served, which the executable store must not serialize.
-    def sample(logits, inputs, prev_tokens):
-        return sample_rows(logits, inputs, prev_tokens)
+    def sample_rows(logits, inputs, prev_tokens):    # (its name names the cache entries:
+        return sample_step_rows(logits, inputs, prev_tokens)   # compile_cache.num_step_entries)
 
     def copy_pages(kv_caches, src, dst):
         return copy_kv_pages(kv_caches, src, dst)
@@ -152,7 +152,7 @@ def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
         forward=jax.jit(forward, donate_argnums=(1,),
                         in_shardings=(state_sharding, kv_sharding, rep, rep),
                         out_shardings=(rep, rep, rep, kv_sharding)),
-        sample=jax.jit(sample, in_shardings=(rep, rep, rep), out_shardings=(rep, rep)),
+        sample=jax.jit(sample_rows, in_shardings=(rep, rep, rep), out_shardings=(rep, rep)),
         copy_pages=jax.jit(copy_pages, donate_argnums=(0,),
                            in_shardings=(kv_sharding, rep, rep), out_shardings=kv_sharding),
         # A scratch pool of any page count has the serving pool's per-array shardings.
