@@ -105,17 +105,20 @@ def test_ngram_proposals():
     assert p.propose([1, 2, 1], 0) == []
 
 
-def test_speculating_runners_add_a_token_bucket_per_sequence_bucket():
+def test_speculating_runners_add_verification_shapes():
     from jaxpaged.runner.buckets import ShapeBuckets
     kw = dict(max_num_tokens=2048, max_num_seqs=256, max_pages_per_seq=32,
               page_buckets_by_width=False, max_padding=10**6)
-    assert ShapeBuckets(**kw).token_buckets == [16, 2048]
-    spec = ShapeBuckets(speculative=True, **kw)
-    assert spec.token_buckets == [16, 256, 2048] and spec.seq_buckets == [8, 16, 256]
-    assert spec.pad_sizes(5, 1, 5, 3, False) == (16, 16, 32)     # batch 1, 4 proposals
-    # A verification step of 64 sequences with 3 proposals each: 256 tokens, 256 rows.
-    assert spec.pad_sizes(256, 64, 256, 20, False) == (256, 256, 32)
-    assert (256, 256, 32, False) in spec.step_shapes()
+    plain = ShapeBuckets(**kw)
+    spec = ShapeBuckets(verify_block_q=5, **kw)
+    assert spec.token_buckets == plain.token_buckets == [16, 2048]
+    assert spec.seq_buckets == plain.seq_buckets == [8, 256]
+    # batch 1 with 4 proposals: one 5-token block per sequence of the 8-sequence bucket
+    assert spec.pad_sizes(5, 1, 5, 3, False, verify=True) == (40, 8, 32)
+    assert spec.pad_sizes(200, 64, 200, 20, False, verify=True) == (1280, 256, 32)
+    assert spec.pad_sizes(5, 1, 5, 3, False) == plain.pad_sizes(5, 1, 5, 3, False)
+    extra = set(spec.step_shapes()) - set(plain.step_shapes())
+    assert extra == {(40, 8, 32, False, 5), (1280, 256, 32, False, 5)}
 
 
 # ---- the rejection sampler -----------------------------------------------------------------

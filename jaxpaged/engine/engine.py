@@ -152,7 +152,7 @@ class Engine:
             self.kv_cache_manager, self.output_processor,
             speculative_config := SpeculativeConfig.from_dict(args.speculative_config))
         if speculative_config is not None:
-            self.runner.enable_spec_decode()
+            self.runner.enable_spec_decode(speculative_config.num_speculative_tokens)
         if not args.enforce_eager:
             self.runner.precompile(should_stop=stop_requested_anywhere)
         self._stats = StatsRecorder()
