@@ -22,8 +22,9 @@ from jaxpaged.spec_decode.rejection import verify
 from tests.conftest import STORIES
 from tests.test_continuous_batching import random_prompts
 
+# (disable_by_batch_size: the static rule, so that every step of these tests speculates.)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-         "prompt_lookup_min": 1}
+         "prompt_lookup_min": 1, "disable_by_batch_size": 512}
 LIMITS = dict(enforce_eager=True, max_num_seqs=64, max_num_batched_tokens=512,
               max_model_len=256)
 # Prompts the bundled model's continuations copy from (stories repeat their phrases).
@@ -37,13 +38,14 @@ COPY_PROMPTS = ["Once upon a time there was a little girl named Lily. She liked 
 
 def test_config_takes_vllms_fields_and_defaults():
     c = SpeculativeConfig.from_dict(json.dumps(NGRAM))
-    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == \
-        ("ngram", 4, 3, 1)
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min,
+            c.disable_by_batch_size) == ("ngram", 4, 3, 1, 512)
     only_max = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
                                             "prompt_lookup_max": 4})
     assert (only_max.prompt_lookup_max, only_max.prompt_lookup_min) == (4, 4)
     neither = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2})
     assert (neither.prompt_lookup_max, neither.prompt_lookup_min) == (5, 5)
+    assert neither.disable_by_batch_size is None      # the adaptive rule
     assert SpeculativeConfig.from_dict(None) is None
 
 
@@ -58,6 +60,8 @@ def test_config_takes_vllms_fields_and_defaults():
       "prompt_lookup_min": 3}, "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
+     "disable_by_batch_size"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
     ("{not json", "<json>"),
     ([1, 2], "<config>"),
@@ -119,6 +123,35 @@ def test_speculating_runners_add_verification_shapes():
     assert spec.pad_sizes(5, 1, 5, 3, False) == plain.pad_sizes(5, 1, 5, 3, False)
     extra = set(spec.step_shapes()) - set(plain.step_shapes())
     assert extra == {(40, 8, 32, False, 5), (1280, 256, 32, False, 5)}
+
+
+def test_adaptive_rule_takes_the_faster_mode_per_batch_class_and_explores():
+    from jaxpaged.spec_decode import adaptive
+    now = [0.0]
+    rule = adaptive.AdaptiveSpeculation(clock=lambda: now[0])
+
+    def step(num_running, cost):
+        mode = rule.choose(num_running)
+        seconds, tokens = cost(mode)
+        key = object()
+        rule.scheduled(id(key), mode, num_running)
+        now[0] += seconds
+        rule.done(id(key), tokens)
+        now[0] += 100.0     # idle time between steps is not counted
+        return mode
+
+    per_mode = adaptive.WARMUP_STEPS + adaptive.MIN_SAMPLES
+    # 64 sequences: speculating emits 3x the tokens at 4x the time; small batches: 3x at 1.2x.
+    big = [step(64, lambda spec: (4.0, 192) if spec else (1.0, 64)) for _ in range(2 * per_mode)]
+    assert big == [True] * per_mode + [False] * per_mode          # each mode measured
+    small = [step(1, lambda spec: (1.2, 3) if spec else (1.0, 1)) for _ in range(2 * per_mode)]
+    assert small == big
+    later_big = [step(64, lambda spec: (4.0, 192) if spec else (1.0, 64))
+                 for _ in range(adaptive.EXPLORE_EVERY)]
+    assert later_big.count(True) == 1 and later_big[-1] is True   # one exploring step
+    later_small = [step(1, lambda spec: (1.2, 3) if spec else (1.0, 1))
+                   for _ in range(adaptive.EXPLORE_EVERY - 1)]
+    assert all(later_small)
 
 
 # ---- the rejection sampler -----------------------------------------------------------------
@@ -341,11 +374,11 @@ def test_sampled_first_three_tokens_follow_plain_sampling(params):
     """Two-sample chi-square over 4000 draws each of the first 3 tokens (prefixes of length
     1, 2, 3), speculative against plain, on a prompt where about 30-40% of proposals are
     accepted (so both acceptance and the residual draw are exercised)."""
-    # Proposals take sampling rows within max_num_seqs: room for them beside the sequences.
     kw = dict(enforce_eager=True, max_num_seqs=512, max_num_batched_tokens=1024,
               max_model_len=128)
     spec = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                   "prompt_lookup_max": 2, "prompt_lookup_min": 1}, **kw)
+                                   "prompt_lookup_max": 2, "prompt_lookup_min": 1,
+                                   "disable_by_batch_size": 512}, **kw)
     plain = LLM(**kw)
     n, prompt = 4000, COPY_PROMPTS[2]
     a = _first_tokens(spec, prompt, n, 0, **params)

@@ -345,6 +345,8 @@ class Scheduler:
                         finish(seq, *stop)
             touched[req.group_id] = None
         self.num_generation_tokens += num_generated
+        if self.spec is not None:
+            self.spec.step_done(scheduler_output.scheduled, num_generated)
         groups = op.groups
         return [groups[g] for g in touched]
 

@@ -137,11 +137,11 @@ class ModelRunner:
         self.step_shapes = self._buckets.step_shapes
 
     def enable_spec_decode(self, num_speculative_tokens: int) -> None:
-        """From now on sample every step with the rejection sampler
-        (``jaxpaged.spec_decode.rejection``), a row per proposal too, and run steps whose
-        sequences all decode (with up to ``num_speculative_tokens`` proposals each) as
-        verification steps of their own shapes (``ShapeBuckets(verify_block_q=1 + k)``;
-        precompile after this)."""
+        """From now on run steps whose sequences all decode, with up to
+        ``num_speculative_tokens`` proposals each, as verification steps of their own
+        shapes (``ShapeBuckets(verify_block_q=1 + k)``; precompile after this), sampled by
+        the rejection sampler (``jaxpaged.spec_decode.rejection``), a row per token; every
+        other step samples as without speculation."""
         self._verify = build_verify_program(self._replicated)
         self._verify_block_q = 1 + num_speculative_tokens
         self._set_buckets(self._verify_block_q)
@@ -241,7 +241,7 @@ class ModelRunner:
         logits, prompt, pooled, self._kv_caches = forward(
             self._state, self._kv_caches, forward_inputs(prepared.inputs), self._prev_tokens)
         accepted = None
-        if self._verify is not None:
+        if prepared.layout.verify_block_q:
             out, accepted = sampler(logits, sample_inputs(prepared.inputs), prepared.draft_ids)
         else:
             out, self._prev_tokens = sampler(logits, sample_inputs(prepared.inputs),
@@ -260,10 +260,11 @@ class ModelRunner:
             self._kv_caches, forward_inputs(inputs), self._prev_tokens)
         logits = forward.out_info[0]
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=self._replicated)
-        verify = self._verify is not None    # (its third input: each row's proposal)
+        verify = bool(layout.verify_block_q)    # (its third input: each row's proposal)
         sampler = self._compiled(
             ("verify" if verify else "sample", logits.shape[0], inputs.adjust.ids.shape[1],
-             inputs.adjust.allowed_ids.shape[1]), self._verify or self._programs.sample,
+             inputs.adjust.allowed_ids.shape[1]),
+            self._verify if verify else self._programs.sample,
             logits, sample_inputs(inputs),
             np.full(logits.shape[0], -1, np.int32) if verify else self._prev_tokens)
         return forward, sampler
