@@ -136,7 +136,7 @@ def test_adaptive_rule_takes_the_faster_mode_per_batch_class_and_explores():
         key = object()
         rule.scheduled(id(key), mode, num_running)
         now[0] += seconds
-        rule.done(id(key), tokens)
+        rule.done(id(key), tokens, idle=True)
         now[0] += 100.0     # idle time between steps is not counted
         return mode
 
@@ -152,6 +152,18 @@ def test_adaptive_rule_takes_the_faster_mode_per_batch_class_and_explores():
     later_small = [step(1, lambda spec: (1.2, 3) if spec else (1.0, 1))
                    for _ in range(adaptive.EXPLORE_EVERY - 1)]
     assert all(later_small)
+    # Without idle time, the host's time between two steps counts: 3 tokens in 0.5 + 0.9 s
+    # beat 1 token in 0.5 + 0.2 s (without the host's 0.5 s plain decoding would win).
+    rule = adaptive.AdaptiveSpeculation(clock=lambda: now[0])
+    modes = []
+    for _ in range(2 * per_mode + 1):
+        modes.append(mode := rule.choose(1))
+        key = object()
+        now[0] += 0.5       # the host between steps
+        rule.scheduled(id(key), mode, 1)
+        now[0] += 0.9 if mode else 0.2
+        rule.done(id(key), 3 if mode else 1, idle=False)
+    assert modes == [True] * per_mode + [False] * per_mode + [True]
 
 
 # ---- the rejection sampler -----------------------------------------------------------------
@@ -265,6 +277,33 @@ def test_random_prompts_and_every_sampling_rule_inside_accepted_runs(engines):
                 assert a.keys() == b.keys()
                 assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     assert any(o.outputs[0].finish_reason == "stop" for o in got)
+    _assert_all_pages_free(spec)
+
+
+def test_a_batch_of_max_num_seqs_speculates_in_verification_steps(engines):
+    plain, spec = engines
+    prompts = (COPY_PROMPTS * 22)[:LIMITS["max_num_seqs"]]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    totals = spec.engine.scheduler.spec.totals
+    drafts = totals.num_drafts
+    kinds = []
+    runner = spec.engine.runner
+    dispatch = runner.dispatch
+
+    def recording(scheduler_output):
+        pending = dispatch(scheduler_output)
+        kinds.append(pending.prepared.layout.verify_block_q)
+        return pending
+
+    runner.dispatch = recording
+    try:
+        got = spec.generate(prompts, greedy, use_tqdm=False)
+    finally:
+        del runner.dispatch
+    assert _ids(got) == _ids(plain.generate(prompts, greedy, use_tqdm=False))
+    # (324 drafts in ~10 steps of 64 sequences, k = 4) in verification steps
+    assert totals.num_drafts - drafts > 4 * len(prompts)
+    assert kinds.count(1 + NGRAM["num_speculative_tokens"]) > 4
     _assert_all_pages_free(spec)
 
 

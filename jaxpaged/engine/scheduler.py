@@ -346,7 +346,7 @@ class Scheduler:
             touched[req.group_id] = None
         self.num_generation_tokens += num_generated
         if self.spec is not None:
-            self.spec.step_done(scheduler_output.scheduled, num_generated)
+            self.spec.step_done(scheduler_output.scheduled, num_generated, not self.running)
         groups = op.groups
         return [groups[g] for g in touched]
 

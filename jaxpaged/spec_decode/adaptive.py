@@ -66,7 +66,7 @@ class AdaptiveSpeculation:
         self._clock = clock
         self._classes: dict[int, _Class] = {}
         self._pending: dict[int, tuple[bool, int, float]] = {}
-        self._last_done = 0.0
+        self._last_done: float | None = None
 
     def choose(self, num_running: int) -> bool:
         """Whether a step over ``num_running`` sequences speculates."""
@@ -86,15 +86,16 @@ class AdaptiveSpeculation:
             self._pending.clear()
         self._pending[key] = (speculates, num_running.bit_length(), self._clock())
 
-    def done(self, key: int, num_tokens: int) -> None:
-        """The step ``key`` emitted ``num_tokens`` tokens. Its time runs from its scheduling,
-        or from the previous step's end when that came later (steps overlapping under async
-        scheduling), to now: idle time between steps is not counted."""
+    def done(self, key: int, num_tokens: int, idle: bool) -> None:
+        """The step ``key`` emitted ``num_tokens`` tokens; ``idle``: no sequence is left
+        running. Its time runs from the previous step's end (so the host's work between
+        steps counts, and steps overlapping under async scheduling count once), or from its
+        own scheduling after an idle engine, to now."""
         entry = self._pending.pop(key, None)
         now = self._clock()
         if entry is not None:
             speculates, cls, started = entry
-            seconds = now - max(started, self._last_done)
+            seconds = now - (started if self._last_done is None else self._last_done)
             if seconds > 0:
                 self._classes[cls].arms[speculates].add(num_tokens / seconds)
-        self._last_done = now
+        self._last_done = None if idle else now

@@ -140,11 +140,12 @@ class SpecDecodeScheduling:
                 s.draft_token_ids = None
         self.step_drafts = 0
 
-    def step_done(self, scheduled: list[ScheduledRequest], num_tokens: int) -> None:
+    def step_done(self, scheduled: list[ScheduledRequest], num_tokens: int,
+                  idle: bool) -> None:
         """The step ``scheduled`` (its list, as :meth:`finish_step` saw it) emitted
-        ``num_tokens`` tokens."""
+        ``num_tokens`` tokens; ``idle``: no sequence is left running."""
         if self._adaptive is not None:
-            self._adaptive.done(id(scheduled), num_tokens)
+            self._adaptive.done(id(scheduled), num_tokens, idle)
 
     def unschedule(self, drafts: list[int] | None) -> None:
         """A sequence scheduled with ``drafts`` was taken out of the step (preempted)."""
