@@ -4,7 +4,11 @@ Each iteration generates ``--batch-size`` random prompts of ``--input-len`` toke
 ``--output-len`` tokens (greedy, EOS ignored); every iteration draws new token ids, so the
 prefix cache never serves one iteration from another. ``--num-iters-warmup`` untimed
 iterations compile the step shapes first. Writes ``avg_latency``, ``latencies`` and
-``percentiles`` (vLLM's field names) to ``--output-json``.
+``percentiles`` (vLLM's field names) to ``--output-json``. With ``--speculative-config`` and
+``--compare-plain`` a second engine without speculation runs the same batches, interleaved
+with the speculative ones (a noisy machine then slows both alike), and the result adds
+``plain_avg_latency`` and ``speedup_vs_plain`` (plain latency / speculative latency: the
+ratio of output tokens/s).
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset-name", choices=("random", "prompt_lookup"), default="random",
                         help="prompt_lookup: a random passage of --input-len / 2 tokens "
                              "written twice (the output can copy it)")
+    parser.add_argument("--compare-plain", action="store_true",
+                        help="with --speculative-config: also run every batch without "
+                             "speculation (a second engine) and print the speed-up")
     add_cost_arg(parser)
 
 
@@ -40,7 +47,10 @@ def main(args: argparse.Namespace) -> dict:
     for flag in ("input_len", "output_len", "batch_size", "num_iters"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    llm = LLM(**vars(EngineArgs.from_cli_args(args, enforce_eager_default=True)))
+    engine_args = vars(EngineArgs.from_cli_args(args, enforce_eager_default=True))
+    llm = LLM(**engine_args)
+    plain = LLM(**{**engine_args, "speculative_config": None}) \
+        if args.compare_plain and engine_args["speculative_config"] is not None else None
     vocab, limit = llm.engine.model_config.vocab_size, llm.engine.max_model_len
     if args.input_len + args.output_len > limit:
         raise ValueError(f"--input-len + --output-len = {args.input_len + args.output_len} "
@@ -53,9 +63,12 @@ def main(args: argparse.Namespace) -> dict:
         return random_requests(args.batch_size, (args.input_len, args.input_len),
                                args.output_len, seed=i, token_range=(3, vocab))
 
+    engines = [llm] if plain is None else [llm, plain]
     for i in range(args.num_iters_warmup):
-        run_requests(llm, batch(10_000 + i))
-    latencies = [run_requests(llm, batch(i)) for i in range(args.num_iters)]
+        for e in engines:
+            run_requests(e, batch(10_000 + i))
+    runs = [[run_requests(e, batch(i)) for e in engines] for i in range(args.num_iters)]
+    latencies = [r[0] for r in runs]
     result = {"backend": "jaxpaged", "batch_size": args.batch_size, "input_len": args.input_len,
               "output_len": args.output_len, "avg_latency": float(np.mean(latencies)),
               "latencies": latencies,
@@ -64,6 +77,11 @@ def main(args: argparse.Namespace) -> dict:
     for p, v in result["percentiles"].items():
         print(f"{p}% percentile latency: {v:.4f} s")
     add_spec_decode(result, llm)
+    if plain is not None:
+        result["plain_avg_latency"] = float(np.mean([r[1] for r in runs]))
+        result["speedup_vs_plain"] = result["plain_avg_latency"] / result["avg_latency"]
+        print(f"Speculative vs plain decoding: {result['speedup_vs_plain']:.2f}x output "
+              f"tokens/s (plain {result['plain_avg_latency']:.4f} s, interleaved)")
     tokens = args.batch_size * args.output_len
     add_cost(result, args.cost_per_hour, result["avg_latency"], tokens,
              tokens + args.batch_size * args.input_len)

@@ -18,6 +18,7 @@ field names (``elapsed_time``, ``num_requests``, ``total_num_tokens``,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 from jaxpaged import LLM, SamplingParams
@@ -33,6 +34,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--no-warmup", action="store_true",
                         help="time the first pass too (compilation included)")
+    parser.add_argument("--compare-plain", action="store_true",
+                        help="with --speculative-config: then run the same requests on an "
+                             "engine without speculation and print the speed-up")
     add_cost_arg(parser)
 
 
@@ -124,6 +128,14 @@ def main(args: argparse.Namespace) -> dict:
           f"({result['num_requests']} requests in {result['elapsed_time']:.2f} s; warm-up "
           f"{result['warmup_time']:.2f} s)")
     add_spec_decode(result, llm)
+    if args.compare_plain and engine_args.speculative_config is not None:
+        del llm     # (its memory back before the second engine starts)
+        plain, _ = start_engine(dataclasses.replace(engine_args, speculative_config=None))
+        result["plain"] = measure(plain, requests, not args.no_warmup)
+        result["speedup_vs_plain"] = (result["output_tokens_per_second"]
+                                      / result["plain"]["output_tokens_per_second"])
+        print(f"Speculative vs plain decoding: {result['speedup_vs_plain']:.2f}x output "
+              f"tokens/s (plain {result['plain']['output_tokens_per_second']:.2f})")
     add_cost(result, args.cost_per_hour, result["elapsed_time"], result["total_output_tokens"],
              result["total_num_tokens"])
     write_outputs(result, args.output_json)

@@ -320,3 +320,20 @@ def test_bench_scheduling_policy_sjf_serves_short_requests_sooner(tmp_path):
     assert result["short_median_e2e_ratio"] == pytest.approx(
         sjf["median_short_e2e_s"] / fcfs["median_short_e2e_s"])
 
+
+
+def test_bench_latency_compares_speculation_with_plain_decoding(tmp_path):
+    out = tmp_path / "lat.json"
+    spec = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, '
+            '"prompt_lookup_min": 1, "disable_by_batch_size": 8}')
+    args = build_parser().parse_args(
+        ["bench", "latency", *SMALL_ENGINE, "--dataset-name", "prompt_lookup", "--input-len",
+         "24", "--output-len", "16", "--batch-size", "2", "--num-iters", "2",
+         "--speculative-config", spec, "--compare-plain", "--output-json", str(out)])
+    latency.main(args)
+    result = json.loads(out.read_text())
+    assert result["plain_avg_latency"] > 0
+    assert result["speedup_vs_plain"] == pytest.approx(
+        result["plain_avg_latency"] / result["avg_latency"])
+    # warm-up and 2 timed batches of 2 sequences drafted at least once each
+    assert result["spec_decode"]["num_drafts"] >= 6

@@ -22,8 +22,9 @@ from jaxpaged.spec_decode.rejection import verify
 from tests.conftest import STORIES
 from tests.test_continuous_batching import random_prompts
 
+# (disable_by_batch_size: the static rule, so that every step of these tests speculates.)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
-         "prompt_lookup_min": 1}
+         "prompt_lookup_min": 1, "disable_by_batch_size": 512}
 LIMITS = dict(enforce_eager=True, max_num_seqs=64, max_num_batched_tokens=512,
               max_model_len=256)
 # Prompts the bundled model's continuations copy from (stories repeat their phrases).
@@ -37,13 +38,14 @@ COPY_PROMPTS = ["Once upon a time there was a little girl named Lily. She liked 
 
 def test_config_takes_vllms_fields_and_defaults():
     c = SpeculativeConfig.from_dict(json.dumps(NGRAM))
-    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == \
-        ("ngram", 4, 3, 1)
+    assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min,
+            c.disable_by_batch_size) == ("ngram", 4, 3, 1, 512)
     only_max = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
                                             "prompt_lookup_max": 4})
     assert (only_max.prompt_lookup_max, only_max.prompt_lookup_min) == (4, 4)
     neither = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2})
     assert (neither.prompt_lookup_max, neither.prompt_lookup_min) == (5, 5)
+    assert neither.disable_by_batch_size is None      # the adaptive rule
     assert SpeculativeConfig.from_dict(None) is None
 
 
@@ -58,6 +60,8 @@ def test_config_takes_vllms_fields_and_defaults():
       "prompt_lookup_min": 3}, "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
+     "disable_by_batch_size"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
     ("{not json", "<json>"),
     ([1, 2], "<config>"),
@@ -105,17 +109,61 @@ def test_ngram_proposals():
     assert p.propose([1, 2, 1], 0) == []
 
 
-def test_speculating_runners_add_a_token_bucket_per_sequence_bucket():
+def test_speculating_runners_add_verification_shapes():
     from jaxpaged.runner.buckets import ShapeBuckets
     kw = dict(max_num_tokens=2048, max_num_seqs=256, max_pages_per_seq=32,
               page_buckets_by_width=False, max_padding=10**6)
-    assert ShapeBuckets(**kw).token_buckets == [16, 2048]
-    spec = ShapeBuckets(speculative=True, **kw)
-    assert spec.token_buckets == [16, 256, 2048] and spec.seq_buckets == [8, 16, 256]
-    assert spec.pad_sizes(5, 1, 5, 3, False) == (16, 16, 32)     # batch 1, 4 proposals
-    # A verification step of 64 sequences with 3 proposals each: 256 tokens, 256 rows.
-    assert spec.pad_sizes(256, 64, 256, 20, False) == (256, 256, 32)
-    assert (256, 256, 32, False) in spec.step_shapes()
+    plain = ShapeBuckets(**kw)
+    spec = ShapeBuckets(verify_block_q=5, **kw)
+    assert spec.token_buckets == plain.token_buckets == [16, 2048]
+    assert spec.seq_buckets == plain.seq_buckets == [8, 256]
+    # batch 1 with 4 proposals: one 5-token block per sequence of the 8-sequence bucket
+    assert spec.pad_sizes(5, 1, 5, 3, False, verify=True) == (40, 8, 32)
+    assert spec.pad_sizes(200, 64, 200, 20, False, verify=True) == (1280, 256, 32)
+    assert spec.pad_sizes(5, 1, 5, 3, False) == plain.pad_sizes(5, 1, 5, 3, False)
+    extra = set(spec.step_shapes()) - set(plain.step_shapes())
+    assert extra == {(40, 8, 32, False, 5), (1280, 256, 32, False, 5)}
+
+
+def test_adaptive_rule_takes_the_faster_mode_per_batch_class_and_explores():
+    from jaxpaged.spec_decode import adaptive
+    now = [0.0]
+    rule = adaptive.AdaptiveSpeculation(clock=lambda: now[0])
+
+    def step(num_running, cost):
+        mode = rule.choose(num_running)
+        seconds, tokens = cost(mode)
+        key = object()
+        rule.scheduled(id(key), mode, num_running)
+        now[0] += seconds
+        rule.done(id(key), tokens, idle=True)
+        now[0] += 100.0     # idle time between steps is not counted
+        return mode
+
+    per_mode = adaptive.WARMUP_STEPS + adaptive.MIN_SAMPLES
+    # 64 sequences: speculating emits 3x the tokens at 4x the time; small batches: 3x at 1.2x.
+    big = [step(64, lambda spec: (4.0, 192) if spec else (1.0, 64)) for _ in range(2 * per_mode)]
+    assert big == [True] * per_mode + [False] * per_mode          # each mode measured
+    small = [step(1, lambda spec: (1.2, 3) if spec else (1.0, 1)) for _ in range(2 * per_mode)]
+    assert small == big
+    later_big = [step(64, lambda spec: (4.0, 192) if spec else (1.0, 64))
+                 for _ in range(adaptive.EXPLORE_EVERY)]
+    assert later_big.count(True) == 1 and later_big[-1] is True   # one exploring step
+    later_small = [step(1, lambda spec: (1.2, 3) if spec else (1.0, 1))
+                   for _ in range(adaptive.EXPLORE_EVERY - 1)]
+    assert all(later_small)
+    # Without idle time, the host's time between two steps counts: 3 tokens in 0.5 + 0.9 s
+    # beat 1 token in 0.5 + 0.2 s (without the host's 0.5 s plain decoding would win).
+    rule = adaptive.AdaptiveSpeculation(clock=lambda: now[0])
+    modes = []
+    for _ in range(2 * per_mode + 1):
+        modes.append(mode := rule.choose(1))
+        key = object()
+        now[0] += 0.5       # the host between steps
+        rule.scheduled(id(key), mode, 1)
+        now[0] += 0.9 if mode else 0.2
+        rule.done(id(key), 3 if mode else 1, idle=False)
+    assert modes == [True] * per_mode + [False] * per_mode + [True]
 
 
 # ---- the rejection sampler -----------------------------------------------------------------
@@ -232,6 +280,33 @@ def test_random_prompts_and_every_sampling_rule_inside_accepted_runs(engines):
     _assert_all_pages_free(spec)
 
 
+def test_a_batch_of_max_num_seqs_speculates_in_verification_steps(engines):
+    plain, spec = engines
+    prompts = (COPY_PROMPTS * 22)[:LIMITS["max_num_seqs"]]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    totals = spec.engine.scheduler.spec.totals
+    drafts = totals.num_drafts
+    kinds = []
+    runner = spec.engine.runner
+    dispatch = runner.dispatch
+
+    def recording(scheduler_output):
+        pending = dispatch(scheduler_output)
+        kinds.append(pending.prepared.layout.verify_block_q)
+        return pending
+
+    runner.dispatch = recording
+    try:
+        got = spec.generate(prompts, greedy, use_tqdm=False)
+    finally:
+        del runner.dispatch
+    assert _ids(got) == _ids(plain.generate(prompts, greedy, use_tqdm=False))
+    # (324 drafts in ~10 steps of 64 sequences, k = 4) in verification steps
+    assert totals.num_drafts - drafts > 4 * len(prompts)
+    assert kinds.count(1 + NGRAM["num_speculative_tokens"]) > 4
+    _assert_all_pages_free(spec)
+
+
 def test_preemption_with_a_tiny_pool_matches_and_frees_every_page(engines):
     plain, _ = engines
     prompts = (COPY_PROMPTS * 6)[:16]
@@ -338,11 +413,11 @@ def test_sampled_first_three_tokens_follow_plain_sampling(params):
     """Two-sample chi-square over 4000 draws each of the first 3 tokens (prefixes of length
     1, 2, 3), speculative against plain, on a prompt where about 30-40% of proposals are
     accepted (so both acceptance and the residual draw are exercised)."""
-    # Proposals take sampling rows within max_num_seqs: room for them beside the sequences.
     kw = dict(enforce_eager=True, max_num_seqs=512, max_num_batched_tokens=1024,
               max_model_len=128)
     spec = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                   "prompt_lookup_max": 2, "prompt_lookup_min": 1}, **kw)
+                                   "prompt_lookup_max": 2, "prompt_lookup_min": 1,
+                                   "disable_by_batch_size": 512}, **kw)
     plain = LLM(**kw)
     n, prompt = 4000, COPY_PROMPTS[2]
     a = _first_tokens(spec, prompt, n, 0, **params)

@@ -106,8 +106,10 @@ class EngineArgs:
             ``runner="auto"`` pooling.
         speculative_config: speculative decoding (``jaxpaged.spec_decode.config``): a dict
             or its JSON text with vLLM's fields (``method="ngram"``,
-            ``num_speculative_tokens``, ``prompt_lookup_max``, ``prompt_lookup_min``); None:
-            off. A speculating engine schedules synchronously (``docs/speculative_decoding.md``).
+            ``num_speculative_tokens``, ``prompt_lookup_max``, ``prompt_lookup_min``,
+            ``disable_by_batch_size``); None: off. Verification steps are finished
+            synchronously, other steps keep async scheduling
+            (``docs/speculative_decoding.md``).
     """
 
     model: str = DEFAULT_MODEL

@@ -129,7 +129,7 @@ class Engine:
             worker = build_worker(args, cfg, max_model_len=self.max_model_len,
                                   tokenizer=tokenizer.result, devices=devices)
             if speculative_config is not None:
-                worker.runner.enable_spec_decode()
+                worker.runner.enable_spec_decode(speculative_config.num_speculative_tokens)
             if not args.enforce_eager:
                 worker.runner.precompile(should_stop=lambda: stop_requested_anywhere() or (
                     tokenizer.done() and tokenizer.exception() is not None))
@@ -171,10 +171,10 @@ class Engine:
         #: outputs made early (an abort) for the next step to return.
         self._in_flight: _InFlight | None = None
         # A multi-host job's processes take their steps in lockstep: synchronously; so do
-        # speculating engines (a step's proposals come from the previous step's tokens), and
-        # pipelines (a step's micro-batches would each need the previous step's tokens).
+        # pipelines (a step's micro-batches would each need the previous step's tokens). A
+        # speculating engine runs its verification steps synchronously (a step's proposals
+        # come from the previous step's tokens; ``step``).
         self._async_scheduling = (args.async_scheduling and args.num_processes == 1
-                                  and speculative_config is None
                                   and args.pipeline_parallel_size == 1)
         self._early_outputs: list[RequestOutput] = []
         self.fault_injector: Callable[[int, list[str]], None] | None = None
@@ -272,7 +272,10 @@ class Engine:
         are then applied and its outputs made while this one runs: outputs come one call
         later, and are those of the synchronous mode. A step after a parallel-sampling
         prompt waits for it (the fork needs its tokens); a step that runs a structured-output
-        sequence is finished synchronously (its grammar's next mask needs the token).
+        sequence is finished synchronously (its grammar's next mask needs the token), and so
+        is a speculative verification step; before a step that is to speculate
+        (``SpecDecodeScheduling.wants_speculation``) the step in flight is finished first,
+        since proposals are made from the sequences' last tokens.
 
         If the model step raises an ``Exception`` (the runner: batch preparation,
         compilation, the device step, sampling), only the requests it ran fail (with async
@@ -291,8 +294,10 @@ class Engine:
         """
         outputs, self._early_outputs = self._early_outputs, []
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and previous.forks:
-            outputs += self._finish(previous)
+        spec = self.scheduler.spec
+        if previous is not None and (previous.forks or (
+                spec is not None and spec.wants_speculation(self.scheduler.running))):
+            outputs += self._finish(previous)    # (proposals need the last tokens)
             previous = None
         scheduler_output = self.scheduler.schedule()
         current = None
@@ -318,7 +323,8 @@ class Engine:
             scheduled = current.scheduler_output.scheduled
             # (A structured-output sequence's next mask needs this step's token on the host.)
             if self._async_scheduling and any(not s.request.is_finished for s in scheduled) \
-                    and not any(s.request.structured_output_request for s in scheduled):
+                    and not any(s.request.structured_output_request or s.draft_token_ids
+                                for s in scheduled):
                 self._in_flight = current
             else:   # (async: all its requests finished meanwhile; none is left in flight)
                 outputs += self._finish(current)

@@ -89,7 +89,7 @@ class Scheduler:
         #: Sampled tokens applied to unfinished sequences since start-up.
         self.num_generation_tokens = 0
         self.spec = None if speculative_config is None else SpecDecodeScheduling(
-            speculative_config, config.max_num_seqs, config.max_model_len)
+            speculative_config, config.max_model_len)
 
     def _enqueue(self, req: Request) -> None:
         """Insert into the waiting queue in policy order (arrival order for fcfs, so a
@@ -195,6 +195,8 @@ class Scheduler:
             budget -= num_new
             i += 1
         admitted = [] if preempted else self._admit_waiting(scheduled, budget)
+        if spec is not None:
+            spec.finish_step(scheduled)
         forks = False
         for s in scheduled:
             req = s.request
@@ -222,8 +224,6 @@ class Scheduler:
         partial = sum(1 for r in self.running if r.num_computed_tokens < r.num_prompt_tokens)
         # A parallel-sampling request not yet forked holds a seat for each sequence.
         seats = sum(r.n_samples for r in self.running)
-        if self.spec is not None:
-            seats += self.spec.step_drafts    # each proposal takes a sampling row
         admitted = []
         j = 0       # the first waiting request not skipped for its grammar
         while j < len(self.waiting) and budget > 0:
@@ -345,6 +345,8 @@ class Scheduler:
                         finish(seq, *stop)
             touched[req.group_id] = None
         self.num_generation_tokens += num_generated
+        if self.spec is not None:
+            self.spec.step_done(scheduler_output.scheduled, num_generated, not self.running)
         groups = op.groups
         return [groups[g] for g in touched]
 

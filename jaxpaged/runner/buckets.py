@@ -77,38 +77,36 @@ class ShapeBuckets:
         page_buckets_by_width: one page bucket per power of two (else the widest only).
         max_padding: tokens (and sequences) a step may be padded by beyond the next power
             of two (:func:`bucket_sizes`; :func:`padding_budget_tokens` of the model).
-        speculative: add a token bucket at each sequence bucket (from 16) and a sequence
-            bucket at each token bucket (up to ``max_num_seqs``): a speculative
-            verification step (each sequence's decode token and its proposals, one
-            sampling row each, within ``max_num_seqs`` rows) is a step with "prefill"
-            chunks, and on ladders made coarse by a cheap model (tokens 16, 2048; rows 8,
-            256) a one-sequence verification would otherwise pad to 256 rows and a
-            64-sequence one to 2048 tokens.
+        verify_block_q: 0, or (speculative decoding) ``1 + num_speculative_tokens``: then
+            verification steps get their own shapes, one per sequence bucket B:
+            T = B * ``verify_block_q`` tokens and as many sampling rows, one query block
+            of ``verify_block_q`` tokens per sequence (``docs/speculative_decoding.md``,
+            "The verify step").
     """
 
     def __init__(self, *, max_num_tokens: int, max_num_seqs: int, max_pages_per_seq: int,
-                 page_buckets_by_width: bool, max_padding: int = 0, speculative: bool = False):
+                 page_buckets_by_width: bool, max_padding: int = 0, verify_block_q: int = 0):
         self.max_num_seqs = max_num_seqs
+        self.verify_block_q = verify_block_q
         self.token_buckets = bucket_sizes(16, max(16, max_num_tokens), max_padding)
         self.seq_buckets = bucket_sizes(8, max(8, max_num_seqs), max_padding)
-        if speculative:
-            self.token_buckets = sorted(set(self.token_buckets) | {
-                b for b in self.seq_buckets if 16 <= b < self.token_buckets[-1]})
-            self.seq_buckets = sorted(set(self.seq_buckets) | {
-                min(t, max_num_seqs) for t in self.token_buckets})
         self.page_buckets = bucket_sizes(4, max(4, max_pages_per_seq))
         if not page_buckets_by_width:
             self.page_buckets = self.page_buckets[-1:]
 
     def pad_sizes(self, num_tokens: int, num_seqs: int, num_rows: int, max_pages: int,
-                  decode_only: bool) -> tuple[int, int, int]:
+                  decode_only: bool, verify: bool = False) -> tuple[int, int, int]:
         """(T, B, P) of a step of ``num_tokens`` tokens over ``num_seqs`` sequences with
-        ``num_rows`` sampling rows, its longest page table ``max_pages`` pages.
+        ``num_rows`` sampling rows, its longest page table ``max_pages`` pages; ``verify``:
+        a verification step (T = B * ``verify_block_q``, as many rows).
 
         Raises:
             ValueError: the step exceeds the largest buckets.
         """
-        if decode_only:
+        if verify:
+            b_pad = pick_bucket(self.seq_buckets, num_seqs)
+            t_pad = b_pad * self.verify_block_q
+        elif decode_only:
             t_pad = b_pad = pick_bucket(self.seq_buckets, num_rows)
         else:
             t_pad = pick_bucket(self.token_buckets, num_tokens)
@@ -122,11 +120,13 @@ class ShapeBuckets:
         """The sequence bucket of a step with prefill chunks padded to ``t_pad`` tokens."""
         return pick_bucket(self.seq_buckets, min(t_pad, self.max_num_seqs))
 
-    def step_shapes(self) -> list[tuple[int, int, int, bool]]:
+    def step_shapes(self) -> list[tuple]:
         """Every ``(T, B, P, decode_only)`` :meth:`pad_sizes` can return: decode steps of
         each sequence bucket, steps with prefill chunks of each token bucket (with the wider
         sequence buckets n > 1 prompts can need when the widest token bucket holds fewer
-        than ``max_num_seqs`` rows), each with every page bucket; sorted."""
+        than ``max_num_seqs`` rows), each with every page bucket, and with
+        ``verify_block_q`` the verification steps ``(B * verify_block_q, B, P, False,
+        verify_block_q)``; sorted."""
         t_max = self.token_buckets[-1]
         shapes = {(b, b, p, True) for b in self.seq_buckets for p in self.page_buckets}
         for t in self.token_buckets:
@@ -134,4 +134,8 @@ class ShapeBuckets:
             if t == t_max:
                 seqs += [b for b in self.seq_buckets if b > seqs[0]]
             shapes.update((t, b, p, False) for b in seqs for p in self.page_buckets)
+        if self.verify_block_q:
+            q = self.verify_block_q
+            shapes.update((b * q, b, p, False, q) for b in self.seq_buckets
+                          for p in self.page_buckets)
         return sorted(shapes)

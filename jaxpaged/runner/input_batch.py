@@ -127,7 +127,7 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
                  pad_sizes: Callable[[int, int, int, int, bool], tuple[int, int, int]],
                  prev_rows: Callable[[], dict[str, int]], bitmask_words: int,
                  free_bitmask: Callable[[int], object], adjust_capacity: int = 16,
-                 speculative: bool = False) -> PreparedStep:
+                 verify_block_q: int = 0) -> PreparedStep:
     """Pad and pack one scheduled step.
 
     Args:
@@ -135,7 +135,8 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
         page_size: tokens per page.
         backend: the attention backend (its metadata).
         eos_token_ids: banned before a sequence's ``min_tokens``.
-        pad_sizes: ``(num_tokens, num_seqs, num_rows, max_pages, decode_only) -> (T, B, P)``.
+        pad_sizes: ``(num_tokens, num_seqs, num_rows, max_pages, decode_only, verify) ->
+            (T, B, P)``.
         prev_rows: gives, by sequence id, the sampling row of each sequence in the step
             dispatched before this one (called only when a sequence decodes a token not on
             the host yet, see :attr:`StepInputs.prev_token_index`).
@@ -145,7 +146,11 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
             bucket, so such steps copy nothing to it).
         adjust_capacity: K and A of the logit adjustments (more only for a row that needs
             more entries, which makes a new step shape).
-        speculative: fill :attr:`PreparedStep.draft_ids` (the runner verifies proposals).
+        verify_block_q: speculative decoding (0: off): fill :attr:`PreparedStep.draft_ids`
+            (the runner verifies proposals), and lay a step whose sequences all decode one
+            token plus their proposals (at most ``verify_block_q`` tokens each, one sampling
+            row per token) out as a verification step (:attr:`BatchLayout.verify_block_q`;
+            T = B * ``verify_block_q`` tokens and rows).
             A sequence with ``draft_token_ids`` = d_0 .. d_{m-1} gets rows 0 .. m: row j
             takes the logits of its chunk's token j (which predicts position start + j + 1),
             its seed unchanged and its logit adjustments computed as if d_0 .. d_{j-1}
@@ -160,6 +165,7 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
     reqs = [s.request for s in seqs]
     starts_a = np.array([s.start for s in seqs], np.int64)
     counts_a = np.array([s.num_new_tokens for s in seqs], np.int64)
+    speculative = verify_block_q > 0
     drafts_a = np.array([len(s.draft_token_ids or ()) for s in seqs], np.int64) \
         if speculative else np.zeros(b, np.int64)
     rows = [s.num_samples or 1 for s in seqs]
@@ -178,7 +184,11 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
     adjusted = [i for i, s in enumerate(seqs) if s.samples and needs[param_of[i]]] \
         if any(needs) else []
     num_tokens, num_rows = int(counts_a.sum()), int(rows_a.sum())
-    t_pad, b_pad, p_pad = pad_sizes(num_tokens, b, num_rows, max(page_lens), num_tokens == b)
+    verify = (speculative and num_tokens > b and bool((counts_a == 1 + drafts_a).all())
+              and num_rows == num_tokens)
+    t_pad, b_pad, p_pad = pad_sizes(num_tokens, b, num_rows, max(page_lens), num_tokens == b,
+                                    verify)
+    r_pad = t_pad if verify else b_pad      # sampling rows
 
     cu_tokens = np.zeros(b + 1, np.int64)
     np.cumsum(counts_a, out=cu_tokens[1:])
@@ -224,7 +234,8 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
     query_start_loc[:b] = cu_tokens[:b]
     layout = BatchLayout(query_start_loc=query_start_loc, seq_lens=seq_lens,
                          positions=positions, slot_mapping=slot_mapping, page_table=page_table,
-                         num_seqs=b, num_tokens=num_tokens)
+                         num_seqs=b, num_tokens=num_tokens,
+                         verify_block_q=verify_block_q if verify else 0)
 
     # Sampling rows: a sequence's rows are consecutive; row j of it draws with seed + j.
     owners = np.repeat(np.arange(b), rows_a)
@@ -235,7 +246,7 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
     # last one. Its rows keep one seed; the n rows of a parallel-sampling prompt add j.
     spec_rows = drafts_a[owners] > 0
     back = np.where(spec_rows, drafts_a[owners] - local, 0)
-    logits_indices = np.zeros(b_pad, np.int32)
+    logits_indices = np.zeros(r_pad, np.int32)
     logits_indices[:num_rows] = cu_tokens[1:][owners] - 1 - back
     row_seeds = (_seed_bits([r.seed for r in reqs])[owners]
                  + np.where(spec_rows, 0, local).astype(np.uint64))
@@ -244,7 +255,7 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
         *(np.array([getattr(p, name) for p in distinct])[row_params]
           for name in ("temperature", "top_k", "top_p", "min_p", "is_greedy")),
         row_seeds, (starts_a + counts_a)[owners] - back,
-        padded=b_pad)
+        padded=r_pad)
     adjust = None
     if adjusted:
         per_row = [None] * num_rows
@@ -260,15 +271,15 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
                                  eos_token_ids, req.bad_words_ids)
             per_row[cu_rows[i]:cu_rows[i + 1]] = [adj] * rows[i]
         if any(a is not None for a in per_row):
-            adjust = pack(per_row, b_pad, adjust_capacity)
+            adjust = pack(per_row, r_pad, adjust_capacity)
     if adjust is None:
-        adjust = no_adjustment(b_pad, adjust_capacity, adjust_capacity)
+        adjust = no_adjustment(r_pad, adjust_capacity, adjust_capacity)
 
     constrained = [(s.request.structured_output_request, r) for i, s in enumerate(seqs)
                    if s.samples and s.request.structured_output_request is not None
                    for r in range(cu_rows[i], cu_rows[i + 1])]
-    token_bitmask = (grammar_bitmask(constrained, b_pad, bitmask_words) if constrained
-                     else free_bitmask(b_pad))
+    token_bitmask = (grammar_bitmask(constrained, r_pad, bitmask_words) if constrained
+                     else free_bitmask(r_pad))
 
     prompt_targets = np.zeros(t_pad, np.int32)
     if with_prompt:     # each row's next prompt token (a chunk's last one: the next chunk's)
@@ -282,7 +293,7 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
                         np.asarray(any(r.pooling is not None for r in reqs)))
     draft_ids = None
     if speculative:
-        draft_ids = np.full(b_pad, -1, np.int32)
+        draft_ids = np.full(r_pad, -1, np.int32)
         for i in np.flatnonzero(drafts_a):
             first = int(cu_rows[i])
             draft_ids[first:first + drafts_a[i]] = seqs[i].draft_token_ids

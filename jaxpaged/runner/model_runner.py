@@ -108,6 +108,7 @@ class ModelRunner:
         self._executables: dict[tuple, object] = {}
         self.eos_token_ids = eos_token_ids
         self._verify = None     # the speculative sampler (enable_spec_decode)
+        self._verify_block_q = 0
         self._load(model)
 
     def _load(self, model: nnx.Module) -> None:
@@ -124,13 +125,13 @@ class ModelRunner:
         self._prev_rows: Callable[[], dict[str, int]] = dict
         self._free_bitmasks: dict[int, jax.Array] = {}
 
-    def _set_buckets(self, speculative: bool = False) -> None:
+    def _set_buckets(self, verify_block_q: int = 0) -> None:
         limits = self._limits
         self._buckets = ShapeBuckets(
             max_num_tokens=limits.max_num_tokens, max_num_seqs=limits.max_num_seqs,
             max_pages_per_seq=limits.max_pages_per_seq,
             page_buckets_by_width=self._backend.name == "pallas",
-            max_padding=padding_budget_tokens(self._num_params), speculative=speculative)
+            max_padding=padding_budget_tokens(self._num_params), verify_block_q=verify_block_q)
         self._token_buckets = self._buckets.token_buckets
         self._page_buckets = self._buckets.page_buckets
         self._pad_sizes = self._buckets.pad_sizes
@@ -138,12 +139,15 @@ class ModelRunner:
         #: (:meth:`ShapeBuckets.step_shapes`).
         self.step_shapes = self._buckets.step_shapes
 
-    def enable_spec_decode(self) -> None:
-        """From now on sample every step with the rejection sampler
-        (``jaxpaged.spec_decode.rejection``), a row per proposal too, on the buckets of
-        ``ShapeBuckets(speculative=True)`` (precompile after this)."""
+    def enable_spec_decode(self, num_speculative_tokens: int) -> None:
+        """From now on run steps whose sequences all decode, with up to
+        ``num_speculative_tokens`` proposals each, as verification steps of their own
+        shapes (``ShapeBuckets(verify_block_q=1 + k)``; precompile after this), sampled by
+        the rejection sampler (``jaxpaged.spec_decode.rejection``), a row per token; every
+        other step samples as without speculation."""
         self._verify = build_verify_program(self._replicated)
-        self._set_buckets(speculative=True)
+        self._verify_block_q = 1 + num_speculative_tokens
+        self._set_buckets(self._verify_block_q)
 
     def set_kv_scales(self, scales: KVScales) -> None:
         """Give layer i's attention ``scales[i]`` (after a calibration,
@@ -241,7 +245,7 @@ class ModelRunner:
                             bitmask_words=num_words(self._limits.vocab_size),
                             free_bitmask=self._free_bitmask,
                             adjust_capacity=self._limits.max_adjust_entries,
-                            speculative=self._verify is not None)
+                            verify_block_q=self._verify_block_q)
 
     def _launch(self, layout: BatchLayout, inputs: StepInputs, draft_ids=None) -> tuple:
         """Dispatch the forward and the sampler over ``inputs`` (the pool updated in
@@ -251,7 +255,7 @@ class ModelRunner:
         logits, prompt, pooled, self._kv_caches = forward(
             self._state, self._kv_caches, forward_inputs(inputs), self._prev_tokens)
         accepted = None
-        if self._verify is not None:
+        if layout.verify_block_q:
             out, accepted = sampler(logits, sample_inputs(inputs), draft_ids)
         else:
             out, self._prev_tokens = sampler(logits, sample_inputs(inputs), self._prev_tokens)
@@ -263,16 +267,18 @@ class ModelRunner:
         forward = self._compiled(
             ("forward", *_shape_key(layout)), self._programs.forward, self._state,
             self._kv_caches, forward_inputs(inputs), self._prev_tokens)
-        return forward, self._sampler_for(forward.out_info[0], inputs)
+        return forward, self._sampler_for(forward.out_info[0], inputs,
+                                          verify=bool(layout.verify_block_q))
 
-    def _sampler_for(self, logits, inputs: StepInputs):
-        """The compiled sampler (or verifier) for ``logits`` (the forward's first output
-        info, [B, V]) and ``inputs``' adjustment capacity."""
+    def _sampler_for(self, logits, inputs: StepInputs, verify: bool = False):
+        """The compiled sampler, or with ``verify`` the verifier (its third input: each
+        row's proposal), for ``logits`` (the forward's first output info, [B, V]) and
+        ``inputs``' adjustment capacity."""
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=self._replicated)
-        verify = self._verify is not None    # (its third input: each row's proposal)
         sampler = self._compiled(
             ("verify" if verify else "sample", logits.shape[0], inputs.adjust.ids.shape[1],
-             inputs.adjust.allowed_ids.shape[1]), self._verify or self._programs.sample,
+             inputs.adjust.allowed_ids.shape[1]),
+            self._verify if verify else self._programs.sample,
             logits, sample_inputs(inputs),
             np.full(logits.shape[0], -1, np.int32) if verify else self._prev_tokens)
         return sampler
@@ -344,17 +350,21 @@ class ModelRunner:
 
     # ---- shapes ------------------------------------------------------------------------------
 
-    def _dummy_layout(self, t_pad: int, b_pad: int, p_pad: int, decode_only: bool):
-        """A layout of the given padded shape whose tokens all write to the null page."""
+    def _dummy_layout(self, t_pad: int, b_pad: int, p_pad: int, decode_only: bool,
+                      verify_block_q: int = 0):
+        """A layout of the given padded shape (a verification step's with
+        ``verify_block_q``) whose tokens all write to the null page."""
         n_tokens = 1 if decode_only else 2
         return BatchLayout(
             query_start_loc=np.full(b_pad + 1, n_tokens, np.int32),
             seq_lens=np.zeros(b_pad, np.int32), positions=np.zeros(t_pad, np.int32),
             slot_mapping=np.zeros(t_pad, np.int32),
-            page_table=np.zeros((b_pad, p_pad), np.int32), num_seqs=1, num_tokens=n_tokens)
+            page_table=np.zeros((b_pad, p_pad), np.int32), num_seqs=1, num_tokens=n_tokens,
+            verify_block_q=verify_block_q)
 
     def _dummy_inputs(self, layout: BatchLayout) -> StepInputs:
-        t_pad, b_pad = layout.positions.shape[0], layout.seq_lens.shape[0]
+        t_pad = layout.positions.shape[0]
+        b_pad = t_pad if layout.verify_block_q else layout.seq_lens.shape[0]   # rows
         k = self._limits.max_adjust_entries
         return StepInputs(np.zeros(t_pad, np.int32), layout.positions, np.zeros(b_pad, np.int32),
                           attention_metadata(self._backend, layout),
@@ -443,6 +453,8 @@ def copy_indices(copies: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]
 
 
 def _shape_key(layout: BatchLayout) -> tuple:
-    """What selects a step's forward executable: (T, B, P, decode_only)."""
-    return (layout.positions.shape[0], layout.seq_lens.shape[0], layout.page_table.shape[1],
-            layout.is_decode_only)
+    """What selects a step's forward executable: (T, B, P, decode_only), and the block size
+    of a verification step."""
+    key = (layout.positions.shape[0], layout.seq_lens.shape[0], layout.page_table.shape[1],
+           layout.is_decode_only)
+    return key + (layout.verify_block_q,) if layout.verify_block_q else key

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 #: The methods a config may name; only ``ngram`` is implemented.
 METHODS = ("ngram", "draft_model")
 _FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-           "model"}
+           "model", "disable_by_batch_size"}
 
 
 class SpeculativeConfigError(ValueError):
@@ -39,12 +39,15 @@ class SpeculativeConfig:
         num_speculative_tokens: k, the most tokens proposed per sequence per step (>= 1).
         prompt_lookup_max: the longest n-gram matched against the sequence's earlier tokens.
         prompt_lookup_min: the shortest (1 <= min <= max).
+        disable_by_batch_size: a step with more running sequences than this does not
+            speculate (vLLM's field); None: every step may.
     """
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def from_dict(cls, value: dict | str | None) -> SpeculativeConfig | None:
@@ -76,6 +79,7 @@ class SpeculativeConfig:
             raise SpeculativeConfigError("method", f"must be one of {list(METHODS)}, got "
                                          f"{method!r}")
         k = _positive(value, "num_speculative_tokens", required=True)
+        disable_by = _positive(value, "disable_by_batch_size")
         if method == "draft_model":
             if not isinstance(value.get("model"), str) or not value["model"]:
                 raise SpeculativeConfigError("model", "draft_model needs the draft model's "
@@ -93,7 +97,7 @@ class SpeculativeConfig:
         if low > high:
             raise SpeculativeConfigError("prompt_lookup_min", f"{low} exceeds "
                                          f"prompt_lookup_max={high}")
-        return cls(method, k, high, low)
+        return cls(method, k, high, low, disable_by)
 
 
 def _positive(value: dict, name: str, required: bool = False) -> int | None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jaxpaged.engine.request import Request
+from jaxpaged.engine.scheduler_output import ScheduledRequest
+from jaxpaged.spec_decode.adaptive import AdaptiveSpeculation
 from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.spec_decode.ngram import NgramProposer
 
@@ -55,29 +57,52 @@ class SpecDecodingStats:
 class SpecDecodeScheduling:
     """Drafting decisions of one scheduler.
 
+    A step speculates only when it is a verification step (every scheduled sequence
+    decodes one token, ``n = 1``) and the rule of :meth:`wants_speculation` says so. A
+    step that also prefills (an admitted
+    request, a prompt's next chunk) drops its proposals (:meth:`finish_step`): its
+    sequences decode plainly that step, so steps with prefill chunks keep their own
+    shapes. Proposals take no seats: a verification step has a row per token.
+
     Args:
         config: the speculative config.
-        max_num_seqs: sampling rows a step may hold (every proposal takes one, as a seat).
         max_model_len: most tokens of a sequence.
     """
 
-    def __init__(self, config: SpeculativeConfig, max_num_seqs: int, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config = config
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max)
-        self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        #: Proposals scheduled in the step being built (they hold seats).
+        #: Proposals scheduled in the step being built.
         self.step_drafts = 0
-        self._seats = 0
+        self._speculate = True
+        self._decision: bool | None = None
+        self._num_running = 0
+        self._adaptive = AdaptiveSpeculation() if config.disable_by_batch_size is None \
+            else None
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
         #: Totals since start-up (the benchmarks' acceptance rate).
         self.totals = SpecDecodingStats(config.num_speculative_tokens)
 
+    def wants_speculation(self, running: list[Request]) -> bool:
+        """Whether the next step over ``running`` speculates (decided once, and kept for
+        :meth:`begin_step`): with ``disable_by_batch_size``, when there are at most that
+        many; else as :class:`~jaxpaged.spec_decode.adaptive.AdaptiveSpeculation` measures
+        pays best. The engine asks before scheduling, to finish an in-flight step first
+        (proposals need the last tokens on the host)."""
+        if self._decision is None:
+            limit = self.config.disable_by_batch_size
+            self._decision = (self._adaptive.choose(len(running)) if limit is None
+                              else len(running) <= limit)
+        return self._decision
+
     def begin_step(self, running: list[Request]) -> None:
-        """Start a step over ``running``: every proposal must fit in the rows left."""
+        """Start a step over ``running`` (:meth:`wants_speculation` decides)."""
         self.step_drafts = 0
-        self._seats = sum(r.n_samples for r in running)
+        self._speculate = self.wants_speculation(running)
+        self._decision = None
+        self._num_running = len(running)
 
     def drafts(self, req: Request, num_new: int, budget: int) -> list[int] | None:
         """The proposals to verify after ``req``'s ``num_new`` scheduled tokens, within
@@ -86,18 +111,41 @@ class SpecDecodeScheduling:
         Each proposal is capped so the emitted run stays within ``max_tokens`` and
         ``max_model_len``."""
         total = len(req.all_token_ids)
-        if (num_new != 1 or req.num_computed_tokens != total - 1 or req.n_samples != 1
+        if (not self._speculate or num_new != 1 or req.num_computed_tokens != total - 1 or req.n_samples != 1
                 or req.num_output_placeholders or req.params.prompt_logprobs is not None
                 or req.structured_output_request is not None):
             return None
-        limit = min(budget, self.max_num_seqs - self._seats - self.step_drafts,
-                    req.max_tokens - (total - len(req.prompt_token_ids)) - 1,
+        limit = min(budget, req.max_tokens - (total - len(req.prompt_token_ids)) - 1,
                     self.max_model_len - total - 1)
         proposal = self.proposer.propose(req.all_token_ids, limit) if limit > 0 else []
         if not proposal:
             return None
         self.step_drafts += len(proposal)
         return proposal
+
+    def finish_step(self, scheduled: list[ScheduledRequest]) -> None:
+        """Drop every proposal of a step that is not a verification step (some sequence
+        prefills or draws ``n > 1`` samples); its pages allocated for them stay in its
+        page table and take its next tokens. A step of decodes alone is timed for the
+        adaptive rule (steps with prefill chunks are not)."""
+        decodes = all(s.num_new_tokens == 1 + len(s.draft_token_ids or ()) and s.num_samples <= 1
+                      for s in scheduled)
+        if decodes and scheduled and self._adaptive is not None:
+            self._adaptive.scheduled(id(scheduled), self.step_drafts > 0, self._num_running)
+        if not self.step_drafts or decodes:
+            return
+        for s in scheduled:
+            if s.draft_token_ids:
+                s.num_new_tokens -= len(s.draft_token_ids)
+                s.draft_token_ids = None
+        self.step_drafts = 0
+
+    def step_done(self, scheduled: list[ScheduledRequest], num_tokens: int,
+                  idle: bool) -> None:
+        """The step ``scheduled`` (its list, as :meth:`finish_step` saw it) emitted
+        ``num_tokens`` tokens; ``idle``: no sequence is left running."""
+        if self._adaptive is not None:
+            self._adaptive.done(id(scheduled), num_tokens, idle)
 
     def unschedule(self, drafts: list[int] | None) -> None:
         """A sequence scheduled with ``drafts`` was taken out of the step (preempted)."""

@@ -60,6 +60,11 @@ class BatchLayout:
             (slots of the null page for padding).
         page_table: [B, P] int32; page ids of every sequence (NULL_PAGE for padding).
         num_seqs: real sequence count; num_tokens: real token count.
+        verify_block_q: 0, or for a speculative verification step (every sequence has
+            1 .. ``verify_block_q`` tokens: its decode token and its proposals; T is
+            ``B * verify_block_q``) the query-block size that holds any sequence's tokens,
+            so attention runs one small block per sequence
+            (``docs/speculative_decoding.md``, "The verify step").
     """
 
     query_start_loc: np.ndarray
@@ -69,6 +74,7 @@ class BatchLayout:
     page_table: np.ndarray
     num_seqs: int
     num_tokens: int
+    verify_block_q: int = 0
 
     @property
     def is_decode_only(self) -> bool:

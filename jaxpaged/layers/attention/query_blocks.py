@@ -5,7 +5,9 @@
 
 Query tokens are grouped into blocks of ``block_q`` consecutive tokens of one sequence
 (``block_q = 1`` for decode-only steps, so each block is one sequence's single token;
-otherwise ``block_q = 16`` and a prefill chunk spans several blocks). A block knows its
+``block_q = BatchLayout.verify_block_q`` for a speculative verification step, one block per
+sequence holding its decode token and proposals; otherwise ``block_q = 16`` and a prefill
+chunk spans several blocks). A block knows its
 sequence (a row of the page table) and its tokens' positions, which is all a paged attention
 computation needs. The number of blocks is padded to depend only on the bucket sizes, so the
 jitted step compiles once per bucket. Memory and work then scale with the blocks, however
@@ -34,10 +36,12 @@ from jaxpaged.layers.attention.base import AttentionBackend, BatchLayout, KVPage
 PREFILL_BLOCK_Q = 16
 
 
-def num_query_blocks(num_tokens_padded: int, num_seqs_padded: int, decode_only: bool) -> int:
-    """Padded block count for a bucket: one per sequence when decoding, else enough for any
-    split of T tokens over B sequences (each sequence wastes at most one partial block)."""
-    if decode_only:
+def num_query_blocks(num_tokens_padded: int, num_seqs_padded: int, decode_only: bool,
+                     verify: bool = False) -> int:
+    """Padded block count for a bucket: one per sequence when decoding or verifying, else
+    enough for any split of T tokens over B sequences (each sequence wastes at most one
+    partial block)."""
+    if decode_only or verify:
         return num_seqs_padded
     return -(-num_tokens_padded // PREFILL_BLOCK_Q) + num_seqs_padded
 
@@ -81,8 +85,9 @@ class QueryBlockBackend(AttentionBackend):
         t_pad = layout.positions.shape[0]
         b_pad = layout.seq_lens.shape[0]
         decode_only = layout.is_decode_only
-        block_q = 1 if decode_only else PREFILL_BLOCK_Q
-        nb = num_query_blocks(t_pad, b_pad, decode_only)
+        verify = layout.verify_block_q
+        block_q = 1 if decode_only else verify or PREFILL_BLOCK_Q
+        nb = num_query_blocks(t_pad, b_pad, decode_only, bool(verify))
         block_tokens = np.full((nb, block_q), t_pad, np.int32)
         block_seq = np.zeros((nb,), np.int32)
         block_positions = np.full((nb, block_q), -1, np.int32)
@@ -92,6 +97,15 @@ class QueryBlockBackend(AttentionBackend):
             block_tokens[:n, 0] = qsl[:n]
             block_seq[:n] = np.arange(n)
             block_positions[:n, 0] = layout.positions[qsl[:n]]
+        elif verify:     # one block per sequence, its tokens from the block's first row
+            n = layout.num_seqs
+            rows = np.arange(block_q)
+            real = rows[None, :] < (qsl[1:n + 1] - qsl[:n])[:, None]
+            tokens = qsl[:n, None] + rows[None, :]
+            block_tokens[:n] = np.where(real, tokens, t_pad)
+            block_positions[:n] = np.where(real, layout.positions[np.minimum(tokens, t_pad - 1)],
+                                           -1)
+            block_seq[:n] = np.arange(n)
         else:
             b = 0
             for i in range(layout.num_seqs):
