@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from jaxpaged.config import QUANTIZATION_METHODS
+from jaxpaged.lora.config import LoRAConfig, add_lora_cli_args
 from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.constants import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES,  # noqa: F401
                                 SCHEDULING_POLICIES)
@@ -99,6 +100,9 @@ class EngineArgs:
             or its JSON text with vLLM's fields (``method="ngram"``,
             ``num_speculative_tokens``, ``prompt_lookup_max``, ``prompt_lookup_min``); None:
             off. A speculating engine schedules synchronously (``docs/speculative_decoding.md``).
+        enable_lora: serve LoRA adapters (``docs/lora.md``); max_loras: distinct adapters in
+            one step (vLLM's default 1); max_lora_rank: the largest rank accepted (16);
+            max_cpu_loras: adapters the host keeps loaded (None: max_loras).
     """
 
     model: str = DEFAULT_MODEL
@@ -136,6 +140,10 @@ class EngineArgs:
     convert: str = "auto"
     pooler_config: str | dict | None = None
     speculative_config: dict | str | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         def positive(name):
@@ -194,6 +202,7 @@ class EngineArgs:
             raise ValueError(f"EngineArgs.attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
         resolve_pooler(self.model, self.runner, self.convert, self.pooler_config)
+        LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)   # typed errors
 
     @property
     def pooler(self) -> PoolerConfig | None:
@@ -290,6 +299,7 @@ class EngineArgs:
                        help='speculative decoding as JSON, vLLM\'s fields, e.g. \'{"method": '
                             '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
                             "(turns async scheduling off)")
+        add_lora_cli_args(parser)
         return parser
 
     @classmethod

@@ -37,6 +37,7 @@ from jaxpaged.distributed.multihost import to_host
 from jaxpaged.runner.kv_scales import KVScales, set_kv_scales
 from jaxpaged.engine.scheduler_output import SchedulerOutput
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, allocate_kv_pool
+from jaxpaged.lora.device import LoRASlotWriter, token_slots
 from jaxpaged.runner.buckets import (ShapeBuckets, bucket_sizes, padding_budget_tokens,
                                      pick_bucket)
 from jaxpaged.runner.compile_cache import jax_cache_dir, num_step_entries
@@ -89,12 +90,16 @@ class ModelRunner:
             parameters and the pool keep the shardings they arrived with.
         executable_dir: where compiled steps are kept whole across runs
             (``jaxpaged.runner.executable_store``; None: not kept).
+        lora: the writer of the model's LoRA slots (``jaxpaged.lora.device``; None: LoRA
+            off, and the step takes no slot index).
     """
 
     def __init__(self, model: nnx.Module, kv_caches: list[KVPages], backend: AttentionBackend,
                  *, page_size: int, limits: RunnerLimits, eos_token_ids: frozenset[int],
-                 replicated: jax.sharding.Sharding, executable_dir: str | None = None):
+                 replicated: jax.sharding.Sharding, executable_dir: str | None = None,
+                 lora: LoRASlotWriter | None = None):
         self._kv_caches = kv_caches
+        self._lora = lora
         self._store = ExecutableStore(executable_dir)
         self._backend = backend
         self._page_size = page_size
@@ -226,6 +231,8 @@ class ModelRunner:
         two steps run back to back without the host in between.
         """
         self.copy_pages(scheduler_output.page_copies)
+        for slot, adapter in scheduler_output.lora_loads:
+            self.write_lora_slot(slot, adapter)
         prepared = prepare_step(scheduler_output, page_size=self._page_size,
                                 backend=self._backend, eos_token_ids=self._eos_token_ids,
                                 pad_sizes=self._pad_sizes, prev_rows=self._prev_rows,
@@ -235,7 +242,8 @@ class ModelRunner:
                                 speculative=self._verify is not None)
         forward, sampler = self._executables_for(prepared.layout, prepared.inputs)
         logits, prompt, pooled, self._kv_caches = forward(
-            self._state, self._kv_caches, forward_inputs(prepared.inputs), self._prev_tokens)
+            self._state, self._kv_caches, self._forward_inputs(prepared.inputs, scheduler_output),
+            self._prev_tokens)
         accepted = None
         if self._verify is not None:
             out, accepted = sampler(logits, sample_inputs(prepared.inputs), prepared.draft_ids)
@@ -248,12 +256,34 @@ class ModelRunner:
                                    for i, s in enumerate(scheduled) if s.samples}
         return PendingStep(scheduler_output, prepared, out, pooled, accepted)
 
+    def _forward_inputs(self, inputs: StepInputs,
+                        scheduler_output: SchedulerOutput | None = None) -> dict:
+        """The forward program's inputs; with LoRA, each token's adapter slot too (zeros
+        for a dummy step)."""
+        fwd = forward_inputs(inputs)
+        if self._lora is not None:
+            num_padded = inputs.input_ids.shape[0]
+            fwd["lora_slots"] = (np.zeros(num_padded, np.int32) if scheduler_output is None
+                                 else token_slots(scheduler_output.scheduled,
+                                                  scheduler_output.lora_slots, num_padded))
+        return fwd
+
+    def write_lora_slot(self, slot: int, adapter) -> None:
+        """Write ``adapter`` (a ``jaxpaged.lora.peft.LoRAAdapter``; None: zeros) into LoRA
+        slot ``slot`` of every target, in place, with the one precompiled write program."""
+        lora = self._lora
+        new = lora.host_weights(self._state, adapter)
+        arrays = lora.arrays(self._state)
+        write = self._compiled(("lora_write",), lora.program(self._state), arrays,
+                               np.int32(slot), new)
+        lora.set_arrays(self._state, write(arrays, np.int32(slot), new))
+
     def _executables_for(self, layout: BatchLayout, inputs: StepInputs) -> tuple:
         """The compiled forward and sample programs for ``inputs``' shapes (compiled now,
         or loaded from the executable store, if new)."""
         forward = self._compiled(
             ("forward", *_shape_key(layout)), self._programs.forward, self._state,
-            self._kv_caches, forward_inputs(inputs), self._prev_tokens)
+            self._kv_caches, self._forward_inputs(inputs), self._prev_tokens)
         logits = forward.out_info[0]
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=self._replicated)
         verify = self._verify is not None    # (its third input: each row's proposal)
@@ -358,7 +388,7 @@ class ModelRunner:
         inputs = self._dummy_inputs(layout)
         forward, sampler = self._executables_for(layout, inputs)
         logits, _, _, self._kv_caches = forward(self._state, self._kv_caches,
-                                                forward_inputs(inputs), self._prev_tokens)
+                                                self._forward_inputs(inputs), self._prev_tokens)
         jax.block_until_ready(sampler(logits, sample_inputs(inputs), self._prev_tokens))
         stats = jax.local_devices()[0].memory_stats()
         return None if not stats else stats.get("peak_bytes_in_use")
@@ -381,6 +411,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         cache_dir = jax_cache_dir()
         stored = num_step_entries(cache_dir)
+        if self._lora is not None:
+            self.write_lora_slot(0, None)    # compiles the slot writer (slot 0 stays zeros)
         for shape in tqdm(self.step_shapes(), desc="Compiling model steps", unit="shape",
                           disable=None if progress is None else not progress, leave=False):
             if should_stop():
