@@ -36,6 +36,10 @@ class LoRAAdapterError(ValueError):
     names the adapter and the field or tensor)."""
 
 
+class LoRAAdapterNotFoundError(LoRAAdapterError):
+    """No adapter at the path: ``adapter_config.json`` does not exist."""
+
+
 @dataclass(frozen=True)
 class LoRAAdapter:
     """A loaded adapter on the host.
@@ -95,11 +99,15 @@ def load_adapter(request: LoRARequest, model: ModelConfig, max_rank: int) -> LoR
     """Read and check ``request.lora_path`` against ``model``.
 
     Raises:
-        LoRAAdapterError: missing or unreadable files, bad fields, ``r > max_rank``, a tensor
+        LoRAAdapterNotFoundError: no ``adapter_config.json`` at the path.
+        LoRAAdapterError: unreadable files, bad fields, ``r > max_rank``, a tensor
             of a layer the model lacks, or a shape that does not match the target's.
         UnsupportedLoRATargetError: a target this engine does not adapt on this model.
     """
     where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
+    if not os.path.isfile(os.path.join(request.lora_path, CONFIG_FILE)):
+        raise LoRAAdapterNotFoundError(f"{where}: No adapter found ({CONFIG_FILE} does not "
+                                       "exist)")
     try:
         with open(os.path.join(request.lora_path, CONFIG_FILE)) as f:
             config = json.load(f)
