@@ -60,6 +60,14 @@ class LoRAScheduling:
         self._loads.append((slot, self.cache.get(lora)))
         return True
 
+    def requests_info(self, running, waiting) -> tuple[int, str, str]:
+        """``(max_loras, running adapters, waiting adapters)``, names sorted and
+        comma-joined (the labels of vLLM's ``lora_requests_info`` gauge)."""
+        def names(requests):
+            return ",".join(sorted({r.lora_request.lora_name for r in requests
+                                    if r.lora_request is not None}))
+        return self.max_loras, names(running), names(waiting)
+
     def forget(self, lora_int_id: int, running) -> None:
         """An adapter was removed: its slot is free again unless a running request still
         uses it (those finish with it; the slot is reused once they are gone)."""
