@@ -141,7 +141,8 @@ def test_tensor_parallel_2_equals_tp_1():
               enable_lora=True, max_loras=2, enforce_eager=True, tensor_parallel_size=2,
               block_size=8, **SMALL)
     layer = llm.engine.runner._state["model"]["layers"][0]
-    q_b, o_a = layer["self_attn"]["q_proj"]["lora_b"][...], layer["self_attn"]["o_proj"]["lora_a"][...]
+    attn = layer["self_attn"]
+    q_b, o_a = attn["q_proj"]["lora_b"][...], attn["o_proj"]["lora_a"][...]
     assert {s.data.shape for s in q_b.addressable_shards} == {(3, 16, q_b.shape[2] // 2)}
     assert {s.data.shape for s in o_a.addressable_shards} == {(3, o_a.shape[1] // 2, 16)}
     names = ["llama_all7_r8", "llama_qv_r4_rslora"]

@@ -43,8 +43,8 @@ class Request:
         arrival: arrival order (ties in priority scheduling; the newest is preempted first).
         priority: lower runs first under ``--scheduling-policy priority``.
         cache_salt: extra key of this request's prefix-cache hashes.
-        lora_request: the LoRA adapter it runs with (None: the base model); its name is
-            an extra key of the prefix-cache hashes, as in vLLM.
+        lora_request: the LoRA adapter it runs with (None: the base model); its name and
+            id are an extra key of the prefix-cache hashes (vLLM keys the name).
         n_samples: first tokens to sample after the prompt (n before the fork, then 1).
         bad_words_ids: token sequences of ``params.bad_words``.
         all_token_ids: prompt + output ids.
@@ -120,7 +120,7 @@ class Request:
         """Extra keys mixed into this request's prefix-cache page hashes."""
         keys = () if self.cache_salt is None else (self.cache_salt,)
         return keys if self.lora_request is None else keys + (
-            ("lora", self.lora_request.lora_name),)
+            ("lora", self.lora_request.lora_name, self.lora_request.lora_int_id),)
 
     @property
     def is_finished(self) -> bool:

@@ -112,8 +112,8 @@ class LLM:
 
         Raises:
             ValueError / TypeError: a bad prompt, params or adapter, or a params or
-                lora_request list of the wrong length. Whatever is raised (an interrupt too), no request of this call is
-                left queued.
+                lora_request list of the wrong length. Whatever is raised (an interrupt
+                too), no request of this call is left queued.
             MultiHostError: (multi-host) the processes were given different prompts or params.
             JobStopped: (multi-host) a process of the job received SIGINT or SIGTERM; raised
                 on every process at the same step.

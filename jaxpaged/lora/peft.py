@@ -144,8 +144,9 @@ def load_adapter(request: LoRARequest, model: ModelConfig, max_rank: int) -> LoR
         if a.shape != (r, d_in) or b.shape != (d_out, r):
             raise LoRAAdapterError(f"{where}: {name} lora_A {a.shape} / lora_B {b.shape} do "
                                    f"not fit r={r} and the model's [{d_out}, {d_in}] weight")
-        weights[(layer, target)] = (np.ascontiguousarray(a.astype(np.float32).T),
-                                    np.ascontiguousarray(b.astype(np.float32).T) * np.float32(scaling))
+        weights[(layer, target)] = (
+            np.ascontiguousarray(a.astype(np.float32).T),
+            np.ascontiguousarray(b.astype(np.float32).T) * np.float32(scaling))
     if not weights:
         raise LoRAAdapterError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
     return LoRAAdapter(request.lora_name, request.lora_int_id, request.lora_path, r,
