@@ -18,6 +18,7 @@ from jaxpaged.lora.config import LoRAConfigError
 from jaxpaged.lora.manager import LoRANotEnabledError
 from jaxpaged.lora.peft import LoRAAdapterError, LoRAAdapterNotFoundError, load_adapter
 from jaxpaged.lora.request import LoRARequest
+from jaxpaged.lora.scheduling import LoRAScheduling
 from jaxpaged.lora.targets import UnsupportedLoRATargetError
 from jaxpaged.metrics.loggers import PrometheusStatLogger
 from tests.conftest import FIXTURES
@@ -152,3 +153,27 @@ def test_tensor_parallel_2_equals_tp_1():
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [ref(n, "greedy_tokens.npy").tolist()
                                                       for n in names]
+
+
+def test_slots_stay_with_running_adapters():
+    """max_loras=2: C takes the slot of A (no running request) and never B's (running)."""
+    class Cache:
+        config = type("C", (), {"max_loras": 2})()
+
+        def get(self, request):
+            return request.lora_name
+
+    class Req:
+        def __init__(self, name, int_id):
+            self.lora_request = LoRARequest(name, int_id, "/x")
+
+    sched = LoRAScheduling(Cache())
+    a, b, c = Req("a", 1), Req("b", 2), Req("c", 3)
+    active = set()
+    assert sched.admit(a, active) and sched.admit(b, active)
+    assert not sched.admit(c, active)                  # a third adapter waits
+    assert sched.take_step() == ([(1, "a"), (2, "b")], {1: 1, 2: 2})
+    active = sched.adapter_ids([b])                    # a finished, b still runs
+    assert sched.admit(c, active) and sched.admit(b, active)
+    assert sched.take_step() == ([(1, "c")], {2: 2, 3: 1})
+    assert sched.requests_info([b, c], [a]) == (2, "b,c", "a")
