@@ -5,8 +5,10 @@ stories110M-shaped model with random weights; ``--small``: 8 short requests on t
 model): the engine without ``--enable-lora``; with it but every request on the base model
 (slot 0); and with ``--num-adapters`` random rank-``--rank`` adapters on all seven
 projections, assigned round robin so every step mixes them (``max_loras`` = the adapter
-count). Each row has an untimed warm-up pass (compilation excluded; 0 compilations during
-the timed pass are reported).
+count). Each engine has an untimed warm-up pass (compilation excluded; 0 compilations during
+the timed passes are reported); then ``--rounds`` rounds time the three rows one after the
+other, so a load that changes over the run (other jobs on the machine) reaches every row
+alike; each row reports its median pass.
 
     .venv/bin/python -m jaxpaged.benchmarks.lora --output-dir docs/results
 """
@@ -25,7 +27,7 @@ from safetensors.numpy import save_file
 from jaxpaged import LLM
 from jaxpaged.benchmarks.baselines.checkpoint import write_random_checkpoint
 from jaxpaged.benchmarks.datasets import ROOT, load_w1, random_requests, w1_requests
-from jaxpaged.benchmarks.throughput import measure
+from jaxpaged.benchmarks.throughput import measure, run_requests
 from jaxpaged.config import ModelConfig
 from jaxpaged.lora.request import LoRARequest
 from jaxpaged.lora.targets import PARENT, target_shapes
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num-adapters", type=int, default=4)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--small", action="store_true", help="8 short requests, the bundled model")
     p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "jaxpaged-w1"))
     p.add_argument("--output-dir", default=None, help="write lora-W1.json (or lora-small.json)")
@@ -75,18 +78,34 @@ def main(argv: list[str] | None = None) -> dict:
         for i in range(args.num_adapters)]
     engine = dict(model=model, max_model_len=max_len, block_size=16, enforce_eager=True,
                   max_num_seqs=args.max_num_seqs)
-    rows = [{"row": "base, LoRA off", **measure(LLM(**engine), requests)}]
+    plain = LLM(**engine)
     llm = LLM(enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank, **engine)
-    rows.append({"row": "base, --enable-lora", **measure(llm, requests)})
     mixed = [adapters[i % len(adapters)] for i in range(len(requests))]
-    rows.append({"row": f"{args.num_adapters} adapters r{args.rank} mixed",
-                 **measure(llm, requests, lora_requests=mixed)})
+    cases = [("base, LoRA off", plain, None), ("base, --enable-lora", llm, None),
+             (f"{args.num_adapters} adapters r{args.rank} mixed", llm, mixed)]
+    # (the mixed row's warm-up also covers the base-with-LoRA row: the same engine and shapes)
+    measured = {i: {"row": cases[i][0], **measure(cases[i][1], requests, warmup=i != 1,
+                                                  lora_requests=cases[i][2])}
+                for i in (0, 2, 1)}
+    rows = [measured[i] for i in range(3)]
+    for row in rows:
+        row["elapsed_times"] = [row["elapsed_time"]]
+    compilations = [e.engine.stats().num_compilations for e in (plain, llm)]
+    for _ in range(args.rounds - 1):
+        for row, (_, e, lr) in zip(rows, cases):
+            row["elapsed_times"].append(run_requests(e, requests, lr))
+    extra = sum(e.engine.stats().num_compilations for e in (plain, llm)) - sum(compilations)
+    for row in rows:
+        row["elapsed_time"] = float(np.median(row["elapsed_times"]))
+        row["output_tokens_per_second"] = row["total_output_tokens"] / row["elapsed_time"]
+        row["num_compilations_during_run"] += extra
     base = rows[0]["output_tokens_per_second"]
     for row in rows:
         row["relative_to_base"] = row["output_tokens_per_second"] / base
+        times = ", ".join(f"{t:.1f}" for t in row["elapsed_times"])
         print(f"{row['row']:<28}{row['elapsed_time']:>9.2f} s{row['output_tokens_per_second']:>10.1f}"
-              f" out tok/s{row['relative_to_base']:>8.3f}x  compilations in the timed pass: "
-              f"{row['num_compilations_during_run']}")
+              f" out tok/s{row['relative_to_base']:>8.3f}x  passes {times} s; compilations in "
+              f"the timed passes: {row['num_compilations_during_run']}")
     result = {"workload": "small" if args.small else "W1", "model": model, "rows": rows,
               "cpu": platform.processor() or platform.machine(),
               "load_average_before": load_before, "load_average_after": os.getloadavg()[0]}
