@@ -52,8 +52,9 @@ def shifted(requests: list[SampleRequest], vocab_size: int) -> list[SampleReques
     return out
 
 
-def run_requests(llm: LLM, requests: list[SampleRequest]) -> float:
-    """Generate every request to its exact length; returns the seconds it took.
+def run_requests(llm: LLM, requests: list[SampleRequest], lora_requests=None) -> float:
+    """Generate every request to its exact length (``lora_requests``: each one's LoRA
+    adapter, as ``LLM.generate`` takes them); returns the seconds it took.
 
     Raises:
         RuntimeError: an output of the wrong length (the measurement would be wrong).
@@ -61,7 +62,8 @@ def run_requests(llm: LLM, requests: list[SampleRequest]) -> float:
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=q.output_len)
               for q in requests]
     t0 = time.perf_counter()
-    outputs = llm.generate([q.prompt for q in requests], params, use_tqdm=False)
+    outputs = llm.generate([q.prompt for q in requests], params, use_tqdm=False,
+                           lora_request=lora_requests)
     elapsed = time.perf_counter() - t0
     for q, out in zip(requests, outputs):
         if len(out.outputs[0].token_ids) != q.output_len:
@@ -70,12 +72,14 @@ def run_requests(llm: LLM, requests: list[SampleRequest]) -> float:
     return elapsed
 
 
-def measure(llm: LLM, requests: list[SampleRequest], warmup: bool = True) -> dict:
-    """Throughput of ``requests`` on ``llm`` (the figures every engine row reports)."""
+def measure(llm: LLM, requests: list[SampleRequest], warmup: bool = True,
+            lora_requests=None) -> dict:
+    """Throughput of ``requests`` on ``llm`` (the figures every engine row reports;
+    ``lora_requests`` as :func:`run_requests`)."""
     vocab = llm.engine.model_config.vocab_size
-    warmup_time = run_requests(llm, shifted(requests, vocab)) if warmup else 0.0
+    warmup_time = run_requests(llm, shifted(requests, vocab), lora_requests) if warmup else 0.0
     compilations = llm.engine.stats().num_compilations
-    elapsed = run_requests(llm, requests)
+    elapsed = run_requests(llm, requests, lora_requests)
     prompt_tokens = sum(q.prompt_len for q in requests)
     output_tokens = sum(q.output_len for q in requests)
     return {

@@ -42,6 +42,8 @@ from jaxpaged.server.protocol_responses import ResponsesRequest
 from jaxpaged.server.serving_completion import OpenAIServingCompletion
 from jaxpaged.server.serving_responses import OpenAIServingResponses
 from jaxpaged.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
+from jaxpaged.server.serving_models import (LoadLoRAAdapterRequest, ServingModels,
+                                            UnloadLoRAAdapterRequest)
 
 logger = logging.getLogger("server")
 
@@ -75,10 +77,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         registry: the Prometheus registry ``/metrics`` exposes.
         manage_engine: start the engine at start-up and stop it at shutdown.
     """
-    completion = OpenAIServingCompletion(engine, config, tokenizer)
-    chat = OpenAIServingChat(engine, config, tokenizer)
+    names = ServingModels(config.served_model_names, engine, config.lora_modules)
+    completion = OpenAIServingCompletion(engine, config, tokenizer, names)
+    chat = OpenAIServingChat(engine, config, tokenizer, names)
     responses = OpenAIServingResponses(chat)
-    embedding = OpenAIServingEmbedding(engine, config, tokenizer)
+    embedding = OpenAIServingEmbedding(engine, config, tokenizer, names)
     pooling = engine.args.pooler is not None
     unserved = UNSERVED_BY_POOLING if pooling else UNSERVED_ROUTES
     served = ("/v1/embeddings" if pooling else
@@ -159,7 +162,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
             facts = dict(max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size,
                          eos_token_ids=sorted(e.output_processor.eos_token_ids))
         return [ModelCard(id=name, root=engine.args.model, **facts)
-                for name in config.served_model_names]
+                for name in config.served_model_names] + [
+            ModelCard(**card) for card in names.adapter_cards()]
 
     async def models(request: Request) -> Response:
         return JSONResponse(ModelList(data=cards()).model_dump())
@@ -214,6 +218,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         text = await off_loop(tokenizer.decode, body.tokens)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
+    async def load_lora_adapter(request: Request) -> Response:
+        ready()
+        body = await parse(request, LoadLoRAAdapterRequest)
+        return Response(await names.load(body.lora_name, body.lora_path), 200)
+
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = await parse(request, UnloadLoRAAdapterRequest)
+        return Response(names.unload(body.lora_name), 200)
+
     async def openapi(request: Request) -> Response:
         return JSONResponse(openapi_document(version("jaxpaged"), pooling))
 
@@ -233,6 +246,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/openapi.json", openapi, methods=["GET"]),
+        *([Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+           Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"])]
+          if config.allow_runtime_lora_updating else []),
     ]
 
     async def api_error(request: Request, exc: APIError) -> Response:

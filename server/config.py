@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -36,6 +36,11 @@ class ServerConfig:
         responses_store_size: how many ``/v1/responses`` answers the in-memory store keeps
             (LRU) for ``GET /v1/responses/{id}``, ``previous_response_id`` and
             ``background``; 0: no store, and those are refused with a 400.
+        lora_modules: LoRA adapters served from the start (``--lora-modules``), each a
+            ``jaxpaged.server.serving_models.LoRAModulePath``; ``model`` names them.
+        allow_runtime_lora_updating: serve ``POST /v1/load_lora_adapter`` and
+            ``/v1/unload_lora_adapter`` (``--allow-runtime-lora-updating`` or
+            ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``).
     """
 
     served_model_names: list[str]
@@ -52,3 +57,5 @@ class ServerConfig:
     default_chat_template_kwargs: dict | None = None
     shutdown_timeout: float = 0.0
     responses_store_size: int = 0
+    lora_modules: list = field(default_factory=list)
+    allow_runtime_lora_updating: bool = False

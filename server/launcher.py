@@ -34,6 +34,7 @@ from jaxpaged.server.app import build_app
 from jaxpaged.server.multi_model import load_models_config, make_multi_server
 from jaxpaged.server.reasoning import REASONING_PARSERS
 from jaxpaged.server.serving import ServerConfig
+from jaxpaged.server.serving_models import RUNTIME_LORA_ENV, LoRAModulePath
 from jaxpaged.server.tool_parsers import TOOL_PARSERS
 from jaxpaged.tokenizer import load_tokenizer
 
@@ -98,6 +99,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="keep the last N /v1/responses answers in memory (LRU) for GET "
                         "/v1/responses/{id}, previous_response_id and background (default: "
                         "no store; those get HTTP 400)")
+    g.add_argument("--lora-modules", nargs="+", type=LoRAModulePath.parse, default=None,
+                   help="LoRA adapters to serve (with --enable-lora): name=path, or JSON "
+                        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; requests '
+                        "pick one by 'model'")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        f"(also ${RUNTIME_LORA_ENV}=True)")
     return parser
 
 
@@ -174,6 +182,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                        "can use the model (give --api-key)", args.host)
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    if args.lora_modules and not getattr(args, "enable_lora", False):
+        raise ValueError("--lora-modules needs --enable-lora")
+    runtime_lora = args.allow_runtime_lora_updating or os.environ.get(
+        RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
     if args.disable_log_requests:
         logger.warning("--disable-log-requests is deprecated and has no effect: requests are "
                        "not logged unless --enable-log-requests")
@@ -189,7 +201,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         reasoning_parser=args.reasoning_parser,
                         default_chat_template_kwargs=args.default_chat_template_kwargs,
                         shutdown_timeout=args.shutdown_timeout,
-                        responses_store_size=args.responses_store_size)
+                        responses_store_size=args.responses_store_size,
+                        lora_modules=args.lora_modules or [],
+                        allow_runtime_lora_updating=runtime_lora)
 
 
 def make_server(engine_args: EngineArgs, config: ServerConfig, log_stats: bool = True):

@@ -41,6 +41,7 @@ from jaxpaged.server.config import ServerConfig
 from jaxpaged.server.errors import APIError, bad_request
 from jaxpaged.server.protocol import TopLogprob
 from jaxpaged.server.request_params import RequestParameters, sampling_error
+from jaxpaged.server.serving_models import ServingModels
 
 logger = logging.getLogger("server")
 
@@ -92,10 +93,13 @@ class OpenAIServing(RequestParameters):
             in the event loop only.
     """
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig, tokenizer):
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, tokenizer,
+                 models: ServingModels | None = None):
         self.engine = engine
         self.config = config
         self.tokenizer = tokenizer
+        #: The names ``model`` may take (base names and LoRA adapters), shared by the routes.
+        self.models = models or ServingModels(config.served_model_names)
         #: The most characters one token can stand for (its vocabulary's longest piece).
         self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
 
@@ -119,9 +123,11 @@ class OpenAIServing(RequestParameters):
         return requested or self.config.served_model_names[0]
 
     def check_model(self, name: str | None) -> None:
-        """Raises APIError 404 (``model_not_found``) for a model that is not served."""
-        if name and name not in self.config.served_model_names:
-            raise model_not_found(name, self.config.served_model_names)
+        """Raises APIError 404 (``model_not_found``) for a model that is not served (neither
+        a base model name nor a LoRA adapter's)."""
+        names = self.models.names
+        if name and name not in names:
+            raise model_not_found(name, names)
 
     @staticmethod
     def request_id(raw_request: Request, prefix: str, body_id: str | None = None) -> str:
@@ -148,8 +154,10 @@ class OpenAIServing(RequestParameters):
 
     async def add_requests(self, request_id: str, prompts: list[PreparedPrompt],
                            params: list[SamplingParams], priority: int, cache_salt: str | None,
-                           prompt_param: str, deadline: float | None) -> list[RequestStream]:
-        """Submit one engine request per prompt (ids ``{request_id}-{i}``); all or none.
+                           prompt_param: str, deadline: float | None,
+                           lora_request=None) -> list[RequestStream]:
+        """Submit one engine request per prompt (ids ``{request_id}-{i}``); all or none
+        (``lora_request``: the adapter they run with, None: the base model).
 
         Raises:
             APIError: 400 if the engine refuses one (the others are aborted) or the request
@@ -170,7 +178,8 @@ class OpenAIServing(RequestParameters):
                 if cache_salt is not None:
                     engine_prompt["cache_salt"] = cache_salt
                 streams.append(await self.engine.add_request(f"{request_id}-{i}", engine_prompt,
-                                                             p, priority, deadline))
+                                                             p, priority, deadline,
+                                                             lora_request))
                 if self.config.enable_log_requests:
                     logger.info("request %s-%d: prompt %r (%d tokens), %s", request_id, i,
                                 prompt.token_ids if prompt.text is None else prompt.text,
@@ -216,7 +225,8 @@ class OpenAIServing(RequestParameters):
         timeout = self.config.request_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         streams = await self.add_requests(request_id, prompts, params, body.priority,
-                                          body.cache_salt, prompt_param, deadline)
+                                          body.cache_salt, prompt_param, deadline,
+                                          self.models.lora_request(body.model))
         if body.stream:
             return StreamingResponse(stream_events(streams), media_type="text/event-stream")
         async with self.abort_on_disconnect(raw_request, streams):

@@ -81,7 +81,8 @@ class OpenAIServingResponses:
         try:
             streams = await self.chat.add_requests(run.request_id, [run.prompt], [run.params],
                                                    body.priority, body.cache_salt, "messages",
-                                                   deadline)
+                                                   deadline,
+                                                   self.chat.models.lora_request(body.model))
         except APIError as e:
             raise renamed(e) from None
         done = (lambda: store.put(StoredResponse(response, conversation + output_as_input(

@@ -1,5 +1,6 @@
 """The Flax model's logits against the bundled reference and transformers' torch Llama."""
 
+import contextlib
 import os
 
 import jax.numpy as jnp
@@ -14,11 +15,14 @@ from tests.conftest import FIXTURES, STORIES, STORIES_REFERENCE
 
 def full_sequence_logits(model_dir: str, ids: np.ndarray, dtype=jnp.float32,
                          page_size: int = 16, backend: str = "xla",
-                         quantization: str | None = None) -> np.ndarray:
-    """Logits at every position of one prefill of ``ids`` through a paged attention backend."""
+                         quantization: str | None = None, prepare=None) -> np.ndarray:
+    """Logits at every position of one prefill of ``ids`` through a paged attention backend
+    (``prepare(model, cfg, num_tokens)``, when given, may change the loaded model and returns
+    the context the forward runs in)."""
     cfg = ModelConfig.from_pretrained(model_dir).with_quantization(quantization)
     backend = get_attention_backend(backend)
     model = load_model(model_dir, cfg, dtype=dtype, backend=backend)
+    context = contextlib.nullcontext() if prepare is None else prepare(model, cfg, len(ids))
     t = len(ids)
     num_pages = -(-t // page_size)
     pages = np.arange(1, num_pages + 1, dtype=np.int32)
@@ -31,7 +35,8 @@ def full_sequence_logits(model_dir: str, ids: np.ndarray, dtype=jnp.float32,
     meta = {k: jnp.asarray(v) for k, v in backend.build_metadata(layout).items()}
     meta.update(slot_mapping=jnp.asarray(layout.slot_mapping), page_table=jnp.asarray(layout.page_table))
     kv = allocate_kv_pool(cfg.num_layers, num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim, dtype)
-    hidden, _ = model(jnp.asarray(ids, jnp.int32), jnp.asarray(positions), kv, meta)
+    with context:
+        hidden, _ = model(jnp.asarray(ids, jnp.int32), jnp.asarray(positions), kv, meta)
     return np.asarray(model.compute_logits(hidden))
 
 

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from jaxpaged.config import QUANTIZATION_METHODS
+from jaxpaged.lora.config import LoRAConfig, add_lora_cli_args
 from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.constants import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES,  # noqa: F401
                                 SCHEDULING_POLICIES)
@@ -110,6 +111,9 @@ class EngineArgs:
             ``disable_by_batch_size``); None: off. Verification steps are finished
             synchronously, other steps keep async scheduling
             (``docs/speculative_decoding.md``).
+        enable_lora: serve LoRA adapters (``docs/lora.md``); max_loras: distinct adapters in
+            one step (vLLM's default 1); max_lora_rank: the largest rank accepted (16);
+            max_cpu_loras: adapters the host keeps loaded (None: max_loras).
     """
 
     model: str = DEFAULT_MODEL
@@ -148,6 +152,10 @@ class EngineArgs:
     convert: str = "auto"
     pooler_config: str | dict | None = None
     speculative_config: dict | str | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         def positive(name):
@@ -209,6 +217,7 @@ class EngineArgs:
             raise ValueError(f"EngineArgs.attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
         resolve_pooler(self.model, self.runner, self.convert, self.pooler_config)
+        LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)   # typed errors
 
     def _check_pipeline_parallel(self) -> None:
         """Refuse, by name, what pipeline parallelism does not support."""
@@ -218,6 +227,7 @@ class EngineArgs:
             ("speculative_config", self.speculative_config is not None),
             ("calculate_kv_scales", self.calculate_kv_scales),
             ("enable_expert_parallel", self.enable_expert_parallel),
+            ("enable_lora", self.enable_lora),
             ("data_parallel_size > 1", self.data_parallel_size > 1),
             ("num_processes > 1", self.num_processes > 1)) if on]
         if refused:
@@ -328,6 +338,7 @@ class EngineArgs:
                        help='speculative decoding as JSON, vLLM\'s fields, e.g. \'{"method": '
                             '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
                             "(turns async scheduling off)")
+        add_lora_cli_args(parser)
         return parser
 
     @classmethod

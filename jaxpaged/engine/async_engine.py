@@ -195,10 +195,12 @@ class AsyncEngine:
     # ---- requests (event-loop side) ---------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                          priority: int = 0, deadline: float | None = None) -> RequestStream:
+                          priority: int = 0, deadline: float | None = None,
+                          lora_request=None) -> RequestStream:
         """Queue a request and wait until the engine accepted it.
 
         Args:
+            lora_request: the LoRA adapter it runs with (None: the base model).
             deadline: ``time.monotonic()`` by which the request must have finished (None: no
                 limit); past it, waiting here or on the stream raises
                 :class:`RequestTimeoutError` (the caller aborts the request).
@@ -222,7 +224,8 @@ class AsyncEngine:
         self._streams[request_id] = stream
         accepted = self._loop.create_future()
         self._commands.put(AddRequest(request_id=request_id, prompt=prompt, params=params,
-                                      priority=priority, accepted=accepted))
+                                      priority=priority, lora_request=lora_request,
+                                      accepted=accepted))
         if self.error is not None:   # died after check_ready and after it drained the queue
             _settle(accepted, self._dead_error())
         try:
@@ -359,7 +362,8 @@ class AsyncEngine:
 
     def _handle_add(self, cmd: AddRequest) -> None:
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority)
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority,
+                                    cmd.lora_request)
             error = None
         except Exception as e:   # noqa: BLE001 - a refused request is that request's error
             error = e

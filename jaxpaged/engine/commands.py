@@ -23,6 +23,7 @@ class AddRequest:
     prompt: Prompt
     params: SamplingParams | None
     priority: int = 0
+    lora_request: Any = None
     accepted: Any = field(default=None, compare=False, repr=False)
 
     def for_followers(self) -> AddRequest:

@@ -76,12 +76,12 @@ class DataParallelEngine:
         self._pool = ThreadPoolExecutor(dp, thread_name_prefix="jaxpaged-dp")
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, lora_request=None) -> None:
         """Queue a request on the least busy replica; as :meth:`Engine.add_request`."""
         if request_id in self._replica_of:
             raise ValueError(f"request_id {request_id!r} is already in use")
         replica = min(self.replicas, key=Engine.get_num_unfinished_requests)
-        replica.add_request(request_id, prompt, params, priority)
+        replica.add_request(request_id, prompt, params, priority, lora_request)
         self._replica_of[request_id] = replica
 
     def abort_request(self, request_id: str | list[str]) -> None:

@@ -38,6 +38,8 @@ from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup
 from jaxpaged.engine.pooling import POOLING_SAMPLING, pooling_state
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.scheduler_output import SchedulerOutput
+from jaxpaged.lora.config import LoRAConfig
+from jaxpaged.lora.manager import LoRAManager
 from jaxpaged.metrics.recorder import StatsRecorder
 from jaxpaged.metrics.stats import EngineStats, StatLogger
 from jaxpaged.outputs import RequestOutput
@@ -156,13 +158,17 @@ class Engine:
         self.kv_bytes_per_page = worker.kv_bytes_per_page
         num_pages, page_size = worker.num_pages, worker.page_size
         self.kv_cache_manager = KVCacheManager(num_pages, page_size, args.enable_prefix_caching)
+        lora_config = LoRAConfig.from_engine_args(args)
+        #: Multi-LoRA state (``jaxpaged.lora.manager``); None without ``enable_lora``.
+        self.lora = lora_config and LoRAManager(lora_config, cfg)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             max_num_partial_prefills=args.max_num_partial_prefills,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             policy=args.scheduling_policy, sjf_aging_requests=args.sjf_aging_requests),
-            self.kv_cache_manager, self.output_processor, speculative_config)
+            self.kv_cache_manager, self.output_processor, speculative_config,
+            self.lora and self.lora.scheduling)
         self._stats = StatsRecorder()
         self.stat_loggers: list[StatLogger] = self._stats.loggers
         self._arrivals = 0
@@ -186,7 +192,7 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: Prompt,
                     params: SamplingParams | PoolingParams | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, lora_request=None) -> None:
         """Queue a request; it runs from the next :meth:`step`.
 
         Args:
@@ -198,11 +204,13 @@ class Engine:
                 engine (``EngineArgs.runner``), ``PoolingParams`` (default too): the request
                 then yields one ``PoolingRequestOutput`` (``jaxpaged.engine.pooling``).
             priority: lower runs first under ``--scheduling-policy priority``.
+            lora_request: a ``jaxpaged.lora.request.LoRARequest`` (None: the base model).
 
         Raises:
             ValueError: duplicate id, empty or untokenizable prompt, token ids outside the
                 vocabulary, a prompt longer than ``max_model_len``, or bad ``params`` fields
-                (an invalid structured-outputs schema, regex or grammar among them).
+                (an invalid structured-outputs schema, regex or grammar among them), an
+                adapter that does not load or LoRA not enabled (``jaxpaged.lora.manager``).
                 Nothing is queued then.
             TypeError: a prompt, id, params or priority of the wrong type.
         """
@@ -212,8 +220,10 @@ class Engine:
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self.output_processor.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        LoRAManager.check_request(self.lora, lora_request)
         req = self.input_processor.make_request(request_id, prompt, params, priority=priority,
                                                 arrival=self._arrivals, seed_rng=self._seed_rng)
+        req.lora_request = lora_request
         # (A grammar's next mask needs the previous token on the host: no running ahead.)
         req.needs_output_tokens = needs_adjustment(params) or bool(params.structured_outputs)
         if pooling is not None:     # prefilled only; its result waits for the host
@@ -249,6 +259,19 @@ class Engine:
             aborted = True
         if aborted:
             self.record_stats()
+
+    def add_lora(self, lora_request) -> bool:
+        """Load an adapter before its requests (vLLM's ``LLMEngine.add_lora``)."""
+        LoRAManager.check_request(self.lora, lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget adapter ``lora_int_id`` (False if not loaded or LoRA is off)."""
+        return self.lora is not None and self.lora.remove(lora_int_id, self.scheduler.running)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters loaded on the host."""
+        return set() if self.lora is None else self.lora.list()
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""

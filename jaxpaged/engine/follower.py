@@ -59,7 +59,8 @@ def run_follower(args: EngineArgs) -> int:
                     return 0
                 if isinstance(cmd, AddRequest):
                     try:
-                        engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority)
+                        engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority,
+                                           cmd.lora_request)
                     except Exception:   # noqa: BLE001 - process 0 answered the client already
                         pass
                 else:

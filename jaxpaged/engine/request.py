@@ -43,6 +43,8 @@ class Request:
         arrival: arrival order (ties in priority scheduling; the newest is preempted first).
         priority: lower runs first under ``--scheduling-policy priority``.
         cache_salt: extra key of this request's prefix-cache hashes.
+        lora_request: the LoRA adapter it runs with (None: the base model); its name and
+            id are an extra key of the prefix-cache hashes (vLLM keys the name).
         n_samples: first tokens to sample after the prompt (n before the fork, then 1).
         bad_words_ids: token sequences of ``params.bad_words``.
         all_token_ids: prompt + output ids.
@@ -75,6 +77,7 @@ class Request:
     index: int = 0
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: Any = None
     n_samples: int = 1
     bad_words_ids: list[list[int]] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -115,7 +118,9 @@ class Request:
     @property
     def extra_keys(self) -> tuple:
         """Extra keys mixed into this request's prefix-cache page hashes."""
-        return () if self.cache_salt is None else (self.cache_salt,)
+        keys = () if self.cache_salt is None else (self.cache_salt,)
+        return keys if self.lora_request is None else keys + (
+            ("lora", self.lora_request.lora_name, self.lora_request.lora_int_id),)
 
     @property
     def is_finished(self) -> bool:
@@ -129,6 +134,7 @@ class Request:
                        self.params, seed=self.seed + index, max_tokens=self.max_tokens,
                        arrival=self.arrival, group_id=self.group_id, index=index,
                        priority=self.priority, cache_salt=self.cache_salt,
+                       lora_request=self.lora_request,
                        bad_words_ids=self.bad_words_ids,
                        needs_output_tokens=self.needs_output_tokens,
                        structured_output_request=None if self.structured_output_request is None

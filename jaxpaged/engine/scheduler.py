@@ -31,6 +31,7 @@ from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup
 from jaxpaged.engine.queue_policy import QueuePolicy
 from jaxpaged.engine.request import Request, RequestStatus
 from jaxpaged.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxpaged.lora.scheduling import LoRAScheduling
 from jaxpaged.runner.output import ModelRunnerOutput
 from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.spec_decode.scheduling import SpecDecodeScheduling
@@ -70,6 +71,7 @@ class Scheduler:
             scheduler hands it every sampled token.
         speculative_config: speculative decoding (None: off); decoding sequences then get
             proposals to verify (``jaxpaged.spec_decode.scheduling``).
+        lora: multi-LoRA rules (None: off; ``jaxpaged.lora.scheduling``).
 
     Raises:
         ValueError: an unknown policy.
@@ -77,7 +79,8 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                  output_processor: OutputProcessor,
-                 speculative_config: SpeculativeConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None,
+                 lora: LoRAScheduling | None = None):
         self.policy = QueuePolicy(config.policy, config.max_model_len,
                                   config.sjf_aging_requests)
         self.config = config
@@ -90,6 +93,7 @@ class Scheduler:
         self.num_generation_tokens = 0
         self.spec = None if speculative_config is None else SpecDecodeScheduling(
             speculative_config, config.max_model_len)
+        self.lora = lora
 
     def _enqueue(self, req: Request) -> None:
         """Insert into the waiting queue in policy order (arrival order for fcfs, so a
@@ -125,8 +129,7 @@ class Scheduler:
     def _allocate(self, req: Request, num_new: int) -> bool:
         computed = req.num_computed_tokens
         return self.kv.allocate_slots(req.request_id, computed + num_new, req.all_token_ids,
-                                      computed, () if req.cache_salt is None
-                                      else (req.cache_salt,))
+                                      computed, req.extra_keys)
 
     def _scheduled(self, req: Request, num_new: int,
                    drafts: list[int] | None = None) -> ScheduledRequest:
@@ -204,8 +207,11 @@ class Scheduler:
             if s.samples:
                 req.num_output_placeholders += 1
                 forks = forks or s.num_samples > 1
+        if self.lora is None:
+            return SchedulerOutput(scheduled, preempted, admitted,
+                                   self.kv.take_pending_copies(), forks)
         return SchedulerOutput(scheduled, preempted, admitted, self.kv.take_pending_copies(),
-                               forks)
+                               forks, *self.lora.take_step())
 
     def _can_run_ahead(self, req: Request) -> bool:
         """Whether a sequence whose last sampled token(s) are not known yet can be scheduled
@@ -225,6 +231,7 @@ class Scheduler:
         # A parallel-sampling request not yet forked holds a seat for each sequence.
         seats = sum(r.n_samples for r in self.running)
         admitted = []
+        loras = None if self.lora is None else self.lora.adapter_ids(self.running)
         j = 0       # the first waiting request not skipped for its grammar
         while j < len(self.waiting) and budget > 0:
             req = self.waiting[j]
@@ -234,6 +241,9 @@ class Scheduler:
                 continue
             if seats + req.n_samples > self.config.max_num_seqs:
                 break
+            if loras is not None and not self.lora.admit(req, loras):
+                j += 1      # max_loras adapters run already: it waits, others go first
+                continue
             if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None \
                     and req.pooling is None:    # (a mean needs every token computed)
                 req.num_computed_tokens = self.kv.find_cached_prefix(

@@ -63,6 +63,9 @@ class SchedulerOutput:
             the step (copy-on-write of pages shared with another sequence).
         forks: a parallel-sampling prompt draws its ``n`` first tokens in this step (it is
             forked when they arrive, so the next step must wait for them).
+        lora_loads: ``(slot, adapter)`` weights the runner writes into the LoRA slots
+            before the step (``jaxpaged.lora.scheduling``).
+        lora_slots: ``lora_int_id -> slot`` of every adapter in a slot (empty: LoRA off).
     """
 
     scheduled: list[ScheduledRequest]
@@ -70,6 +73,8 @@ class SchedulerOutput:
     scheduled_new_reqs: list[Request] = field(default_factory=list)
     page_copies: list[tuple[int, int]] = field(default_factory=list)
     forks: bool = False
+    lora_loads: list = field(default_factory=list)
+    lora_slots: dict = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

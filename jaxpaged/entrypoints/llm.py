@@ -55,8 +55,8 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False
-             ) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             lora_request=None) -> list[RequestOutput]:
         """Generate replies to conversations, rendered with the tokenizer's chat template.
 
         Args:
@@ -67,6 +67,7 @@ class LLM:
             add_generation_prompt: end the prompt with the assistant turn's opening.
             continue_final_message: leave the last (assistant) message open to be continued
                 (exclusive with ``add_generation_prompt``).
+            lora_request: as for :meth:`generate`.
 
         Returns:
             One ``RequestOutput`` per conversation, in order.
@@ -85,11 +86,12 @@ class LLM:
             text = render_chat(tokenizer, conv, chat_template, add_generation_prompt,
                                continue_final_message)
             prompts.append({"prompt_token_ids": encode_chat(tokenizer, text)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """Run every prompt to completion.
 
         Args:
@@ -98,6 +100,9 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt (default
                 :meth:`get_default_sampling_params`).
             use_tqdm: show a progress bar.
+            lora_request: a ``jaxpaged.lora.request.LoRARequest`` for every prompt, or a
+                list of them (None entries: the base model), as vLLM's; needs
+                ``enable_lora=True``.
 
         Returns:
             The final ``RequestOutput`` of each prompt, in input order. The requests are
@@ -106,9 +111,9 @@ class LLM:
             final outputs are returned, so the engine builds no output while they run.
 
         Raises:
-            ValueError / TypeError: a bad prompt or params, or a params list of the wrong
-                length. Whatever is raised (an interrupt too), no request of this call is
-                left queued.
+            ValueError / TypeError: a bad prompt, params or adapter, or a params or
+                lora_request list of the wrong length. Whatever is raised (an interrupt
+                too), no request of this call is left queued.
             MultiHostError: (multi-host) the processes were given different prompts or params.
             JobStopped: (multi-host) a process of the job received SIGINT or SIGTERM; raised
                 on every process at the same step.
@@ -128,7 +133,8 @@ class LLM:
             check_same_everywhere("inputs", {"the prompt list": digest(prompts), **{
                 f"SamplingParams.{f.name}": digest([getattr(p, f.name) for p in params])
                 for f in dataclasses.fields(SamplingParams)}}, show_values=False)
-        return self._add_and_run(prompts, final_only(params), use_tqdm)
+        return self._add_and_run(prompts, final_only(params), use_tqdm,
+                                 per_prompt(lora_request, len(prompts), "lora_request"))
 
     def embed(self, prompts: Prompt | Sequence[Prompt],
               pooling_params: PoolingParams | None = None,
@@ -156,14 +162,16 @@ class LLM:
         return [EmbeddingRequestOutput.from_base(out)
                 for out in self._add_and_run(prompts, params, use_tqdm)]
 
-    def _add_and_run(self, prompts: list, params: list, use_tqdm: bool) -> list:
-        """Queue each prompt with its params and run them all to their final outputs."""
+    def _add_and_run(self, prompts: list, params: list, use_tqdm: bool,
+                     loras: list | None = None) -> list:
+        """Queue each prompt with its params (and adapter) and run them all to their final
+        outputs."""
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras or [None] * len(prompts)):
                 rid = str(self._counter)
                 self._counter += 1
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, lora_request=lora)
                 ids.append(rid)
             return self._run(ids, use_tqdm)
         except BaseException:
@@ -210,6 +218,19 @@ def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         raise TypeError(f"prompts must be a prompt or a list of prompts, "
                         f"got {type(prompts).__name__}")
     return list(prompts)
+
+
+def per_prompt(value, count: int, name: str) -> list:
+    """``value`` for each of ``count`` prompts: a list of them as given, else repeated.
+
+    Raises:
+        ValueError: a list of another length.
+    """
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"got {len(value)} {name} for {count} prompts")
+        return list(value)
+    return [value] * count
 
 
 def final_only(params: list[SamplingParams]) -> list[SamplingParams]:

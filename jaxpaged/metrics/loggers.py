@@ -114,6 +114,11 @@ class PrometheusStatLogger:
         self.spec_accepted_per_pos = make(Counter, "spec_decode_num_accepted_tokens_per_pos",
                                           "Speculative proposals accepted, by position.",
                                           extra=["position"])
+        self.lora_info = make(Gauge, "lora_requests_info",
+                              "Running and waiting LoRA adapters (value: the time of the "
+                              "report; only with --enable-lora).",
+                              extra=["max_lora", "running_lora_adapters",
+                                     "waiting_lora_adapters"])
         self._model = model_name
         for reason in FINISH_REASONS:   # present (at 0) from the start
             self.success.labels(model_name, reason)
@@ -146,6 +151,10 @@ class PrometheusStatLogger:
                                    ("inference", f.inference_time)):
                 if seconds is not None:
                     self.phase_times[phase].labels(m).observe(seconds)
+        if s.lora_info is not None:
+            max_lora, running, waiting = s.lora_info
+            self.lora_info.clear()      # one sample: the adapters now
+            self.lora_info.labels(m, str(max_lora), running, waiting).set_to_current_time()
         spec = it.spec_decoding
         if spec is not None:
             self.spec_drafts.labels(m).inc(spec.num_drafts)

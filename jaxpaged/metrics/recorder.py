@@ -71,6 +71,8 @@ class StatsRecorder:
             num_running_reqs=len({r.group_id for r in sched.running}),
             num_waiting_reqs=len({r.group_id for r in sched.waiting}),
             kv_cache_usage=1.0 - kv.num_free_pages / kv.num_usable_pages,
-            prefix_cache_queries=queries, prefix_cache_hits=hits, num_preemptions=preemptions)
+            prefix_cache_queries=queries, prefix_cache_hits=hits, num_preemptions=preemptions,
+            lora_info=None if sched.lora is None else sched.lora.requests_info(sched.running,
+                                                                               sched.waiting))
         for stat_logger in self.loggers:
             stat_logger.record(snapshot, iteration)

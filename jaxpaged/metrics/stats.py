@@ -24,6 +24,8 @@ class SchedulerStats:
         prefix_cache_queries, prefix_cache_hits: prompt tokens looked up / found in the prefix
             cache since the previous report.
         num_preemptions: sequences preempted since the previous report.
+        lora_info: with LoRA, ``(max_loras, running adapter names, waiting adapter names)``
+            (names comma-joined, sorted: vLLM's ``lora_requests_info`` labels); else None.
     """
 
     num_running_reqs: int
@@ -32,6 +34,7 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    lora_info: tuple[int, str, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from jaxpaged.distributed.multihost import to_host
 from jaxpaged.runner.kv_scales import KVScales, set_kv_scales
 from jaxpaged.engine.scheduler_output import SchedulerOutput
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, allocate_kv_pool
+from jaxpaged.lora.device import LoRASlotWriter, token_slots
 from jaxpaged.runner.buckets import (ShapeBuckets, bucket_sizes, padding_budget_tokens,
                                      pick_bucket)
 from jaxpaged.runner.compile_cache import jax_cache_dir, num_step_entries
@@ -91,13 +92,17 @@ class ModelRunner:
             parameters and the pool keep the shardings they arrived with.
         executable_dir: where compiled steps are kept whole across runs
             (``jaxpaged.runner.executable_store``; None: not kept).
+        lora: the writer of the model's LoRA slots (``jaxpaged.lora.device``; None: LoRA
+            off, and the step takes no slot index).
     """
 
     def __init__(self, model: nnx.Module, kv_caches: list[KVPages], backend: AttentionBackend,
                  *, page_size: int, limits: RunnerLimits,
                  eos_token_ids: frozenset[int] = frozenset(),
-                 replicated: jax.sharding.Sharding, executable_dir: str | None = None):
+                 replicated: jax.sharding.Sharding, executable_dir: str | None = None,
+                 lora: LoRASlotWriter | None = None):
         self._kv_caches = kv_caches
+        self._lora = lora
         self._store = ExecutableStore(executable_dir)
         self._backend = backend
         self._page_size = page_size
@@ -229,9 +234,11 @@ class ModelRunner:
         two steps run back to back without the host in between.
         """
         self.copy_pages(scheduler_output.page_copies)
+        for slot, adapter in scheduler_output.lora_loads:
+            self.write_lora_slot(slot, adapter)
         prepared = self._prepare(scheduler_output)
         out, pooled, accepted = self._launch(prepared.layout, prepared.inputs,
-                                             prepared.draft_ids)
+                                             prepared.draft_ids, scheduler_output)
         scheduled, starts = scheduler_output.scheduled, prepared.row_starts
         self._prev_rows = lambda: {s.request.request_id: starts[i]
                                    for i, s in enumerate(scheduled) if s.samples}
@@ -247,13 +254,16 @@ class ModelRunner:
                             adjust_capacity=self._limits.max_adjust_entries,
                             verify_block_q=self._verify_block_q)
 
-    def _launch(self, layout: BatchLayout, inputs: StepInputs, draft_ids=None) -> tuple:
+    def _launch(self, layout: BatchLayout, inputs: StepInputs, draft_ids=None,
+                scheduler_output: SchedulerOutput | None = None) -> tuple:
         """Dispatch the forward and the sampler over ``inputs`` (the pool updated in
-        place); returns (SamplerOutput with prompt logprobs, pooled rows, the verifier's
-        accepted [B] bool or None), all device arrays possibly not ready yet."""
+        place; with LoRA, each token's adapter slot from ``scheduler_output``); returns
+        (SamplerOutput with prompt logprobs, pooled rows, the verifier's accepted [B] bool
+        or None), all device arrays possibly not ready yet."""
         forward, sampler = self._executables_for(layout, inputs)
         logits, prompt, pooled, self._kv_caches = forward(
-            self._state, self._kv_caches, forward_inputs(inputs), self._prev_tokens)
+            self._state, self._kv_caches, self._forward_inputs(inputs, scheduler_output),
+            self._prev_tokens)
         accepted = None
         if layout.verify_block_q:
             out, accepted = sampler(logits, sample_inputs(inputs), draft_ids)
@@ -261,12 +271,34 @@ class ModelRunner:
             out, self._prev_tokens = sampler(logits, sample_inputs(inputs), self._prev_tokens)
         return dataclasses.replace(out, prompt_logprobs=prompt), pooled, accepted
 
+    def _forward_inputs(self, inputs: StepInputs,
+                        scheduler_output: SchedulerOutput | None = None) -> dict:
+        """The forward program's inputs; with LoRA, each token's adapter slot too (zeros
+        for a dummy step)."""
+        fwd = forward_inputs(inputs)
+        if self._lora is not None:
+            num_padded = inputs.input_ids.shape[0]
+            fwd["lora_slots"] = (np.zeros(num_padded, np.int32) if scheduler_output is None
+                                 else token_slots(scheduler_output.scheduled,
+                                                  scheduler_output.lora_slots, num_padded))
+        return fwd
+
+    def write_lora_slot(self, slot: int, adapter) -> None:
+        """Write ``adapter`` (a ``jaxpaged.lora.peft.LoRAAdapter``; None: zeros) into LoRA
+        slot ``slot`` of every target, in place, with the one precompiled write program."""
+        lora = self._lora
+        new = lora.host_weights(self._state, adapter)
+        arrays = lora.arrays(self._state)
+        write = self._compiled(("lora_write",), lora.program(self._state), arrays,
+                               np.int32(slot), new)
+        lora.set_arrays(self._state, write(arrays, np.int32(slot), new))
+
     def _executables_for(self, layout: BatchLayout, inputs: StepInputs) -> tuple:
         """The compiled forward and sample programs for ``inputs``' shapes (compiled now,
         or loaded from the executable store, if new)."""
         forward = self._compiled(
             ("forward", *_shape_key(layout)), self._programs.forward, self._state,
-            self._kv_caches, forward_inputs(inputs), self._prev_tokens)
+            self._kv_caches, self._forward_inputs(inputs), self._prev_tokens)
         return forward, self._sampler_for(forward.out_info[0], inputs,
                                           verify=bool(layout.verify_block_q))
 
@@ -402,6 +434,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         cache_dir = jax_cache_dir()
         stored = num_step_entries(cache_dir)
+        if self._lora is not None:
+            self.write_lora_slot(0, None)    # compiles the slot writer (slot 0 stays zeros)
         for shape in tqdm(self.step_shapes(), desc="Compiling model steps", unit="shape",
                           disable=None if progress is None else not progress, leave=False):
             if should_stop():

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpaged.layers.attention.base import KVPages
+from jaxpaged.layers.lora import lora_token_slots
 from jaxpaged.runner.input_batch import StepInputs
 from jaxpaged.runner.pooling import pool_rows
 from jaxpaged.sampling.sampler import SamplerOutput, sample, token_logprobs, when
@@ -130,8 +131,9 @@ def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
         index = inputs["prev_token_index"]
         input_ids = jnp.where(index >= 0, prev_tokens[index], input_ids)
         model = nnx.merge(graphdef, state)
-        hidden, kv_caches = model(input_ids, inputs["positions"], kv_caches,
-                                  inputs["attn_metadata"])
+        with lora_token_slots(inputs.get("lora_slots")):   # [T] int32 with --enable-lora
+            hidden, kv_caches = model(input_ids, inputs["positions"], kv_caches,
+                                      inputs["attn_metadata"])
         return *forward_outputs(model, hidden, inputs), kv_caches
 
     # Closures of this runner, not the module-level functions themselves: JAX's in-process

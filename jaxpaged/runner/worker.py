@@ -30,6 +30,8 @@ from jaxpaged.runner.kv_sizing import check_pool_fits, num_kv_pages
 from jaxpaged.layers.attention import (allocate_kv_pool, get_attention_backend,
                                        kv_bytes_per_page, resolve_kv_cache_dtype)
 from jaxpaged.layers.attention.tensor_parallel import TensorParallelAttention
+from jaxpaged.lora.config import LoRAConfig
+from jaxpaged.lora.device import LoRASlotWriter, add_lora_slots
 from jaxpaged.models.mixtral import use_expert_parallelism
 from jaxpaged.models.loader import load_model
 from jaxpaged.runner.compile_cache import configure_compilation_cache, resolve_cache_dir
@@ -124,6 +126,9 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
                        load_format=args.load_format, seed=args.seed, tp=pipeline or tp)
     if tp.expert_parallel:
         use_expert_parallelism(model, tp.mesh)
+    lora_config = LoRAConfig.from_engine_args(args)
+    lora = None if lora_config is None else LoRASlotWriter(
+        add_lora_slots(model, cfg, lora_config, tp, dtype), tp)
     pages_per_seq = -(-max_model_len // page_size)
 
     def pool(num_pages, pool_dtype=kv_cache_dtype):
@@ -141,7 +146,7 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
     runner = runner_cls(
         model, pool(2, dtype if args.calculate_kv_scales else kv_cache_dtype), backend,
         page_size=page_size, replicated=tp.replicated,
-        executable_dir=cache_dir and os.path.join(cache_dir, "steps"),
+        executable_dir=cache_dir and os.path.join(cache_dir, "steps"), lora=lora,
         limits=RunnerLimits(max_num_tokens=args.max_num_batched_tokens,
                             max_num_seqs=args.max_num_seqs, max_pages_per_seq=pages_per_seq,
                             vocab_size=cfg.vocab_size,
