@@ -34,7 +34,8 @@ from jaxpaged.server.app import build_app
 from jaxpaged.server.multi_model import load_models_config, make_multi_server
 from jaxpaged.server.reasoning import REASONING_PARSERS
 from jaxpaged.server.serving import ServerConfig
-from jaxpaged.server.serving_models import RUNTIME_LORA_ENV, LoRAModulePath
+from jaxpaged.server.serving_models import (RUNTIME_LORA_ENV, LoRAModulePath,
+                                            check_lora_modules)
 from jaxpaged.server.tool_parsers import TOOL_PARSERS
 from jaxpaged.tokenizer import load_tokenizer
 
@@ -153,8 +154,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     Raises:
         FileNotFoundError: ``--chat-template`` names a missing ``.jinja`` file.
         ValueError: an invalid template, empty or repeated served model names, an empty
-            ``--api-key`` / ``$JAXPAGED_API_KEY``, or ``--enable-auto-tool-choice`` without
-            ``--tool-call-parser``.
+            ``--api-key`` / ``$JAXPAGED_API_KEY``, ``--enable-auto-tool-choice`` without
+            ``--tool-call-parser``, or ``--lora-modules`` entries that repeat a name, take
+            the base model's or do not load (``check_lora_modules``).
     """
     names = args.served_model_name or [
         "stories260K" if args.model == DEFAULT_MODEL else
@@ -184,6 +186,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     if args.lora_modules and not getattr(args, "enable_lora", False):
         raise ValueError("--lora-modules needs --enable-lora")
+    check_lora_modules(args.lora_modules or [], names, args.model, args.max_lora_rank)
     runtime_lora = args.allow_runtime_lora_updating or os.environ.get(
         RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
     if args.disable_log_requests:

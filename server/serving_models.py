@@ -67,14 +67,40 @@ class LoRAModulePath:
         return cls(name, path)
 
 
+def check_lora_modules(modules: list[LoRAModulePath], served: list[str], model: str,
+                       max_lora_rank: int) -> None:
+    """Check ``--lora-modules`` at start-up, as vLLM loads them before it serves: each name
+    once and none of the base model's ``served`` names, and every adapter's files readable
+    and fitting ``model``'s checkpoint and ``max_lora_rank``.
+
+    Raises:
+        ValueError: a repeated name, a name of the base model, or an adapter that does not
+            load (``jaxpaged.lora.peft.load_adapter``'s errors, whose messages name it).
+    """
+    from jaxpaged.config import ModelConfig
+
+    names = [m.name for m in modules]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"--lora-modules: the name {name!r} is given {names.count(name)} "
+                             "times")
+        if name in served:
+            raise ValueError(f"--lora-modules: {name!r} is the base model's served name; "
+                             "give the adapter another name")
+    config = ModelConfig.from_pretrained(model) if modules else None
+    for i, m in enumerate(modules, 1):
+        load_adapter(LoRARequest(m.name, i, m.path), config, max_lora_rank)
+
+
 class ServingModels:
     """Base model names and registered adapters of one server.
 
     Args:
         served: the base model's names (``--served-model-name``).
         engine: the ``AsyncEngine`` (its model config and LoRA limits check adapters).
-        lora_modules: adapters served from the start (``--lora-modules``; checked by the
-            engine at their first request).
+        lora_modules: adapters served from the start (``--lora-modules``; checked at
+            start-up by :func:`check_lora_modules`, loaded by the engine at their first
+            request).
     """
 
     def __init__(self, served: list[str], engine=None,

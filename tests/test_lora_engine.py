@@ -7,9 +7,11 @@ import os
 import shutil
 
 import jax
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client import generate_latest
+from safetensors.numpy import load_file, save_file
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import ModelConfig
@@ -121,6 +123,21 @@ def test_typed_refusals(tmp_path):
         (bad / "adapter_config.json").write_text(json.dumps({**config, field: value}))
         with pytest.raises(error, match=match):
             load_adapter(LoRARequest("bad", 1, str(bad)), stories, 16)
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": float("nan")}))
+    with pytest.raises(LoRAAdapterError, match="lora_alpha must be finite"):
+        load_adapter(LoRARequest("bad", 1, str(bad)), stories, 16)
+    # Tensors of a module target_modules leaves out: refused (peft would not apply them).
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["q_proj"]}))
+    with pytest.raises(LoRAAdapterError, match="which target_modules .'q_proj'. does not list"):
+        load_adapter(LoRARequest("bad", 1, str(bad)), stories, 16)
+    # One NaN in a lora_B would spread to every row of the batch (0 * NaN): refused.
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    key = next(k for k in sorted(tensors) if "lora_B" in k)
+    tensors[key][0, 0] = np.nan
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(LoRAAdapterError, match="non-finite"):
+        load_adapter(LoRARequest("bad", 1, str(bad)), stories, 16)
     mixtral = ModelConfig.from_pretrained(os.path.join(FIXTURES, "mixtral_moe"))
     (bad / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["w1"]}))
     with pytest.raises(UnsupportedLoRATargetError, match="'w1'.*experts"):

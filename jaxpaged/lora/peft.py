@@ -23,7 +23,8 @@ from safetensors import SafetensorError, safe_open
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.lora.request import LoRARequest
-from jaxpaged.lora.targets import PARENT, check_target, target_shapes
+from jaxpaged.lora.targets import (PARENT, UnsupportedLoRATargetError, check_target,
+                                   target_shapes)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -67,14 +68,25 @@ def _field(config: dict, name: str, kind, where: str):
     return value
 
 
+def _check_target(name: str, model: ModelConfig, where: str) -> None:
+    """:func:`~jaxpaged.lora.targets.check_target`, its error naming the adapter."""
+    try:
+        check_target(name, model)
+    except UnsupportedLoRATargetError as e:
+        raise UnsupportedLoRATargetError(f"{where}: {e}") from None
+
+
 def _check_config(config: dict, where: str, model: ModelConfig, max_rank: int) -> tuple:
-    """(r, scaling) of a checked ``adapter_config.json``."""
+    """(r, scaling, the targets ``target_modules`` lists or None for a pattern) of a checked
+    ``adapter_config.json``."""
     if config.get("peft_type", "LORA") != "LORA":
         raise LoRAAdapterError(f"{where}: peft_type {config['peft_type']!r} is not LORA")
     r = _field(config, "r", int, where)
     alpha = _field(config, "lora_alpha", (int, float), where)
     if r < 1:
         raise LoRAAdapterError(f"{where}: r must be >= 1, got {r}")
+    if not math.isfinite(alpha):
+        raise LoRAAdapterError(f"{where}: lora_alpha must be finite, got {alpha!r}")
     if r > max_rank:
         raise LoRAAdapterError(f"{where}: LoRA rank r={r} is greater than max_lora_rank="
                                f"{max_rank}")
@@ -88,11 +100,13 @@ def _check_config(config: dict, where: str, model: ModelConfig, max_rank: int) -
     targets = config.get("target_modules")
     if isinstance(targets, list):
         for t in targets:
-            check_target(t.rsplit(".", 1)[-1], model)
-    elif targets is not None and not isinstance(targets, str):
-        raise LoRAAdapterError(f"{where}: target_modules must be a list or a string")
+            _check_target(t.rsplit(".", 1)[-1], model, where)
+    elif not isinstance(targets, str):     # (a regex, or "all-linear": peft saves what matched)
+        raise LoRAAdapterError(f"{where}: {CONFIG_FILE} field target_modules must be a list "
+                               f"or a string, got {targets!r}")
     use_rslora = bool(config.get("use_rslora", False))
-    return r, alpha / (math.sqrt(r) if use_rslora else r)
+    listed = {t.rsplit(".", 1)[-1] for t in targets} if isinstance(targets, list) else None
+    return r, alpha / (math.sqrt(r) if use_rslora else r), listed
 
 
 def load_adapter(request: LoRARequest, model: ModelConfig, max_rank: int) -> LoRAAdapter:
@@ -100,8 +114,10 @@ def load_adapter(request: LoRARequest, model: ModelConfig, max_rank: int) -> LoR
 
     Raises:
         LoRAAdapterNotFoundError: no ``adapter_config.json`` at the path.
-        LoRAAdapterError: unreadable files, bad fields, ``r > max_rank``, a tensor
-            of a layer the model lacks, or a shape that does not match the target's.
+        LoRAAdapterError: unreadable files, bad fields (a non-finite ``lora_alpha``
+            among them), ``r > max_rank``, a tensor of a layer the model lacks or of a
+            module a ``target_modules`` list leaves out, non-finite weights, or a shape
+            that does not match the target's.
         UnsupportedLoRATargetError: a target this engine does not adapt on this model.
     """
     where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"
@@ -115,7 +131,7 @@ def load_adapter(request: LoRARequest, model: ModelConfig, max_rank: int) -> LoR
         raise LoRAAdapterError(f"{where}: cannot read {CONFIG_FILE}: {e}") from None
     if not isinstance(config, dict):
         raise LoRAAdapterError(f"{where}: {CONFIG_FILE} is not a JSON object")
-    r, scaling = _check_config(config, where, model, max_rank)
+    r, scaling, listed = _check_config(config, where, model, max_rank)
     shapes = target_shapes(model)
     halves: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     try:
@@ -126,7 +142,10 @@ def load_adapter(request: LoRARequest, model: ModelConfig, max_rank: int) -> LoR
                     raise LoRAAdapterError(f"{where}: tensor {key!r} is not a LoRA A/B weight "
                                            "of a decoder layer")
                 layer, parent, target, half = int(m[1]), m[2], m[3], m[4]
-                check_target(target, model)
+                _check_target(target, model, where)
+                if listed is not None and target not in listed:
+                    raise LoRAAdapterError(f"{where}: tensor {key!r} adapts {target}, which "
+                                           f"target_modules {sorted(listed)} does not list")
                 if parent != PARENT[target] or layer >= model.num_layers:
                     raise LoRAAdapterError(f"{where}: tensor {key!r} names a module the model "
                                            "does not have")
@@ -141,6 +160,9 @@ def load_adapter(request: LoRARequest, model: ModelConfig, max_rank: int) -> LoR
         if a is None or b is None:
             raise LoRAAdapterError(f"{where}: {name} has lora_{'A' if a is None else 'B'} "
                                    "missing")
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
+            raise LoRAAdapterError(f"{where}: {name} has non-finite (NaN or infinite) "
+                                   "lora_A / lora_B values")
         if a.shape != (r, d_in) or b.shape != (d_out, r):
             raise LoRAAdapterError(f"{where}: {name} lora_A {a.shape} / lora_B {b.shape} do "
                                    f"not fit r={r} and the model's [{d_out}, {d_in}] weight")

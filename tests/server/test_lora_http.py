@@ -118,3 +118,21 @@ def test_lora_modules_forms(text, want):
     assert LoRAModulePath.parse(text) == want
     with pytest.raises(ValueError, match="name=path"):
         LoRAModulePath.parse("no-equals-sign")
+
+
+def test_lora_modules_are_checked_at_start_up(tmp_path):
+    """vLLM loads --lora-modules before serving: a repeated name, the base model's name or
+    an adapter that does not load stops the server from starting."""
+    from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+    from jaxpaged.server.serving_models import check_lora_modules
+
+    good = LoRAModulePath("a", A)
+    check_lora_modules([good], ["stories260K"], DEFAULT_MODEL, 16)
+    with pytest.raises(ValueError, match="'a' is given 2 times"):
+        check_lora_modules([good, LoRAModulePath("a", A)], ["stories260K"], DEFAULT_MODEL, 16)
+    with pytest.raises(ValueError, match="'stories260K' is the base model's served name"):
+        check_lora_modules([LoRAModulePath("stories260K", A)], ["stories260K"], DEFAULT_MODEL, 16)
+    with pytest.raises(ValueError, match="greater than max_lora_rank=4"):
+        check_lora_modules([good], ["stories260K"], DEFAULT_MODEL, 4)
+    with pytest.raises(ValueError, match="No adapter found"):
+        check_lora_modules([LoRAModulePath("m", str(tmp_path))], ["stories260K"], DEFAULT_MODEL, 16)
