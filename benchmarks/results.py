@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import importlib.util
 import json
 import os
@@ -52,9 +54,21 @@ def write_outputs(result: dict, output_json: str | None) -> None:
     print(json.dumps(result, separators=(",", ":")))
 
 
+def _usd(text: str) -> float:
+    """A ``--cost-per-hour`` value: a positive finite number (argparse reports the error
+    before the benchmark runs)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (np.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of USD, got {text!r}")
+    return value
+
+
 def add_cost_arg(parser) -> None:
     """``--cost-per-hour USD``: the machine's price, for :func:`add_cost`."""
-    parser.add_argument("--cost-per-hour", type=float, default=None, metavar="USD",
+    parser.add_argument("--cost-per-hour", type=_usd, default=None, metavar="USD",
                         help="the machine's price in USD per hour: report the cost per "
                              "million output and total tokens")
 

@@ -25,7 +25,7 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.benchmarks.datasets import SampleRequest, add_dataset_args, requests_from_args
 from jaxpaged.benchmarks.results import add_cost, add_cost_arg, add_spec_decode, write_outputs
 from jaxpaged.engine.arg_utils import EngineArgs
-from jaxpaged.runner.compile_cache import num_step_entries, resolve_cache_dir
+from jaxpaged.runner.compile_cache import resolve_cache_dir
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -99,16 +99,16 @@ def measure(llm: LLM, requests: list[SampleRequest], warmup: bool = True,
 def start_engine(engine_args: EngineArgs) -> tuple[LLM, dict]:
     """``LLM(**engine_args)`` and its start-up figures: ``startup_time`` (seconds until it
     returned), ``num_step_shapes`` (compiled step programs it holds then: forward shapes and
-    sampler row buckets, ``jaxpaged.runner.step_programs``), ``num_compiled`` (those
-    compiled afresh: new entries in the compile cache, or every shape with the cache off)
+    sampler row buckets, ``jaxpaged.runner.step_programs``), ``num_compiled`` (those XLA
+    compiled afresh, every shape with the cache off: ``ModelRunner.num_fresh_compilations``)
     and ``num_loaded_from_cache`` (the rest), ``compile_cache_dir`` (None: off)."""
     cache_dir = resolve_cache_dir(engine_args.compilation_cache_dir)
-    stored = num_step_entries(cache_dir)
     t0 = time.perf_counter()
     llm = LLM(**vars(engine_args))
     startup = time.perf_counter() - t0
     shapes = llm.engine.stats().num_compilations
-    compiled = num_step_entries(cache_dir) - stored if cache_dir else shapes
+    compiled = sum(e.runner.num_fresh_compilations
+                   for e in getattr(llm.engine, "replicas", [llm.engine]))
     return llm, {"startup_time": startup, "num_step_shapes": shapes, "num_compiled": compiled,
                  "num_loaded_from_cache": shapes - compiled, "compile_cache_dir": cache_dir}
 

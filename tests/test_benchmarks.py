@@ -122,6 +122,11 @@ def test_cost_per_hour_must_be_positive(value, capsys):
     result = {}
     add_cost(result, None, 1.0, 1, 1)     # no price: no cost fields
     assert result == {}
+    # ... and the flag refuses it while parsing, before any benchmark runs.
+    from jaxpaged.cli import build_parser
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "latency", "--cost-per-hour", value])
+    assert "must be a positive number of USD" in capsys.readouterr().err
 
 
 def test_w1_recipe():

@@ -40,6 +40,12 @@ def test_choice_weighs_step_time_against_internal_waste(max_model_len, expected)
     assert f"(1 + {expected}/{max_model_len})" in choice.reason
 
 
+def test_reason_says_when_the_entry_is_for_another_head_dim():
+    assert "nearest" not in choose(1024, [entry()]).reason
+    reason = choose(1024, [entry()], head_dim=8).reason
+    assert "head_dim 64, the nearest measured to this model's head_dim 8" in reason
+
+
 def test_pages_longer_than_max_model_len_are_not_considered():
     choice = choose(40, [entry(ms={"16": 1.0, "32": 0.9, "64": 0.1, "128": 0.1})])
     assert set(choice.scores) == {16, 32} and choice.page_size == 16
@@ -98,7 +104,8 @@ def test_cli_takes_auto_for_generate_and_serve():
     assert build_parser().parse_args(["serve", "--block-size", "32"]).block_size == 32
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--block-size", "big"])
-    with pytest.raises(ValueError, match="EngineArgs.block_size must be a positive integer"):
+    with pytest.raises(ValueError, match="block_size must be a positive integer or 'auto', "
+                                         "got 'big'"):
         EngineArgs(block_size="big")
 
 

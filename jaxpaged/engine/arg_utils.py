@@ -164,8 +164,11 @@ class EngineArgs:
                                       or value < 1):
                 raise ValueError(f"EngineArgs.{name} must be a positive integer, got {value!r}")
 
-        if self.block_size != "auto":
-            positive("block_size")
+        if self.block_size != "auto" and (not isinstance(self.block_size, int)
+                                          or isinstance(self.block_size, bool)
+                                          or self.block_size < 1):
+            raise ValueError("EngineArgs.block_size must be a positive integer or 'auto', got "
+                             f"{self.block_size!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
                      "num_gpu_blocks_override", "kv_cache_memory_bytes",
                      "max_num_partial_prefills", "tensor_parallel_size", "data_parallel_size",

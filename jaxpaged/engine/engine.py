@@ -182,6 +182,9 @@ class Engine:
         # come from the previous step's tokens; ``step``).
         self._async_scheduling = (args.async_scheduling and args.num_processes == 1
                                   and args.pipeline_parallel_size == 1)
+        if args.async_scheduling and args.pipeline_parallel_size > 1:
+            logger.info("async scheduling is off with pipeline parallelism: a step's "
+                        "micro-batches need the previous step's tokens (docs/distributed.md)")
         self._early_outputs: list[RequestOutput] = []
         self.fault_injector: Callable[[int, list[str]], None] | None = None
         self._seed_rng = seed_rng or np.random.default_rng(args.seed)

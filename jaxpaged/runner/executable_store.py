@@ -102,6 +102,8 @@ class ExecutableStore:
 
     def __init__(self, directory: str | None):
         self.directory = directory if jax.process_count() == 1 else None
+        #: Executables this store compiled afresh (neither loaded nor served by JAX's cache).
+        self.num_fresh = 0
 
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, f"{name}.pkl")
@@ -135,6 +137,7 @@ class ExecutableStore:
         hits = persistent_cache_hits()
         compiled = lower().compile()
         if persistent_cache_hits() == hits:
+            self.num_fresh += 1
             self.store(name, compiled)
         else:
             logger.debug("step %s came from JAX's compilation cache: not stored", name)

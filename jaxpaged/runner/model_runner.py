@@ -40,7 +40,7 @@ from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, al
 from jaxpaged.lora.device import LoRASlotWriter, token_slots
 from jaxpaged.runner.buckets import (ShapeBuckets, bucket_sizes, padding_budget_tokens,
                                      pick_bucket)
-from jaxpaged.runner.compile_cache import jax_cache_dir, num_step_entries
+from jaxpaged.runner.compile_cache import jax_cache_dir
 from jaxpaged.runner.executable_store import ExecutableStore, fingerprint
 from jaxpaged.runner.input_batch import PreparedStep, StepInputs, attention_metadata, prepare_step
 from jaxpaged.runner.output import ModelRunnerOutput
@@ -187,6 +187,12 @@ class ModelRunner:
         """Executables compiled (or loaded) so far, forward shapes and sampler row buckets
         together (a rise while serving means a recompilation)."""
         return len(self._executables)
+
+    @property
+    def num_fresh_compilations(self) -> int:
+        """Of :attr:`num_compilations`, those XLA compiled afresh (the rest were loaded from
+        the compile cache or the executable store)."""
+        return self._store.num_fresh
 
     @property
     def kv_pool_lost(self) -> bool:
@@ -432,8 +438,7 @@ class ModelRunner:
         earlier run is loaded instead.
         """
         t0 = time.perf_counter()
-        cache_dir = jax_cache_dir()
-        stored = num_step_entries(cache_dir)
+        cache_dir, before = jax_cache_dir(), self.num_fresh_compilations
         if self._lora is not None:
             self.write_lora_slot(0, None)    # compiles the slot writer (slot 0 stays zeros)
         for shape in tqdm(self.step_shapes(), desc="Compiling model steps", unit="shape",
@@ -443,7 +448,7 @@ class ModelRunner:
             layout = self._dummy_layout(*shape)
             self._executables_for(layout, self._dummy_inputs(layout))
         seconds = time.perf_counter() - t0
-        fresh = num_step_entries(cache_dir) - stored if cache_dir else self.num_compilations
+        fresh = self.num_fresh_compilations - before
         logger.info("precompiled %d executables in %.1f s (%d compiled, %d loaded from the "
                     "compile cache %s)", self.num_compilations, seconds, fresh,
                     self.num_compilations - fresh, cache_dir or "(off)")

@@ -98,6 +98,8 @@ def choose_page_size(*, platform: str, device_kind: str, backend: str, head_dim:
     page = min(scores, key=lambda p: (round(scores[p], 6), p))
     detail = ", ".join(f"{p}: {times[p] / best:.3f} x (1 + {p}/{max_model_len}) = {s:.3f}"
                        for p, s in scores.items())
+    nearest = ("" if entry["head_dim"] == head_dim else
+               f", the nearest measured to this model's head_dim {head_dim}")
     return PageSizeChoice(page, f"{backend} attention on {entry['device_kind']} ({dtype}, "
-                          f"head_dim {entry['head_dim']}) relative step time x internal waste: "
-                          f"{detail}", scores)
+                          f"head_dim {entry['head_dim']}{nearest}) relative step time x "
+                          f"internal waste: {detail}", scores)
