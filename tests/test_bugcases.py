@@ -101,7 +101,7 @@ def test_b05_min_tokens_delays_every_stop(llm, monkeypatch):
     first = ref(llm, "Once upon a time", 1).token_ids[0]
     processor = llm.engine.output_processor
     monkeypatch.setattr(processor, "eos_token_ids", frozenset({first}))
-    monkeypatch.setattr(llm.engine.runner, "_eos_token_ids", frozenset({first}))
+    monkeypatch.setattr(llm.engine.runner, "eos_token_ids", frozenset({first}))
     c = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=12,
                                                           min_tokens=5), use_tqdm=False)[0].outputs[0]
     assert len(c.token_ids) >= 5 and first not in c.token_ids[:5]
