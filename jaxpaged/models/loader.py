@@ -181,8 +181,11 @@ def _dummy_state(cls, config, backend, dtype, seed, tp, abstract_state):
         groups.setdefault(frozenset(sharding.device_set), []).append(i)
     leaves = [None] * len(shardings)
     for idx in groups.values():
-        part = jax.jit(lambda idx=idx: [jax.tree.leaves(init())[i] for i in idx],
-                       out_shardings=[shardings[i] for i in idx])()
+        def draw(idx=idx):       # the model is built once per trace, not once per leaf
+            state = jax.tree.leaves(init())
+            return [state[i] for i in idx]
+
+        part = jax.jit(draw, out_shardings=[shardings[i] for i in idx])()
         for i, x in zip(idx, part):
             leaves[i] = x
     return jax.tree.unflatten(treedef, leaves)
