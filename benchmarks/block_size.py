@@ -3,13 +3,14 @@
 Every size (default ``16,32,64,auto``) runs W1 (``configs/workloads/w1.json``: 64 prompts of
 32-256 random ids, 128 greedy output tokens each, on the stories110M-shaped random
 checkpoint) through its own engine with the same KV budget, one after the other, for
-``--rounds`` rounds (the sizes in the same order each round; each size's best round counts,
-so a burst of load on a shared machine hurts one round, not one size). Each measurement is
+``--rounds`` rounds (each round starts one size later than the one before, so no size is
+always first or last after the others; each size's best round counts, so a burst of load
+on a shared machine hurts one round, not one size). Each measurement is
 :func:`jaxpaged.benchmarks.throughput.measure` (a warm-up pass of the same shapes first).
 Prints a table of output tokens/s and each size's ratio to the best fixed size, the page
 size ``auto`` chose, and ``auto_over_best_fixed`` (the acceptance: at least 0.95).
 
-Usage: ``jaxpaged bench block-size [--sizes 16,32,64,auto] [--rounds 2] [--num-requests 64]
+Usage: ``jaxpaged bench block-size [--sizes 16,32,64,auto] [--rounds 3] [--num-requests 64]
 [--output-json FILE] [--cost-per-hour USD]`` (each row's cost per million tokens); ``--small`` runs the bundled model on 8 short requests (CI).
 """
 
@@ -30,7 +31,7 @@ from jaxpaged.benchmarks.throughput import measure
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="16,32,64,auto",
                         help="comma-separated --block-size values (integers and auto)")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-requests", type=int, default=None,
                         help="the first N requests of W1 (default: all 64)")
     parser.add_argument("--max-model-len", type=int, default=1024)
@@ -60,8 +61,8 @@ def run(args: argparse.Namespace) -> dict:
         max_len, requests = args.max_model_len, w1_requests()[:args.num_requests]
     best: dict = {}
     chosen = None
-    for _ in range(args.rounds):
-        for size in sizes:
+    for r in range(args.rounds):
+        for size in sizes[r % len(sizes):] + sizes[:r % len(sizes)]:
             llm = LLM(model=model, block_size=size, max_model_len=max_len, enforce_eager=True,
                       max_num_seqs=64, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                       attention_backend=args.attention_backend)

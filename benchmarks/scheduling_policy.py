@@ -2,8 +2,8 @@
 
 A mixed workload (``--num-short`` requests of ``--short-input-len`` + ``--short-output-len``
 tokens and ``--num-long`` of ``--long-input-len`` + ``--long-output-len``, shuffled by
-``--workload-seed``) arrives at once at an engine of ``--max-num-seqs`` seats, so a queue
-forms; each policy runs it on its own engine (the same flags but ``--scheduling-policy``), after an
+``--workload-seed``) arrives at once at an engine of ``--max-num-seqs`` seats (default 8, with
+``--max-num-batched-tokens`` 1024), so a queue forms; each policy runs it on its own engine (the same flags but ``--scheduling-policy``), after an
 untimed warm-up of the same shapes. Per policy and class (short, long): median and p90
 end-to-end latency in seconds and in engine steps (every request arrives at step 0, so a
 request's steps are the step that returned its last token: a figure the machine's speed does
@@ -27,6 +27,9 @@ from jaxpaged.engine.arg_utils import EngineArgs
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
+    # Few seats, so that the 64 requests queue and the policy decides who goes first (at
+    # the engine's 256 seats every request would be admitted at once under any policy).
+    parser.set_defaults(max_num_seqs=8, max_num_batched_tokens=1024)
     for name, default in (("num-short", 48), ("short-input-len", 16), ("short-output-len", 8),
                           ("num-long", 16), ("long-input-len", 128), ("long-output-len", 96)):
         parser.add_argument(f"--{name}", type=int, default=default)
