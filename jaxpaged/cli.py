@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-v", "--verbose", action="store_true", help="log engine start-up details")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
 
-    from jaxpaged.server.launcher import add_server_args
+    from jaxpaged.server.server_args import add_server_args
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="model directory (same as --model)")

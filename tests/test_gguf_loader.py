@@ -226,7 +226,7 @@ def test_served_model_name_of_a_gguf_is_its_file_name():
     import argparse
 
     from jaxpaged.engine.arg_utils import EngineArgs
-    from jaxpaged.server.launcher import add_server_args, server_config
+    from jaxpaged.server.server_args import add_server_args, server_config
 
     parser = add_server_args(EngineArgs.add_cli_args(argparse.ArgumentParser()))
     names = lambda *flags: server_config(parser.parse_args(list(flags))).served_model_names

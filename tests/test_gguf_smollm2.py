@@ -18,7 +18,8 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.engine.arg_utils import EngineArgs
-from jaxpaged.server.launcher import ServerThread, add_server_args, server_config
+from jaxpaged.server.launcher import ServerThread
+from jaxpaged.server.server_args import add_server_args, server_config
 from jaxpaged.tokenizer import load_tokenizer
 from tests.conftest import FIXTURES
 from tests.helpers.test_models import smollm2_gguf

@@ -14,7 +14,7 @@ from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.async_engine import AsyncEngine
 from jaxpaged.engine.request_stream import RequestFailedError, RequestStream, RequestTimeoutError
 from jaxpaged.outputs import CompletionOutput, RequestOutput
-from jaxpaged.server.launcher import server_config
+from jaxpaged.server.server_args import server_config
 from jaxpaged.server.serving import ServerConfig, merge_streams
 from tests.server.conftest import (MAX_MODEL_LEN, MODEL, PLAIN_TEMPLATE, LiveServer, engine_args,
                                    open_request, sse_events, wait_engine_empty, wait_until)

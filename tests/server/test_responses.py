@@ -237,7 +237,7 @@ def test_unknown_and_unsupported_fields_are_400s_naming_them(http):
 def test_store_flag_reaches_the_config_and_the_store_is_lru():
     from jaxpaged.cli import build_parser
     from jaxpaged.server.errors import APIError
-    from jaxpaged.server.launcher import server_config
+    from jaxpaged.server.server_args import server_config
     from jaxpaged.server.protocol_responses import ResponseObject
     from jaxpaged.server.responses_store import ResponsesStore, StoredResponse
 
