@@ -5,7 +5,7 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.layers.attention import kv_bytes_per_page
-from jaxpaged.runner.model_runner import bucket_sizes, pick_bucket
+from jaxpaged.runner.buckets import bucket_sizes, pick_bucket
 
 
 def test_bucket_sizes():

@@ -32,24 +32,20 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jaxpaged.constants import NULL_PAGE
 from jaxpaged.distributed.multihost import to_host
 from jaxpaged.runner.kv_scales import KVScales, set_kv_scales
 from jaxpaged.engine.scheduler_output import SchedulerOutput
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, allocate_kv_pool
 from jaxpaged.lora.device import LoRASlotWriter, token_slots
-from jaxpaged.runner.buckets import (ShapeBuckets, bucket_sizes, padding_budget_tokens,
-                                     pick_bucket)
+from jaxpaged.runner.buckets import ShapeBuckets, padding_budget_tokens
 from jaxpaged.runner.compile_cache import jax_cache_dir
+from jaxpaged.runner.dummy_step import dummy_inputs, dummy_layout
 from jaxpaged.runner.executable_store import ExecutableStore, fingerprint
 from jaxpaged.runner.input_batch import PreparedStep, StepInputs, attention_metadata, prepare_step
 from jaxpaged.runner.output import ModelRunnerOutput
-from jaxpaged.runner.pooling import read_pooled
-from jaxpaged.runner.read_output import read_output
+from jaxpaged.runner.pending_step import PendingStep, copy_indices
 from jaxpaged.runner.step_programs import (build_programs, build_verify_program,
                                            forward_inputs, sample_inputs)
-from jaxpaged.sampling.logits_adjust import no_adjustment
-from jaxpaged.sampling.sampler import SamplerOutput, SamplingMetadata
 from jaxpaged.structured_output.manager import all_allowed, num_words
 
 logger = logging.getLogger(__name__)
@@ -388,35 +384,16 @@ class ModelRunner:
 
     # ---- shapes ------------------------------------------------------------------------------
 
-    def _dummy_layout(self, t_pad: int, b_pad: int, p_pad: int, decode_only: bool,
-                      verify_block_q: int = 0):
-        """A layout of the given padded shape (a verification step's with
-        ``verify_block_q``) whose tokens all write to the null page."""
-        n_tokens = 1 if decode_only else 2
-        return BatchLayout(
-            query_start_loc=np.full(b_pad + 1, n_tokens, np.int32),
-            seq_lens=np.zeros(b_pad, np.int32), positions=np.zeros(t_pad, np.int32),
-            slot_mapping=np.zeros(t_pad, np.int32),
-            page_table=np.zeros((b_pad, p_pad), np.int32), num_seqs=1, num_tokens=n_tokens,
-            verify_block_q=verify_block_q)
-
     def _dummy_inputs(self, layout: BatchLayout) -> StepInputs:
-        t_pad = layout.positions.shape[0]
-        b_pad = t_pad if layout.verify_block_q else layout.seq_lens.shape[0]   # rows
-        k = self._limits.max_adjust_entries
-        return StepInputs(np.zeros(t_pad, np.int32), layout.positions, np.zeros(b_pad, np.int32),
-                          attention_metadata(self._backend, layout),
-                          SamplingMetadata.from_host([], b_pad), no_adjustment(b_pad, k, k),
-                          all_allowed(b_pad, num_words(self._limits.vocab_size)),
-                          np.zeros(t_pad, np.int32), np.full(t_pad, -1, np.int32),
-                          np.asarray(False), np.asarray(False))
+        return dummy_inputs(layout, self._backend, self._limits.max_adjust_entries,
+                            self._limits.vocab_size)
 
     def profile_peak_bytes(self) -> int | None:
         """Run the largest prefill step once on dummy data; the device's peak bytes in use
         afterwards (None if the device keeps no memory statistics)."""
         t_pad = self._token_buckets[-1]
         _, b_pad, _ = self._pad_sizes(t_pad, 1, 1, 1, False)
-        layout = self._dummy_layout(t_pad, b_pad, self._page_buckets[-1], False)
+        layout = dummy_layout(t_pad, b_pad, self._page_buckets[-1], False)
         jax.block_until_ready(self._launch(layout, self._dummy_inputs(layout))[0])
         peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in self.devices
                  if d.process_index == jax.process_index()]
@@ -445,7 +422,7 @@ class ModelRunner:
                           disable=None if progress is None else not progress, leave=False):
             if should_stop():
                 break
-            layout = self._dummy_layout(*shape)
+            layout = dummy_layout(*shape)
             self._executables_for(layout, self._dummy_inputs(layout))
         seconds = time.perf_counter() - t0
         fresh = self.num_fresh_compilations - before
@@ -453,42 +430,6 @@ class ModelRunner:
                     "compile cache %s)", self.num_compilations, seconds, fresh,
                     self.num_compilations - fresh, cache_dir or "(off)")
         return seconds
-
-
-@dataclass(frozen=True)
-class PendingStep:
-    """A dispatched step whose device outputs may not be ready yet (``pooled``: the
-    forward's pooling rows, read only for a step with a pooling request)."""
-
-    scheduler_output: SchedulerOutput
-    prepared: PreparedStep
-    out: SamplerOutput
-    pooled: jax.Array
-    accepted: jax.Array | None = None   # speculative decoding: [B] bool per row
-
-    def result(self) -> ModelRunnerOutput:
-        """Wait for the device and read the step's results back to the host (logprobs only
-        when the step asked for them)."""
-        inputs = self.prepared.inputs
-        out = dataclasses.replace(
-            self.out, logprobs=self.out.logprobs if inputs.with_logprobs else None,
-            prompt_logprobs=self.out.prompt_logprobs if inputs.with_prompt_logprobs else None)
-        result = read_output(self.scheduler_output, self.prepared, jax.tree.map(to_host, out),
-                             None if self.accepted is None else to_host(self.accepted))
-        if not inputs.with_pooling:
-            return result
-        return dataclasses.replace(result, pooled=read_pooled(
-            self.scheduler_output, self.prepared, to_host(self.pooled)))
-
-
-def copy_indices(copies: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
-    """``(src, dst)`` int32 page ids of ``copies`` padded to a bucket with null-page
-    copies (one executable per bucket)."""
-    n = pick_bucket(bucket_sizes(4, max(4, len(copies))), len(copies))
-    src = np.full(n, NULL_PAGE, np.int32)
-    dst = np.full(n, NULL_PAGE, np.int32)
-    src[:len(copies)], dst[:len(copies)] = zip(*copies)
-    return src, dst
 
 
 def _shape_key(layout: BatchLayout) -> tuple:
