@@ -103,6 +103,24 @@ class SpeculativeConfig:
                                          f"prompt_lookup_max={high}")
         return cls(method, k, high, low, disable_by)
 
+    def check_engine(self, *, enable_lora: bool, tensor_parallel_size: int,
+                     num_processes: int) -> None:
+        """Refuse engine settings a draft model does not combine with (pipeline
+        parallelism refuses every speculative config itself).
+
+        Raises:
+            SpeculativeConfigError: ``field="method"``, naming the ``EngineArgs`` field.
+        """
+        if self.method != "draft_model":
+            return
+        refused = [name for name, on in (
+            ("enable_lora", enable_lora),
+            (f"tensor_parallel_size={tensor_parallel_size}", tensor_parallel_size > 1),
+            (f"num_processes={num_processes}", num_processes > 1)) if on]
+        if refused:
+            raise SpeculativeConfigError("method", f"draft_model cannot be combined with "
+                                         f"EngineArgs.{refused[0]} (not supported)")
+
 
 def _positive(value: dict, name: str, required: bool = False) -> int | None:
     v = value.get(name)

@@ -88,17 +88,13 @@ class DraftModel:
             SpeculativeConfigError: ``field="model"``: no readable config, another
                 vocabulary size than the target's, a context shorter than
                 ``max_model_len``; ``field="method"``: an engine setting it does not
-                combine with (LoRA, tensor parallelism, several processes), named.
+                combine with (``SpeculativeConfig.check_engine``).
         """
         if spec is None or spec.method != "draft_model":
             return None
-        refused = [name for name, on in (
-            ("enable_lora", args.enable_lora),
-            (f"tensor_parallel_size={args.tensor_parallel_size}", args.tensor_parallel_size > 1),
-            (f"num_processes={args.num_processes}", args.num_processes > 1)) if on]
-        if refused:
-            raise SpeculativeConfigError("method", f"draft_model cannot be combined with "
-                                         f"EngineArgs.{refused[0]} (not supported)")
+        spec.check_engine(enable_lora=args.enable_lora,
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          num_processes=args.num_processes)
         try:
             config = ModelConfig.from_pretrained(spec.model)
         except (OSError, ValueError) as e:
