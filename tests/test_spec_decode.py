@@ -403,7 +403,7 @@ def test_sampled_first_three_tokens_follow_plain_sampling(params):
                                    "disable_by_batch_size": 512}, **kw)
     plain = LLM(**kw)
     n = 4000
-    assert_same_first_tokens(spec, plain, COPY_PROMPTS[2], n, **params)
+    assert_same_first_tokens(spec, plain, COPY_PROMPTS[2], n, batch=100, **params)
     totals = spec.engine.scheduler.spec.totals
     assert 0.2 * totals.num_draft_tokens < totals.num_accepted_tokens \
         < 0.8 * totals.num_draft_tokens
