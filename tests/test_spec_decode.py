@@ -298,10 +298,15 @@ def test_a_batch_of_max_num_seqs_speculates_in_verification_steps(engines):
 
 
 def test_preemption_with_a_tiny_pool_matches_and_frees_every_page(engines):
-    plain, _ = engines
+    assert_preemption_matches_plain(engines[0], NGRAM)
+
+
+def assert_preemption_matches_plain(plain, speculative_config):
+    """16 sequences in a 24-page pool of 8 tokens, ``speculative_config`` against ``plain``:
+    preemptions happen, outputs equal, every page is free after."""
     prompts = (COPY_PROMPTS * 6)[:16]
     greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    small = LLM(speculative_config=NGRAM, enforce_eager=True, max_num_seqs=32,
+    small = LLM(speculative_config=speculative_config, enforce_eager=True, max_num_seqs=32,
                 max_model_len=128, block_size=8, num_gpu_blocks_override=25)
     got = small.generate(prompts, greedy, use_tqdm=False)
     assert small.engine.num_preemptions > 0
@@ -376,7 +381,13 @@ def test_metrics_and_the_log_line(engines, caplog):
 
 
 def test_no_compilation_after_start_up_with_speculation():
-    llm = LLM(speculative_config=NGRAM, max_num_seqs=8, max_model_len=64,
+    assert_no_compilation_after_start_up(NGRAM)
+
+
+def assert_no_compilation_after_start_up(speculative_config) -> LLM:
+    """A precompiled speculating engine runs greedy, sampled and adjusted requests without
+    compiling again; returns it."""
+    llm = LLM(speculative_config=speculative_config, max_num_seqs=8, max_model_len=64,
               max_num_batched_tokens=32)
     compiled = llm.engine.stats().num_compilations
     prompts = [COPY_PROMPTS[1]] * 3 + [COPY_PROMPTS[2]]
@@ -388,6 +399,7 @@ def test_no_compilation_after_start_up_with_speculation():
     llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.scheduler.spec.totals.num_drafts > 0
     assert llm.engine.stats().num_compilations == compiled
+    return llm
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ from tests.conftest import STORIES
 from tests.helpers.distributions import assert_same_first_tokens
 from tests.helpers.random_llama import write_random_llama
 from tests.test_continuous_batching import random_prompts
-from tests.test_spec_decode import COPY_PROMPTS, LIMITS
+from tests.test_spec_decode import (COPY_PROMPTS, LIMITS, assert_no_compilation_after_start_up,
+                                    assert_preemption_matches_plain)
 
 K = 4
 # (disable_by_batch_size: the static rule, so that every decode step speculates.)
@@ -156,16 +157,7 @@ def test_weak_draft_greedy_equals_plain_with_every_stop_rule(engines, weak_draft
 
 
 def test_preemption_with_a_tiny_pool_matches_and_frees_every_page(engines, weak_draft):
-    plain = engines[0]
-    prompts = (COPY_PROMPTS * 6)[:16]
-    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    small = LLM(speculative_config=weak_draft, enforce_eager=True, max_num_seqs=32,
-                max_model_len=128, block_size=8, num_gpu_blocks_override=25)
-    got = small.generate(prompts, greedy, use_tqdm=False)
-    assert small.engine.num_preemptions > 0
-    assert small.engine.scheduler.spec.totals.num_accepted_tokens > 0
-    assert _ids(got) == _ids(plain.generate(prompts, greedy, use_tqdm=False))
-    _assert_all_pages_free(small)
+    assert_preemption_matches_plain(engines[0], weak_draft)
 
 
 def test_aborts_drop_the_drafts_state_and_free_pages(engines):
@@ -204,19 +196,8 @@ def test_seeded_sampled_outputs_repeat_and_equal_plain_decoding(engines):
 
 
 def test_no_compilation_after_start_up_with_a_draft_model():
-    llm = LLM(speculative_config=SELF_DRAFT, max_num_seqs=8, max_model_len=64,
-              max_num_batched_tokens=32)
-    compiled = llm.engine.stats().num_compilations
-    assert llm.engine.drafter.num_compilations > 0        # the draft's shapes too
-    prompts = [COPY_PROMPTS[1]] * 3 + [COPY_PROMPTS[2]]
-    params = [SamplingParams(temperature=0, max_tokens=20, logprobs=1),
-              SamplingParams(temperature=1.0, top_p=0.9, seed=1, max_tokens=20),
-              SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.2,
-                             min_tokens=5),
-              SamplingParams(temperature=0.7, top_k=5, seed=2, max_tokens=20)]
-    llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.scheduler.spec.totals.num_drafts > 0
-    assert llm.engine.stats().num_compilations == compiled
+    llm = assert_no_compilation_after_start_up(SELF_DRAFT)
+    assert llm.engine.drafter.num_compilations > 0        # the draft's shapes counted too
 
 
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=1.0, top_p=0.8)])
