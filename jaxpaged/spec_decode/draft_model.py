@@ -10,7 +10,8 @@ speculating sequence's ``1 + m`` slots and leaves ``m`` placeholders
 ``execute``: one catch-up forward over the tokens it has no K/V for (a prompt's whole
 prefill the first time, in chunks of the token budget; afterwards usually the one or two
 tokens the last verification emitted) whose last logits give d_0, then m - 1 one-token
-decode steps giving d_1 .. d_{m-1}. It writes positions up to ``T + m - 2`` (T: the
+decode steps giving d_1 .. d_{m-1}, dispatched back to back (each reads the previous one's
+sample on the device) and read once at the end. It writes positions up to ``T + m - 2`` (T: the
 sequence's tokens), inside the ``T + m`` slots allocated.
 
 Proposals are the argmax, so q is a point mass at each and the rejection sampler
@@ -223,11 +224,18 @@ class DraftModelProposer:
                           seed=0, max_tokens=1, all_token_ids=list(s.request.all_token_ids))
                   for s in seqs]
         self._catch_up(seqs, drafts)
+        # The decode steps run back to back: from the second on, each step's input token
+        # is the previous step's sample, read on the device (``prev_token_index``, as
+        # under async scheduling), and the host reads all their tokens at the end.
+        pending = []
         for j in range(1, max(len(s.draft_token_ids) for s in seqs)):
             live = [i for i, s in enumerate(seqs) if len(s.draft_token_ids) > j]
-            self._run([ScheduledRequest(drafts[i], len(drafts[i].all_token_ids) - 1, 1,
-                                        seqs[i].page_ids, True, 1) for i in live],
-                      [drafts[i] for i in live])
+            pending.append((live, self.runner.dispatch(SchedulerOutput([
+                ScheduledRequest(drafts[i], len(seqs[i].request.all_token_ids) + j - 1, 1,
+                                 seqs[i].page_ids, True, 1) for i in live]))))
+        for live, step in pending:
+            for i, tokens in zip(live, step.result().sampled_token_ids, strict=True):
+                drafts[i].all_token_ids.extend(tokens)
         for s, d in zip(seqs, drafts):
             length = len(s.request.all_token_ids)
             s.draft_token_ids[:] = d.all_token_ids[length:]
