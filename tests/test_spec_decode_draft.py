@@ -156,6 +156,21 @@ def test_weak_draft_greedy_equals_plain_with_every_stop_rule(engines, weak_draft
     assert weak.engine.kv_cache_manager.stats.hits > 0
 
 
+def test_catch_up_in_chunks_of_a_small_token_budget_equals_plain(engines, weak_draft):
+    """Prompts of up to 100 tokens and a 32-token budget: the draft's first catch-up takes
+    several steps, sequences finishing it in different ones."""
+    plain = engines[0]
+    small = LLM(speculative_config=weak_draft, enforce_eager=True, max_num_seqs=8,
+                max_num_batched_tokens=32, max_model_len=256)
+    prompts = random_prompts(8, 512, seed=11, max_len=100) + COPY_PROMPTS
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    assert max(len(p) for p in prompts[:8]) > 64
+    assert _ids(small.generate(prompts, greedy, use_tqdm=False)) == \
+        _ids(plain.generate(prompts, greedy, use_tqdm=False))
+    assert small.engine.scheduler.spec.totals.num_accepted_tokens > 0
+    _assert_all_pages_free(small)
+
+
 def test_preemption_with_a_tiny_pool_matches_and_frees_every_page(engines, weak_draft):
     assert_preemption_matches_plain(engines[0], weak_draft)
 

@@ -214,11 +214,11 @@ class DraftModelProposer:
             runner.reallocate_kv_pool()
             self._known.clear()
         runner.copy_pages(scheduler_output.page_copies)
+        for rid in [r for r, st in self._known.items() if st.request.is_finished]:
+            del self._known[rid]
         seqs = [s for s in scheduler_output.scheduled if s.draft_token_ids]
         if not seqs:
             return
-        for rid in [r for r, st in self._known.items() if st.request.is_finished]:
-            del self._known[rid]
         # The draft's own copy of each sequence: greedy, its tokens plus the proposals.
         drafts = [Request(s.request.request_id, None, s.request.prompt_token_ids, _GREEDY,
                           seed=0, max_tokens=1, all_token_ids=list(s.request.all_token_ids))
