@@ -219,7 +219,7 @@ def test_no_compilation_after_start_up_with_a_draft_model():
 def test_sampled_first_three_tokens_follow_plain_sampling(weak_draft, params):
     """Chi-square over 4000 draws each of the first 3 tokens, draft-model speculation
     against plain decoding (``tests.helpers.distributions``), in waves of 200 so that
-    nearly every sequence verifies proposals (~27 s and ~13 s on the 2-core CPU)."""
+    nearly every sequence verifies proposals (~15 s and ~9 s on the 2-core CPU)."""
     kw = dict(enforce_eager=True, max_num_seqs=512, max_num_batched_tokens=1024,
               max_model_len=128)
     spec = LLM(speculative_config={**weak_draft, "num_speculative_tokens": 3}, **kw)
