@@ -87,6 +87,9 @@ def test_config_and_bad_configs_name_the_field(tmp_path):
         with pytest.raises(SpeculativeConfigError, match=f"EngineArgs.{name}") as e:
             EngineArgs(speculative_config=SELF_DRAFT, **kw)
         assert e.value.field == "method"
+    from jaxpaged.distributed.pipeline_parallel import PipelineParallelError
+    with pytest.raises(PipelineParallelError, match="speculative_config"):
+        EngineArgs(speculative_config=SELF_DRAFT, pipeline_parallel_size=2)
 
 
 def test_vocabulary_mismatch_and_unreadable_draft_are_refused_at_start(tmp_path):
