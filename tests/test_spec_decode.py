@@ -1,7 +1,6 @@
-"""Speculative decoding (n-gram proposals): configuration, proposals, the rejection sampler,
+"""Speculative decoding (n-gram proposals; draft models: ``test_spec_decode_draft.py``): configuration, proposals, the rejection sampler,
 and end to end against plain decoding (greedy token-identical; sampled distributions equal)."""
 
-import collections
 import json
 import logging
 import shutil
@@ -15,11 +14,11 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from jaxpaged.sampling.sampler import SamplingMetadata, sample
-from jaxpaged.spec_decode.config import (SpeculativeConfig, SpeculativeConfigError,
-                                         SpeculativeMethodNotImplemented)
+from jaxpaged.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from jaxpaged.spec_decode.ngram import NgramProposer
 from jaxpaged.spec_decode.rejection import verify
 from tests.conftest import STORIES
+from tests.helpers.distributions import assert_same_first_tokens
 from tests.test_continuous_batching import random_prompts
 
 # (disable_by_batch_size: the static rule, so that every step of these tests speculates.)
@@ -73,15 +72,6 @@ def test_bad_configs_raise_naming_the_field(value, field):
     assert str(e.value).startswith(f"speculative_config.{field}:")
     with pytest.raises(SpeculativeConfigError):
         EngineArgs(speculative_config=value)
-
-
-def test_draft_model_is_refused_as_not_implemented_never_ignored():
-    value = {"method": "draft_model", "model": "/some/draft", "num_speculative_tokens": 3}
-    with pytest.raises(SpeculativeMethodNotImplemented, match="draft_model") as e:
-        SpeculativeConfig.from_dict(value)
-    assert isinstance(e.value, NotImplementedError) and e.value.field == "method"
-    with pytest.raises(NotImplementedError):
-        LLM(speculative_config=value, **LIMITS)
 
 
 def test_cli_flag_parses_json():
@@ -308,10 +298,15 @@ def test_a_batch_of_max_num_seqs_speculates_in_verification_steps(engines):
 
 
 def test_preemption_with_a_tiny_pool_matches_and_frees_every_page(engines):
-    plain, _ = engines
+    assert_preemption_matches_plain(engines[0], NGRAM)
+
+
+def assert_preemption_matches_plain(plain, speculative_config):
+    """16 sequences in a 24-page pool of 8 tokens, ``speculative_config`` against ``plain``:
+    preemptions happen, outputs equal, every page is free after."""
     prompts = (COPY_PROMPTS * 6)[:16]
     greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    small = LLM(speculative_config=NGRAM, enforce_eager=True, max_num_seqs=32,
+    small = LLM(speculative_config=speculative_config, enforce_eager=True, max_num_seqs=32,
                 max_model_len=128, block_size=8, num_gpu_blocks_override=25)
     got = small.generate(prompts, greedy, use_tqdm=False)
     assert small.engine.num_preemptions > 0
@@ -386,7 +381,13 @@ def test_metrics_and_the_log_line(engines, caplog):
 
 
 def test_no_compilation_after_start_up_with_speculation():
-    llm = LLM(speculative_config=NGRAM, max_num_seqs=8, max_model_len=64,
+    assert_no_compilation_after_start_up(NGRAM)
+
+
+def assert_no_compilation_after_start_up(speculative_config) -> LLM:
+    """A precompiled speculating engine runs greedy, sampled and adjusted requests without
+    compiling again; returns it."""
+    llm = LLM(speculative_config=speculative_config, max_num_seqs=8, max_model_len=64,
               max_num_batched_tokens=32)
     compiled = llm.engine.stats().num_compilations
     prompts = [COPY_PROMPTS[1]] * 3 + [COPY_PROMPTS[2]]
@@ -398,13 +399,7 @@ def test_no_compilation_after_start_up_with_speculation():
     llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.scheduler.spec.totals.num_drafts > 0
     assert llm.engine.stats().num_compilations == compiled
-
-
-def _first_tokens(llm, prompt, n, seed0, **params):
-    outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=4, ignore_eos=True,
-                                                      seed=seed0 + i, **params)
-                                       for i in range(n)], use_tqdm=False)
-    return [tuple(o.outputs[0].token_ids[:3]) for o in outs]
+    return llm
 
 
 @pytest.mark.slow
@@ -419,20 +414,10 @@ def test_sampled_first_three_tokens_follow_plain_sampling(params):
                                    "prompt_lookup_max": 2, "prompt_lookup_min": 1,
                                    "disable_by_batch_size": 512}, **kw)
     plain = LLM(**kw)
-    n, prompt = 4000, COPY_PROMPTS[2]
-    a = _first_tokens(spec, prompt, n, 0, **params)
-    b = _first_tokens(plain, prompt, n, 10**6, **params)
+    n = 4000
+    assert_same_first_tokens(spec, plain, COPY_PROMPTS[2], n, batch=100, **params)
     totals = spec.engine.scheduler.spec.totals
     assert 0.2 * totals.num_draft_tokens < totals.num_accepted_tokens \
         < 0.8 * totals.num_draft_tokens
     assert totals.num_draft_tokens > n / 2
-    for length in (1, 2, 3):
-        ca = collections.Counter(x[:length] for x in a)
-        cb = collections.Counter(x[:length] for x in b)
-        keys = [k for k in set(ca) | set(cb) if ca[k] + cb[k] >= 10]
-        table = np.array([[c[k] for k in keys] + [n - sum(c[k] for k in keys)]
-                          for c in (ca, cb)])
-        table = table[:, table.sum(0) > 0]
-        assert table.shape[1] >= 2
-        assert scipy_stats.chi2_contingency(table).pvalue > 0.01, (length, table)
     _assert_all_pages_free(spec)

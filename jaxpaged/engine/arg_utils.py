@@ -106,8 +106,10 @@ class EngineArgs:
             text or a dict: ``pooling_type`` ``LAST`` / ``MEAN``, ``normalize``) make
             ``runner="auto"`` pooling.
         speculative_config: speculative decoding (``jaxpaged.spec_decode.config``): a dict
-            or its JSON text with vLLM's fields (``method="ngram"``,
-            ``num_speculative_tokens``, ``prompt_lookup_max``, ``prompt_lookup_min``,
+            or its JSON text with vLLM's fields (``method="ngram"`` with
+            ``prompt_lookup_max``, ``prompt_lookup_min``; or ``method="draft_model"`` with
+            ``model``, a smaller model of the same vocabulary, not combinable with LoRA,
+            tensor parallelism or several processes; ``num_speculative_tokens``,
             ``disable_by_batch_size``); None: off. Verification steps are finished
             synchronously, other steps keep async scheduling
             (``docs/speculative_decoding.md``).
@@ -215,7 +217,11 @@ class EngineArgs:
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("EngineArgs.calculate_kv_scales needs an fp8 kv_cache_dtype (scales "
                              "only apply to an fp8 KV cache); set kv_cache_dtype to fp8")
-        SpeculativeConfig.from_dict(self.speculative_config)   # its own typed errors
+        spec = SpeculativeConfig.from_dict(self.speculative_config)   # its own typed errors
+        if spec is not None:
+            spec.check_engine(enable_lora=self.enable_lora,
+                              tensor_parallel_size=self.tensor_parallel_size,
+                              num_processes=self.num_processes)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"EngineArgs.attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
@@ -340,7 +346,9 @@ class EngineArgs:
         g.add_argument("--speculative-config", default=None,
                        help='speculative decoding as JSON, vLLM\'s fields, e.g. \'{"method": '
                             '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
-                            "(turns async scheduling off)")
+                            'or \'{"method": "draft_model", "model": "DRAFT_DIR", '
+                            '"num_speculative_tokens": 4}\' (a smaller model with the same '
+                            "vocabulary); verification steps run synchronously")
         add_lora_cli_args(parser)
         return parser
 

@@ -49,6 +49,7 @@ from jaxpaged.runner.worker import build_worker
 from jaxpaged.sampling.logits_adjust import needs_adjustment
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.spec_decode.config import SpeculativeConfig
+from jaxpaged.spec_decode.draft_model import DraftModel
 from jaxpaged.structured_output.manager import StructuredOutputManager
 from jaxpaged.tokenizer import load_tokenizer
 
@@ -122,6 +123,7 @@ class Engine:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         speculative_config = SpeculativeConfig.from_dict(args.speculative_config)
+        draft = DraftModel.check(args, speculative_config, cfg, self.max_model_len)
         # The tokenizer (transformers' import and the tokenizer files: ~1.5 s of Python) loads
         # on its own thread while this one loads the model and compiles its steps (XLA
         # compiles without the GIL); a tokenizer that fails stops the precompile early.
@@ -129,12 +131,17 @@ class Engine:
             tokenizer = pool.submit(load_tokenizer, args.tokenizer or args.model,
                                     args.trust_remote_code)
             worker = build_worker(args, cfg, max_model_len=self.max_model_len,
-                                  tokenizer=tokenizer.result, devices=devices)
+                                  tokenizer=tokenizer.result, devices=devices,
+                                  extra_bytes_per_page=draft and draft.kv_bytes_per_page)
             if speculative_config is not None:
                 worker.runner.enable_spec_decode(speculative_config.num_speculative_tokens)
+            #: The draft model's proposer (``method="draft_model"``), else None.
+            self.drafter = draft and draft.build(worker,
+                                                 speculative_config.num_speculative_tokens)
             if not args.enforce_eager:
-                worker.runner.precompile(should_stop=lambda: stop_requested_anywhere() or (
-                    tokenizer.done() and tokenizer.exception() is not None))
+                for runner in [worker.runner] + ([self.drafter.runner] if draft else []):
+                    runner.precompile(should_stop=lambda: stop_requested_anywhere() or (
+                        tokenizer.done() and tokenizer.exception() is not None))
             self.tokenizer = tokenizer.result()
         generation_config = load_generation_config(args.model)
         #: generation_config.json's default sampling fields, by SamplingParams name.
@@ -364,6 +371,8 @@ class Engine:
                 s.request.group_id for s in scheduler_output.scheduled)))
         scheduled_at = time.monotonic()
         self._stats.iteration.step_tokens.append(scheduler_output.num_tokens)
+        if self.drafter is not None:    # fills the step's draft placeholders
+            self.drafter.propose(scheduler_output)
         pending = self.runner.dispatch(scheduler_output)
         return _InFlight(scheduler_output, pending.result, scheduled_at, scheduler_output.forks)
 
@@ -454,7 +463,8 @@ class Engine:
         kv = self.kv_cache_manager
         return EngineStats(
             num_preemptions=self.scheduler.num_preemptions,
-            num_compilations=self.runner.num_compilations,
+            num_compilations=self.runner.num_compilations + (
+                self.drafter.num_compilations if self.drafter else 0),
             prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_free_pages=kv.num_free_pages, num_pages=kv.num_usable_pages)

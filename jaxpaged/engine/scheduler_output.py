@@ -34,7 +34,9 @@ class ScheduledRequest:
         draft_token_ids: speculative decoding: the proposals verified after the decode
             token (they are the chunk's last ``len(draft_token_ids)`` tokens, not in the
             request's tokens; the step samples one row per position of the chunk); None
-            when the sequence does not speculate this step.
+            when the sequence does not speculate this step. With a draft model the
+            scheduler leaves ``-1`` placeholders that the draft's proposer fills in place
+            before the step is dispatched (the one change after scheduling).
     """
 
     request: Request

@@ -77,7 +77,8 @@ def resolve_dtype(name: str, checkpoint_dtype: str):
 
 
 def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
-                 tokenizer: Callable[[], Any], devices: list | None = None) -> Worker:
+                 tokenizer: Callable[[], Any], devices: list | None = None,
+                 extra_bytes_per_page: Callable[[int], int] | None = None) -> Worker:
     """Load the model onto its devices and build its one :class:`ModelRunner`.
 
     Args:
@@ -87,6 +88,9 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
         tokenizer: returns the model's tokenizer (called only to make the fp8 KV-scale
             calibration prompt; the engine loads it on another thread meanwhile).
         devices: the ``tensor_parallel_size`` devices to use (default: the first ones).
+        extra_bytes_per_page: ``page_size ->`` bytes a page of another pool of the same
+            page count takes on the first device (a draft model's,
+            ``jaxpaged.spec_decode.draft_model``): a byte budget then holds both pools.
 
     Raises:
         TensorParallelError / MissingWeightsError / UnsupportedModelError: as
@@ -167,14 +171,15 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
     bytes_per_page = kv_bytes_per_page(layers_per_device, page_size, kv_heads // tp.size,
                                        cfg.head_dim, kv_cache_dtype)
     num_devices = tp.size * args.pipeline_parallel_size * args.data_parallel_size
+    extra = extra_bytes_per_page(page_size) if extra_bytes_per_page else 0
     num_pages = num_kv_pages(
-        bytes_per_page=bytes_per_page, pages_per_seq=pages_per_seq,
+        bytes_per_page=bytes_per_page + extra, pages_per_seq=pages_per_seq,
         max_num_seqs=args.max_num_seqs, num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         profile_peak_bytes=runner.profile_peak_bytes, num_devices=num_devices,
         device=tp.mesh.devices.flat[0])
-    check_pool_fits(num_pages, bytes_per_page, num_devices)
+    check_pool_fits(num_pages, bytes_per_page + extra, num_devices)
     if num_pages - 1 < pages_per_seq:     # page 0 is the null page
         raise ValueError(
             f"the KV pool ({num_pages - 1} usable pages of {page_size} tokens) cannot hold one "

@@ -1,18 +1,19 @@
 """`SpeculativeConfig`: ``--speculative-config JSON`` / ``LLM(speculative_config={...})``.
 
 Field names are vLLM's (``vllm/config/speculative.py``): ``method``, ``num_speculative_tokens``,
-``prompt_lookup_max``, ``prompt_lookup_min`` and, for a draft model, ``model``. Only
-``method="ngram"`` (prompt lookup) runs; ``draft_model`` is validated and then refused with
-:class:`SpeculativeMethodNotImplemented` (its design is in ``docs/speculative_decoding.md``),
-never silently replaced by plain decoding. Pure Python.
+``prompt_lookup_max``, ``prompt_lookup_min`` and, for a draft model, ``model``:
+``method="ngram"`` proposes by prompt lookup (``jaxpaged.spec_decode.ngram``),
+``method="draft_model"`` by a smaller model's greedy tokens
+(``jaxpaged.spec_decode.draft_model``). Pure Python.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
-#: The methods a config may name; only ``ngram`` is implemented.
+#: The methods a config may name.
 METHODS = ("ngram", "draft_model")
 _FIELDS = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
            "model", "disable_by_batch_size"}
@@ -26,21 +27,19 @@ class SpeculativeConfigError(ValueError):
         self.field = field
 
 
-class SpeculativeMethodNotImplemented(SpeculativeConfigError, NotImplementedError):
-    """A valid config for a method this build does not run (``draft_model``)."""
-
-
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """A validated speculative-decoding configuration.
 
     Attributes:
-        method: ``"ngram"``.
+        method: ``"ngram"`` or ``"draft_model"``.
         num_speculative_tokens: k, the most tokens proposed per sequence per step (>= 1).
-        prompt_lookup_max: the longest n-gram matched against the sequence's earlier tokens.
-        prompt_lookup_min: the shortest (1 <= min <= max).
+        prompt_lookup_max: the longest n-gram matched against the sequence's earlier tokens
+            (``ngram``; 0 for ``draft_model``).
+        prompt_lookup_min: the shortest (1 <= min <= max; 0 for ``draft_model``).
         disable_by_batch_size: a step with more running sequences than this does not
             speculate (vLLM's field); None: every step may.
+        model: the draft model's directory or GGUF file (``draft_model`` only, else None).
     """
 
     method: str
@@ -48,6 +47,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     disable_by_batch_size: int | None = None
+    model: str | None = None
 
     @classmethod
     def from_dict(cls, value: dict | str | None) -> SpeculativeConfig | None:
@@ -58,8 +58,8 @@ class SpeculativeConfig:
 
         Raises:
             SpeculativeConfigError: an unknown key, a missing or ill-typed field, an
-                unknown method, ``prompt_lookup_min > prompt_lookup_max``.
-            SpeculativeMethodNotImplemented: ``method="draft_model"`` (valid, not built).
+                unknown method, ``prompt_lookup_min > prompt_lookup_max``, a
+                ``draft_model`` without a ``model`` path that exists, or with n-gram fields.
         """
         if value is None:
             return None
@@ -81,12 +81,16 @@ class SpeculativeConfig:
         k = _positive(value, "num_speculative_tokens", required=True)
         disable_by = _positive(value, "disable_by_batch_size")
         if method == "draft_model":
-            if not isinstance(value.get("model"), str) or not value["model"]:
+            model = value.get("model")
+            if not isinstance(model, str) or not model:
                 raise SpeculativeConfigError("model", "draft_model needs the draft model's "
                                              "path")
-            raise SpeculativeMethodNotImplemented(
-                "method", "draft_model proposals are not implemented yet (only 'ngram' "
-                "runs; see docs/speculative_decoding.md)")
+            if not os.path.exists(model):
+                raise SpeculativeConfigError("model", f"no draft model at {model!r}")
+            for name in ("prompt_lookup_max", "prompt_lookup_min"):
+                if name in value:
+                    raise SpeculativeConfigError(name, "only method 'ngram' takes it")
+            return cls(method, k, 0, 0, disable_by, model)
         if "model" in value:
             raise SpeculativeConfigError("model", "only method 'draft_model' takes a model")
         high = _positive(value, "prompt_lookup_max")
@@ -98,6 +102,24 @@ class SpeculativeConfig:
             raise SpeculativeConfigError("prompt_lookup_min", f"{low} exceeds "
                                          f"prompt_lookup_max={high}")
         return cls(method, k, high, low, disable_by)
+
+    def check_engine(self, *, enable_lora: bool, tensor_parallel_size: int,
+                     num_processes: int) -> None:
+        """Refuse engine settings a draft model does not combine with (pipeline
+        parallelism refuses every speculative config itself).
+
+        Raises:
+            SpeculativeConfigError: ``field="method"``, naming the ``EngineArgs`` field.
+        """
+        if self.method != "draft_model":
+            return
+        refused = [name for name, on in (
+            ("enable_lora", enable_lora),
+            (f"tensor_parallel_size={tensor_parallel_size}", tensor_parallel_size > 1),
+            (f"num_processes={num_processes}", num_processes > 1)) if on]
+        if refused:
+            raise SpeculativeConfigError("method", f"draft_model cannot be combined with "
+                                         f"EngineArgs.{refused[0]} (not supported)")
 
 
 def _positive(value: dict, name: str, required: bool = False) -> int | None:

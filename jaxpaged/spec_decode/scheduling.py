@@ -2,7 +2,9 @@
 what a verified step does to their progress and to the acceptance counters.
 
 A decoding sequence that may speculate gets up to ``num_speculative_tokens`` proposals
-(:class:`~jaxpaged.spec_decode.ngram.NgramProposer`) appended to its one decode token, so the
+(:class:`~jaxpaged.spec_decode.ngram.NgramProposer`; with a draft model, placeholders that
+the engine's ``DraftModelProposer`` fills once the step is scheduled, because the draft
+writes its K/V into the pages allocated here) appended to its one decode token, so the
 step computes ``1 + m`` tokens for it and samples ``1 + m`` rows (one per position, vLLM v1's
 layout, ``vllm/v1/core/sched/scheduler.py``: ``num_scheduled_tokens = 1 + len(spec_token_ids)``).
 The proposals live only in the ``ScheduledRequest`` (never in the request's tokens), so the
@@ -71,8 +73,8 @@ class SpecDecodeScheduling:
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config = config
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                      config.prompt_lookup_max)
+        self.proposer = None if config.method == "draft_model" else NgramProposer(
+            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         self.max_model_len = max_model_len
         #: Proposals scheduled in the step being built.
         self.step_drafts = 0
@@ -109,7 +111,9 @@ class SpecDecodeScheduling:
         ``budget`` more tokens; None when it does not speculate this step (not a plain
         decode, ``n > 1``, prompt logprobs, structured outputs, or no n-gram match).
         Each proposal is capped so the emitted run stays within ``max_tokens`` and
-        ``max_model_len``."""
+        ``max_model_len``. With a draft model the list holds ``-1`` placeholders, as many
+        as the draft is to propose (``DraftModelProposer.propose`` fills it in place
+        after :meth:`finish_step`, before the step is dispatched)."""
         total = len(req.all_token_ids)
         if (not self._speculate or num_new != 1 or req.num_computed_tokens != total - 1 or req.n_samples != 1
                 or req.num_output_placeholders or req.params.prompt_logprobs is not None
@@ -117,7 +121,10 @@ class SpecDecodeScheduling:
             return None
         limit = min(budget, req.max_tokens - (total - len(req.prompt_token_ids)) - 1,
                     self.max_model_len - total - 1)
-        proposal = self.proposer.propose(req.all_token_ids, limit) if limit > 0 else []
+        if limit <= 0:
+            return None
+        proposal = ([-1] * min(limit, self.config.num_speculative_tokens)
+                    if self.proposer is None else self.proposer.propose(req.all_token_ids, limit))
         if not proposal:
             return None
         self.step_drafts += len(proposal)
