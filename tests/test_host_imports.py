@@ -7,7 +7,7 @@ import textwrap
 
 #: The modules of ``jaxpaged/engine/`` that drive the device (they build or run a
 #: ``ModelRunner``); every other module there is host code and must load without JAX.
-DEVICE_ENGINE_MODULES = {"engine", "async_engine", "data_parallel", "follower"}
+DEVICE_ENGINE_MODULES = {"engine", "startup", "async_engine", "data_parallel", "follower"}
 ENGINE_DIR = pathlib.Path(__file__).resolve().parents[1] / "jaxpaged" / "engine"
 
 #: The host modules that must load without JAX (DESIGN.md: host bookkeeping is plain Python):

@@ -6,27 +6,23 @@
 ``scheduler.update_from_output(scheduler_output, runner_output)`` (fork parallel-sampling
 requests, append and detokenize tokens, stop rules, free finished sequences), then the
 requests' outputs; with async scheduling the third call of step N-1 comes after step N's
-dispatch. The device side is assembled once by ``jaxpaged.runner.worker``. Callers drive it
+dispatch. The device side is assembled once (``jaxpaged.engine.startup``,
+``jaxpaged.runner.worker``). Callers drive it
 themselves (``add_request`` / ``step`` / ``abort_request``) or through :class:`jaxpaged.LLM`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.distributed.multihost import check_same_everywhere, initialize as initialize_multihost
-from jaxpaged.distributed.step_sync import install_signal_handlers, stop_requested_anywhere
-from jaxpaged.distributed.tensor_parallel import request_host_devices
 from jaxpaged.runner.device_memory import device_memory_used
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.gc_heap import CompileAwareHeapFreezer
@@ -38,6 +34,7 @@ from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup
 from jaxpaged.engine.pooling import POOLING_SAMPLING, pooling_state
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.scheduler_output import SchedulerOutput
+from jaxpaged.engine.startup import join_processes, load_and_compile
 from jaxpaged.lora.config import LoRAConfig
 from jaxpaged.lora.manager import LoRAManager
 from jaxpaged.metrics.recorder import StatsRecorder
@@ -45,13 +42,10 @@ from jaxpaged.metrics.stats import EngineStats, StatLogger
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.pooling_params import PoolingParams
 from jaxpaged.runner.output import ModelRunnerOutput
-from jaxpaged.runner.worker import build_worker
 from jaxpaged.sampling.logits_adjust import needs_adjustment
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.spec_decode.config import SpeculativeConfig
-from jaxpaged.spec_decode.draft_model import DraftModel
 from jaxpaged.structured_output.manager import StructuredOutputManager
-from jaxpaged.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -106,14 +100,7 @@ class Engine:
     def __init__(self, args: EngineArgs, devices: list | None = None,
                  seed_rng: np.random.Generator | None = None):
         self.args = args
-        # Both before anything starts JAX's backends:
-        request_host_devices(args.tensor_parallel_size * args.pipeline_parallel_size
-                             * args.data_parallel_size // args.num_processes)
-        initialize_multihost(args.coordinator_address, args.num_processes, args.process_id)
-        if args.num_processes > 1:
-            install_signal_handlers()   # SIGINT / SIGTERM to any process stop the whole job
-        check_same_everywhere("engine settings", {
-            k: v for k, v in dataclasses.asdict(args).items() if k != "process_id"})
+        join_processes(args)
         #: The pooler of a pooling engine (embeddings only); None: the engine generates.
         self.pooler = args.pooler
         self.model_config = cfg = ModelConfig.from_pretrained(args.model).with_quantization(
@@ -123,26 +110,10 @@ class Engine:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         speculative_config = SpeculativeConfig.from_dict(args.speculative_config)
-        draft = DraftModel.check(args, speculative_config, cfg, self.max_model_len)
-        # The tokenizer (transformers' import and the tokenizer files: ~1.5 s of Python) loads
-        # on its own thread while this one loads the model and compiles its steps (XLA
-        # compiles without the GIL); a tokenizer that fails stops the precompile early.
-        with ThreadPoolExecutor(1, thread_name_prefix="jaxpaged-tokenizer") as pool:
-            tokenizer = pool.submit(load_tokenizer, args.tokenizer or args.model,
-                                    args.trust_remote_code)
-            worker = build_worker(args, cfg, max_model_len=self.max_model_len,
-                                  tokenizer=tokenizer.result, devices=devices,
-                                  extra_bytes_per_page=draft and draft.kv_bytes_per_page)
-            if speculative_config is not None:
-                worker.runner.enable_spec_decode(speculative_config.num_speculative_tokens)
-            #: The draft model's proposer (``method="draft_model"``), else None.
-            self.drafter = draft and draft.build(worker,
-                                                 speculative_config.num_speculative_tokens)
-            if not args.enforce_eager:
-                for runner in [worker.runner] + ([self.drafter.runner] if draft else []):
-                    runner.precompile(should_stop=lambda: stop_requested_anywhere() or (
-                        tokenizer.done() and tokenizer.exception() is not None))
-            self.tokenizer = tokenizer.result()
+        loaded = load_and_compile(args, cfg, self.max_model_len, speculative_config, devices)
+        worker, self.tokenizer = loaded.worker, loaded.tokenizer
+        #: The draft model's proposer (``method="draft_model"``), else None.
+        self.drafter = loaded.drafter
         generation_config = load_generation_config(args.model)
         #: generation_config.json's default sampling fields, by SamplingParams name.
         self.generation_defaults = generation_defaults(generation_config)

@@ -1,0 +1,86 @@
+"""What an :class:`~jaxpaged.engine.engine.Engine` does before it takes requests: join the
+job's processes, load the model (and a speculative draft model) onto the devices, compile
+every step shape, and load the tokenizer meanwhile.
+
+The tokenizer (transformers' import and the tokenizer files: ~1.5 s of Python) loads on its
+own thread while this one loads the model and compiles its steps (XLA compiles without the
+GIL); a tokenizer that fails stops the precompile early.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from jaxpaged.config import ModelConfig
+from jaxpaged.distributed.multihost import check_same_everywhere, initialize as initialize_multihost
+from jaxpaged.distributed.step_sync import install_signal_handlers, stop_requested_anywhere
+from jaxpaged.distributed.tensor_parallel import request_host_devices
+from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.runner.worker import Worker, build_worker
+from jaxpaged.spec_decode.config import SpeculativeConfig
+from jaxpaged.spec_decode.draft_model import DraftModel, DraftModelProposer
+from jaxpaged.tokenizer import load_tokenizer
+
+
+def join_processes(args: EngineArgs) -> None:
+    """Ask for the host devices the engine's parallelism needs and join a multi-host job
+    (both before anything starts JAX's backends); in a job, SIGINT / SIGTERM to any process
+    stop the whole job, and every process must have started with the same settings.
+
+    Raises:
+        MultiHostError: inconsistent multi-host flags, or processes started with different
+            settings.
+    """
+    request_host_devices(args.tensor_parallel_size * args.pipeline_parallel_size
+                         * args.data_parallel_size // args.num_processes)
+    initialize_multihost(args.coordinator_address, args.num_processes, args.process_id)
+    if args.num_processes > 1:
+        install_signal_handlers()
+    check_same_everywhere("engine settings", {
+        k: v for k, v in dataclasses.asdict(args).items() if k != "process_id"})
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """The device side of an engine, built and compiled.
+
+    Attributes:
+        worker: the target model's runner and pool facts (``jaxpaged.runner.worker``).
+        drafter: the draft model's proposer (``method="draft_model"``), else None.
+        tokenizer: the model's tokenizer.
+    """
+
+    worker: Worker
+    drafter: DraftModelProposer | None
+    tokenizer: Any
+
+
+def load_and_compile(args: EngineArgs, cfg: ModelConfig, max_model_len: int,
+                     speculative_config: SpeculativeConfig | None,
+                     devices: list | None = None) -> LoadedModel:
+    """Load the model (and its draft model) onto ``devices``, precompile every step shape
+    (unless ``enforce_eager``), and load the tokenizer on another thread meanwhile.
+
+    Raises:
+        SpeculativeConfigError: a draft model that does not fit the target (before
+            anything loads). Otherwise as :func:`jaxpaged.runner.worker.build_worker` and
+            :func:`jaxpaged.tokenizer.load_tokenizer` raise.
+    """
+    draft = DraftModel.check(args, speculative_config, cfg, max_model_len)
+    with ThreadPoolExecutor(1, thread_name_prefix="jaxpaged-tokenizer") as pool:
+        tokenizer = pool.submit(load_tokenizer, args.tokenizer or args.model,
+                                args.trust_remote_code)
+        worker = build_worker(args, cfg, max_model_len=max_model_len,
+                              tokenizer=tokenizer.result, devices=devices,
+                              extra_bytes_per_page=draft and draft.kv_bytes_per_page)
+        if speculative_config is not None:
+            worker.runner.enable_spec_decode(speculative_config.num_speculative_tokens)
+        drafter = draft and draft.build(worker, speculative_config.num_speculative_tokens)
+        if not args.enforce_eager:
+            for runner in [worker.runner] + ([drafter.runner] if drafter else []):
+                runner.precompile(should_stop=lambda: stop_requested_anywhere() or (
+                    tokenizer.done() and tokenizer.exception() is not None))
+        return LoadedModel(worker, drafter, tokenizer.result())
