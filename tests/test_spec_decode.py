@@ -136,11 +136,14 @@ def test_adaptive_rule_takes_the_faster_mode_per_batch_class_and_explores():
     assert big == [True] * per_mode + [False] * per_mode          # each mode measured
     small = [step(1, lambda spec: (1.2, 3) if spec else (1.0, 1)) for _ in range(2 * per_mode)]
     assert small == big
+    # Exploring steps at decisions 32, 32 + 64, + 128, + 256, then every 256.
     later_big = [step(64, lambda spec: (4.0, 192) if spec else (1.0, 64))
-                 for _ in range(adaptive.EXPLORE_EVERY)]
-    assert later_big.count(True) == 1 and later_big[-1] is True   # one exploring step
+                 for _ in range(adaptive.EXPLORE_FIRST + 64 + 128 + 256 + 2 * 256)]
+    explored = [i + 1 for i, mode in enumerate(later_big) if mode]
+    assert adaptive.EXPLORE_FIRST == 32 and adaptive.EXPLORE_MAX == 256
+    assert explored == [32, 96, 224, 480, 736, 992]
     later_small = [step(1, lambda spec: (1.2, 3) if spec else (1.0, 1))
-                   for _ in range(adaptive.EXPLORE_EVERY - 1)]
+                   for _ in range(adaptive.EXPLORE_FIRST - 1)]
     assert all(later_small)
     # Without idle time, the host's time between two steps counts: 3 tokens in 0.5 + 0.9 s
     # beat 1 token in 0.5 + 0.2 s (without the host's 0.5 s plain decoding would win).

@@ -10,9 +10,14 @@ hardware, the model, k and the acceptance rate, so it is measured rather than mo
 for each batch-size class (running sequences, by powers of two) the rule keeps an
 exponential moving average of the output tokens per second of steps scheduled with and
 without speculation, tries each mode for a few steps first (speculation first), then takes
-the better one, and every :data:`EXPLORE_EVERY`-th step of the class the other, so a change
-of acceptance or of sequence lengths is noticed. It is an epsilon-greedy two-armed bandit
-(Sutton & Barto, "Reinforcement Learning", 2nd ed., section 2.2). vLLM's static
+the better one, and now and then the other, so a change of acceptance or of sequence
+lengths is noticed: at the :data:`EXPLORE_FIRST`-th decision of the class, then after gaps
+that double up to :data:`EXPLORE_MAX` decisions. It is an epsilon-greedy two-armed bandit
+with a decaying epsilon (Sutton & Barto, "Reinforcement Learning", 2nd ed., section 2.2).
+The decay matters where the two modes are close or the first samples misled: on the 2-core
+CPU a 64-sequence SmolLM2 prompt-lookup batch (86% of proposals accepted overall, fewer in
+its first steps) measured speculation below plain decoding in its first steps, and one
+exploring step every 32 then cost ~4% of the run (``docs/benchmarks.md``). vLLM's static
 ``disable_by_batch_size`` (no speculation above a batch size), given in the config,
 replaces it. Pure Python.
 """
@@ -26,8 +31,10 @@ from dataclasses import dataclass, field
 WARMUP_STEPS = 2
 #: Measured steps of each mode before the rule trusts the averages.
 MIN_SAMPLES = 3
-#: One step in this many takes the mode that is not the best.
-EXPLORE_EVERY = 32
+#: The decision of a class that first takes the mode that is not the best; the gap to the
+#: next doubles each time, up to :data:`EXPLORE_MAX`.
+EXPLORE_FIRST = 32
+EXPLORE_MAX = 256
 #: Weight of the newest step in the moving average.
 ALPHA = 0.25
 
@@ -53,6 +60,17 @@ class _Arm:
 class _Class:
     arms: dict[bool, _Arm] = field(default_factory=lambda: {True: _Arm(), False: _Arm()})
     decisions: int = 0
+    next_explore: int = EXPLORE_FIRST
+    gap: int = EXPLORE_FIRST
+
+    def explores(self) -> bool:
+        """Count a decision; True when it is one that takes the other mode."""
+        self.decisions += 1
+        if self.decisions < self.next_explore:
+            return False
+        self.gap = min(2 * self.gap, EXPLORE_MAX)
+        self.next_explore = self.decisions + self.gap
+        return True
 
 
 class AdaptiveSpeculation:
@@ -76,9 +94,8 @@ class AdaptiveSpeculation:
             return True
         if not plain.measured:
             return False
-        c.decisions += 1
         best = spec.rate >= plain.rate
-        return (not best) if c.decisions % EXPLORE_EVERY == 0 else best
+        return (not best) if c.explores() else best
 
     def scheduled(self, key: int, speculates: bool, num_running: int) -> None:
         """A step (``key``: the id of its scheduled list) was scheduled in that mode."""
