@@ -159,6 +159,21 @@ def test_adaptive_rule_takes_the_faster_mode_per_batch_class_and_explores():
     assert modes == [True] * per_mode + [False] * per_mode + [True]
 
 
+def test_adaptive_rule_times_a_step_of_a_class_it_was_not_asked_about():
+    # The engine decides over the running sequences before the previous step's finished
+    # ones leave, so a step can be scheduled with fewer sequences (another class) than the
+    # decision saw (a fresh-user run: 40 then 20 requests, KeyError in done()).
+    from jaxpaged.spec_decode import adaptive
+    now = [0.0]
+    rule = adaptive.AdaptiveSpeculation(clock=lambda: now[0])
+    assert rule.choose(40) is True
+    rule.scheduled(1, True, 3)          # 3 sequences left: class 2, never chosen for
+    now[0] += 0.5
+    rule.done(1, 12, idle=False)
+    assert rule._classes[(3).bit_length()].arms[True].steps == 1
+    assert rule.choose(3) is True       # that class measures speculation first, as any
+
+
 # ---- the rejection sampler -----------------------------------------------------------------
 
 def _meta(n, temperature, seeds, top_p=1.0):
@@ -231,6 +246,22 @@ def test_greedy_outputs_equal_plain_decoding_batch_1_and_32(engines):
     assert spec.engine.kv_cache_manager.stats.hits > 0
     assert totals.num_draft_tokens > totals.num_accepted_tokens > 0
     assert sum(totals.num_accepted_tokens_per_pos) == totals.num_accepted_tokens
+
+
+def test_adaptive_rule_survives_batches_that_shrink_between_decision_and_step():
+    # A fresh-user repro: 40 requests, most finishing early, then 20: sequences finished
+    # between the adaptive rule's decision and the schedule put a step in a batch class the
+    # rule had not seen, and the engine raised KeyError (the second batch's outputs lost).
+    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 5,
+                                  "prompt_lookup_min": 1}, **LIMITS)
+    plain = LLM(**LIMITS)
+    for r, (n, short) in enumerate([(40, 33), (20, 17)]):
+        prompts = [f"Once upon a time {i} {r} the cat the dog" for i in range(n)]
+        params = [SamplingParams(temperature=0, ignore_eos=True,
+                                 max_tokens=8 + r if i < short else 70) for i in range(n)]
+        assert _ids(llm.generate(prompts, params, use_tqdm=False)) == _ids(
+            plain.generate(prompts, params, use_tqdm=False))
+        _assert_all_pages_free(llm)
 
 
 def test_random_prompts_and_every_sampling_rule_inside_accepted_runs(engines):

@@ -113,6 +113,8 @@ class AdaptiveSpeculation:
         if entry is not None:
             speculates, cls, started = entry
             seconds = now - (started if self._last_done is None else self._last_done)
-            if seconds > 0:
-                self._classes[cls].arms[speculates].add(num_tokens / seconds)
+            if seconds > 0:     # (the class of a step's own size: choose may have seen
+                # another, when sequences finished between the decision and the schedule)
+                self._classes.setdefault(cls, _Class()).arms[speculates].add(
+                    num_tokens / seconds)
         self._last_done = None if idle else now
