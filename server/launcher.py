@@ -31,6 +31,7 @@ from jaxpaged.server.app import build_app
 from jaxpaged.server.multi_model import load_models_config, make_multi_server
 from jaxpaged.server.serving import ServerConfig
 from jaxpaged.server.server_args import server_config
+from jaxpaged.spec_decode.draft_model import check_draft_model
 from jaxpaged.tokenizer import load_tokenizer
 
 logger = logging.getLogger("server")
@@ -76,6 +77,7 @@ def run_server(args: argparse.Namespace) -> int:
     (:func:`jaxpaged.engine.follower.run_follower`) until it stops."""
     try:
         engine_args = EngineArgs.from_cli_args(args)
+        check_draft_model(engine_args)
         config = server_config(args)
         follower = engine_args.num_processes > 1 and engine_args.process_id != 0
         if args.models_config and engine_args.num_processes > 1:

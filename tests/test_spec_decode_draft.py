@@ -4,6 +4,7 @@ decoding (greedy token-identical; sampled distributions equal)."""
 
 import json
 import os
+import shutil
 
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -92,7 +93,7 @@ def test_config_and_bad_configs_name_the_field(tmp_path):
         EngineArgs(speculative_config=SELF_DRAFT, pipeline_parallel_size=2)
 
 
-def test_vocabulary_mismatch_and_unreadable_draft_are_refused_at_start(tmp_path):
+def test_vocabulary_mismatch_and_unreadable_draft_are_refused_at_start(tmp_path, monkeypatch):
     other = write_random_llama(tmp_path / "v256", vocab_size=256)
     with pytest.raises(SpeculativeConfigError, match="vocab_size 256 differs .* 512") as e:
         LLM(speculative_config={**SELF_DRAFT, "model": other}, **LIMITS)
@@ -101,6 +102,32 @@ def test_vocabulary_mismatch_and_unreadable_draft_are_refused_at_start(tmp_path)
     with pytest.raises(SpeculativeConfigError, match="config.json") as e:
         LLM(speculative_config={**SELF_DRAFT, "model": str(tmp_path / "empty")}, **LIMITS)
     assert e.value.field == "model"
+    # A config without weights is refused by name before the target loads (it raised a
+    # bare FileNotFoundError after the target had loaded: a fresh-user report).
+    (tmp_path / "cfgonly").mkdir()
+    shutil.copy(os.path.join(STORIES, "config.json"), tmp_path / "cfgonly" / "config.json")
+    loads = []
+    monkeypatch.setattr("jaxpaged.engine.startup.build_worker", lambda *a, **k: loads.append(1))
+    with pytest.raises(SpeculativeConfigError, match="no weights in") as e:
+        LLM(speculative_config={**SELF_DRAFT, "model": str(tmp_path / "cfgonly")}, **LIMITS)
+    assert e.value.field == "model" and not loads
+
+
+def test_serve_refuses_a_bad_draft_before_listening(tmp_path, capsys):
+    from jaxpaged.cli import build_parser
+    from jaxpaged.server.launcher import run_server
+    other = write_random_llama(tmp_path / "v256", vocab_size=256)
+    args = build_parser().parse_args(["serve", "--port", "1", "--speculative-config",
+                                      json.dumps({**SELF_DRAFT, "model": other})])
+    assert run_server(args) == 2      # a flag error: nothing started (port 1 never bound)
+    assert "error: --speculative-config.model: the draft's vocab_size 256" in capsys.readouterr().err
+
+
+def test_a_pooling_engine_refuses_speculation():
+    with pytest.raises(SpeculativeConfigError, match="pooling engine") as e:
+        EngineArgs(runner="pooling", speculative_config={
+            "method": "ngram", "num_speculative_tokens": 2})
+    assert e.value.field == "<config>"
 
 
 # ---- the bundled model as its own draft ----------------------------------------------------

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from jaxpaged.config import QUANTIZATION_METHODS
 from jaxpaged.lora.config import LoRAConfig, add_lora_cli_args
-from jaxpaged.spec_decode.config import SpeculativeConfig
+from jaxpaged.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from jaxpaged.constants import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES,  # noqa: F401
                                 SCHEDULING_POLICIES)
 from jaxpaged.pooling_params import CONVERTS, RUNNERS, PoolerConfig, resolve_pooler
@@ -225,6 +225,11 @@ class EngineArgs:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"EngineArgs.attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
+        if spec is not None and resolve_pooler(self.model, self.runner, self.convert,
+                                               self.pooler_config) is not None:
+            raise SpeculativeConfigError("<config>", "a pooling engine (EngineArgs.runner="
+                                         f"{self.runner!r}, convert or pooler_config) "
+                                         "generates no tokens to speculate on")
         resolve_pooler(self.model, self.runner, self.convert, self.pooler_config)
         LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)   # typed errors
 

@@ -43,13 +43,14 @@ import logging
 import os
 from dataclasses import dataclass
 
-from jaxpaged.config import ModelConfig
+from jaxpaged.config import ModelConfig, UnsupportedModelError
 from jaxpaged.distributed.tensor_parallel import TensorParallel
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.request import Request
 from jaxpaged.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxpaged.layers.attention import allocate_kv_pool, get_attention_backend, kv_bytes_per_page
-from jaxpaged.models.loader import load_model
+from jaxpaged.models.gguf_loader import is_gguf
+from jaxpaged.models.loader import MissingWeightsError, load_model
 from jaxpaged.runner.compile_cache import resolve_cache_dir
 from jaxpaged.runner.model_runner import ModelRunner, RunnerLimits
 from jaxpaged.runner.worker import Worker, resolve_dtype
@@ -86,7 +87,8 @@ class DraftModel:
         """The draft of ``spec`` (None unless ``method="draft_model"``).
 
         Raises:
-            SpeculativeConfigError: ``field="model"``: no readable config, another
+            SpeculativeConfigError: ``field="model"``: no readable config or no weights
+                file, another
                 vocabulary size than the target's, a context shorter than
                 ``max_model_len``; ``field="method"``: an engine setting it does not
                 combine with (``SpeculativeConfig.check_engine``).
@@ -104,6 +106,10 @@ class DraftModel:
             raise SpeculativeConfigError(
                 "model", f"the draft's vocab_size {config.vocab_size} differs from the "
                 f"target's {target.vocab_size} (draft and target must share the tokenizer)")
+        if args.load_format != "dummy" and not _has_weights(spec.model):
+            raise SpeculativeConfigError(
+                "model", f"no weights in {spec.model!r} (a model.safetensors, a "
+                "model.safetensors.index.json with its shards, or a .gguf file)")
         if config.max_position_embeddings < max_model_len:
             raise SpeculativeConfigError(
                 "model", f"the draft's max_position_embeddings "
@@ -126,8 +132,11 @@ class DraftModel:
             args.attention_backend, num_kv_heads=cfg.num_kv_heads, num_heads=cfg.num_heads,
             head_dim=cfg.head_dim, page_size=page_size, dtype=self.dtype,
             kv_cache_dtype=self.dtype)
-        model = load_model(self.path, cfg, dtype=self.dtype, backend=backend,
-                           load_format=args.load_format, seed=args.seed, tp=tp)
+        try:
+            model = load_model(self.path, cfg, dtype=self.dtype, backend=backend,
+                               load_format=args.load_format, seed=args.seed, tp=tp)
+        except (MissingWeightsError, UnsupportedModelError, FileNotFoundError) as e:
+            raise SpeculativeConfigError("model", f"cannot load the draft model: {e}") from e
         pool = allocate_kv_pool(cfg.num_layers, worker.num_pages, page_size,
                                 tp.physical_config(cfg).num_kv_heads, cfg.head_dim,
                                 self.dtype, tp.kv_pool_sharding)
@@ -146,6 +155,26 @@ class DraftModel:
                     worker.num_pages * self.kv_bytes_per_page(page_size) / 2**20)
         return DraftModelProposer(runner, num_speculative_tokens, args.max_num_batched_tokens,
                                   args.max_num_seqs)
+
+
+def check_draft_model(args: EngineArgs) -> None:
+    """The checks of :meth:`DraftModel.check` from the flags alone (the target's and the
+    draft's ``config.json``), for ``jaxpaged serve`` to refuse a bad draft before it starts
+    listening; nothing without ``method="draft_model"``.
+
+    Raises:
+        SpeculativeConfigError: as :meth:`DraftModel.check`.
+    """
+    spec = SpeculativeConfig.from_dict(args.speculative_config)
+    if spec is None or spec.method != "draft_model":
+        return
+    target = ModelConfig.from_pretrained(args.model)
+    DraftModel.check(args, spec, target, args.max_model_len or target.max_position_embeddings)
+
+
+def _has_weights(path: str) -> bool:
+    return is_gguf(path) or any(os.path.isfile(os.path.join(path, name)) for name in (
+        "model.safetensors", "model.safetensors.index.json"))
 
 
 @dataclass
