@@ -225,12 +225,11 @@ class EngineArgs:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"EngineArgs.attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
-        if spec is not None and resolve_pooler(self.model, self.runner, self.convert,
-                                               self.pooler_config) is not None:
+        pooler = resolve_pooler(self.model, self.runner, self.convert, self.pooler_config)
+        if spec is not None and pooler is not None:
             raise SpeculativeConfigError("<config>", "a pooling engine (EngineArgs.runner="
                                          f"{self.runner!r}, convert or pooler_config) "
                                          "generates no tokens to speculate on")
-        resolve_pooler(self.model, self.runner, self.convert, self.pooler_config)
         LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)   # typed errors
 
     def _check_pipeline_parallel(self) -> None:

@@ -295,12 +295,23 @@ def _awq_weight(reader, base: str, group_size: int) -> dict[str, np.ndarray]:
     return {"qweight": qweight, "qzeros": qzeros, "scales": scales.astype(np.float32)}
 
 
+#: A checkpoint directory's weights: one file, or an index of shards.
+SAFETENSORS_FILE, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def has_weights(path: str) -> bool:
+    """Whether ``path`` is a GGUF file or a directory holding :data:`SAFETENSORS_FILE` or
+    :data:`SAFETENSORS_INDEX` (what :func:`load_model` reads outside ``dummy``)."""
+    return is_gguf(path) or any(os.path.isfile(os.path.join(path, name))
+                                for name in (SAFETENSORS_FILE, SAFETENSORS_INDEX))
+
+
 class _SafetensorsReader:
     """Tensors of a single-file or sharded safetensors checkpoint, read lazily by name."""
 
     def __init__(self, model_dir: str):
-        index = os.path.join(model_dir, "model.safetensors.index.json")
-        single = os.path.join(model_dir, "model.safetensors")
+        index = os.path.join(model_dir, SAFETENSORS_INDEX)
+        single = os.path.join(model_dir, SAFETENSORS_FILE)
         if os.path.isfile(index):
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]

@@ -49,8 +49,7 @@ from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.request import Request
 from jaxpaged.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxpaged.layers.attention import allocate_kv_pool, get_attention_backend, kv_bytes_per_page
-from jaxpaged.models.gguf_loader import is_gguf
-from jaxpaged.models.loader import MissingWeightsError, load_model
+from jaxpaged.models.loader import MissingWeightsError, has_weights, load_model
 from jaxpaged.runner.compile_cache import resolve_cache_dir
 from jaxpaged.runner.model_runner import ModelRunner, RunnerLimits
 from jaxpaged.runner.worker import Worker, resolve_dtype
@@ -88,16 +87,12 @@ class DraftModel:
 
         Raises:
             SpeculativeConfigError: ``field="model"``: no readable config or no weights
-                file, another
-                vocabulary size than the target's, a context shorter than
-                ``max_model_len``; ``field="method"``: an engine setting it does not
-                combine with (``SpeculativeConfig.check_engine``).
+                file, another vocabulary size than the target's, a context shorter than
+                ``max_model_len``. (Engine settings a draft does not combine with are
+                refused by ``EngineArgs`` already: ``SpeculativeConfig.check_engine``.)
         """
         if spec is None or spec.method != "draft_model":
             return None
-        spec.check_engine(enable_lora=args.enable_lora,
-                          tensor_parallel_size=args.tensor_parallel_size,
-                          num_processes=args.num_processes)
         try:
             config = ModelConfig.from_pretrained(spec.model)
         except (OSError, ValueError) as e:
@@ -106,7 +101,7 @@ class DraftModel:
             raise SpeculativeConfigError(
                 "model", f"the draft's vocab_size {config.vocab_size} differs from the "
                 f"target's {target.vocab_size} (draft and target must share the tokenizer)")
-        if args.load_format != "dummy" and not _has_weights(spec.model):
+        if args.load_format != "dummy" and not has_weights(spec.model):
             raise SpeculativeConfigError(
                 "model", f"no weights in {spec.model!r} (a model.safetensors, a "
                 "model.safetensors.index.json with its shards, or a .gguf file)")
@@ -171,10 +166,6 @@ def check_draft_model(args: EngineArgs) -> None:
     target = ModelConfig.from_pretrained(args.model)
     DraftModel.check(args, spec, target, args.max_model_len or target.max_position_embeddings)
 
-
-def _has_weights(path: str) -> bool:
-    return is_gguf(path) or any(os.path.isfile(os.path.join(path, name)) for name in (
-        "model.safetensors", "model.safetensors.index.json"))
 
 
 @dataclass
