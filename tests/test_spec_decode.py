@@ -115,48 +115,112 @@ def test_speculating_runners_add_verification_shapes():
     assert extra == {(40, 8, 32, False, 5), (1280, 256, 32, False, 5)}
 
 
-def test_adaptive_rule_takes_the_faster_mode_per_batch_class_and_explores():
+def test_adaptive_rule_weighs_a_measured_cost_ratio_against_expected_tokens():
     from jaxpaged.spec_decode import adaptive
     now = [0.0]
-    rule = adaptive.AdaptiveSpeculation(clock=lambda: now[0])
+    rule = adaptive.AdaptiveSpeculation(acceptance_is_free=True, clock=lambda: now[0])
 
-    def step(num_running, cost):
-        mode = rule.choose(num_running)
-        seconds, tokens = cost(mode)
+    def step(expected, seconds_of):
+        spec = rule.choose(expected)
         key = object()
-        rule.scheduled(id(key), mode, num_running)
-        now[0] += seconds
-        rule.done(id(key), tokens, idle=True)
+        rule.scheduled(id(key), len(expected), len(expected), spec)
+        now[0] += seconds_of(spec)
+        rule.done(id(key), idle=True)
         now[0] += 100.0     # idle time between steps is not counted
-        return mode
+        return spec
 
-    per_mode = adaptive.WARMUP_STEPS + adaptive.MIN_SAMPLES
-    # 64 sequences: speculating emits 3x the tokens at 4x the time; small batches: 3x at 1.2x.
-    big = [step(64, lambda spec: (4.0, 192) if spec else (1.0, 64)) for _ in range(2 * per_mode)]
-    assert big == [True] * per_mode + [False] * per_mode          # each mode measured
-    small = [step(1, lambda spec: (1.2, 3) if spec else (1.0, 1)) for _ in range(2 * per_mode)]
-    assert small == big
-    # Exploring steps at decisions 32, 32 + 64, + 128, + 256, then every 256.
-    later_big = [step(64, lambda spec: (4.0, 192) if spec else (1.0, 64))
-                 for _ in range(adaptive.EXPLORE_FIRST + 64 + 128 + 256 + 2 * 256)]
-    explored = [i + 1 for i, mode in enumerate(later_big) if mode]
+    plain_steps = adaptive.WARMUP_STEPS + adaptive.MIN_PLAIN_SAMPLES
+    verify_steps = adaptive.WARMUP_STEPS + adaptive.MIN_VERIFY_SAMPLES
+    # 64 sequences: a verification step costs 4x a plain one.
+    big = lambda spec: 4.0 if spec else 1.0          # noqa: E731
+    modes = [step([4.7] * 64, big) for _ in range(plain_steps + verify_steps)]
+    assert modes == [False] * plain_steps + [True] * verify_steps     # each measured first
+    assert rule.choose([4.7] * 64) is True          # 4.7 tokens a sequence > 1.15 * 4
+    assert rule.choose([4.5] * 64) is False         # within the 15% margin: plain
+    assert rule.choose([4.7] * 32 + [1.0] * 32) is False    # the mean decides
+    # Another class borrows the ratio: 32 sequences measure plain steps only, then follow
+    # the rule (the tail of a batch whose sequences finish unevenly pays no measuring).
+    assert [step([4.7] * 32, big) for _ in range(plain_steps + 1)] == \
+        [False] * plain_steps + [True]
+    # Weight-bound (1 sequence, measured in its own class, ratio 1.2): 1.4 tokens pay.
+    rule1 = adaptive.AdaptiveSpeculation(acceptance_is_free=True, clock=lambda: now[0])
+    rule, saved = rule1, rule
+    small = lambda spec: 1.2 if spec else 1.0        # noqa: E731
+    assert [step([1.4], small) for _ in range(plain_steps + verify_steps + 1)] == \
+        [False] * plain_steps + [True] * (verify_steps + 1)
+    rule = saved
+    # Exploring steps (the other mode) at decisions 32, 32 + 64, + 128, + 256, then every
+    # 256 (3 decisions of the 64-sequence class were made above).
+    later = [step([4.7] * 64, big) for _ in range(adaptive.EXPLORE_FIRST + 64 + 128 + 256 + 512)]
+    explored = [i + 4 for i, spec in enumerate(later) if not spec]
     assert adaptive.EXPLORE_FIRST == 32 and adaptive.EXPLORE_MAX == 256
     assert explored == [32, 96, 224, 480, 736, 992]
-    later_small = [step(1, lambda spec: (1.2, 3) if spec else (1.0, 1))
-                   for _ in range(adaptive.EXPLORE_FIRST - 1)]
-    assert all(later_small)
-    # Without idle time, the host's time between two steps counts: 3 tokens in 0.5 + 0.9 s
-    # beat 1 token in 0.5 + 0.2 s (without the host's 0.5 s plain decoding would win).
-    rule = adaptive.AdaptiveSpeculation(clock=lambda: now[0])
+    # Not speculating, n-gram acceptance known: it explores only near the break-even
+    # (4.3 > 0.9 * 1.15 * 4) ...
+    near = [step([4.3] * 64, big) for _ in range(256)]
+    far = [step([2.0] * 64, big) for _ in range(512)]
+    assert sum(near) == 1 and sum(far) == 0
+    # ... while a draft model's class explores always.
+    draft = adaptive.AdaptiveSpeculation(acceptance_is_free=False, clock=lambda: now[0])
+    rule = draft
+    modes = [step([2.0] * 64, big) for _ in range(plain_steps + verify_steps + 40)]
+    assert modes[plain_steps + verify_steps:].count(True) == 1
+    # Without idle time, the host's time between two steps counts: 0.5 s of host time makes
+    # a plain step 1.5 s and a verification 2.3 s (ratio 1.53 < 1.8 tokens / 1.15).
+    rule = adaptive.AdaptiveSpeculation(acceptance_is_free=True, clock=lambda: now[0])
     modes = []
-    for _ in range(2 * per_mode + 1):
-        modes.append(mode := rule.choose(1))
+    for _ in range(plain_steps + verify_steps + 1):
+        modes.append(spec := rule.choose([1.8]))
         key = object()
         now[0] += 0.5       # the host between steps
-        rule.scheduled(id(key), mode, 1)
-        now[0] += 0.9 if mode else 0.2
-        rule.done(id(key), 3 if mode else 1, idle=False)
-    assert modes == [True] * per_mode + [False] * per_mode + [True]
+        rule.scheduled(id(key), 1, 1, spec)
+        now[0] += 1.8 if spec else 1.0
+        rule.done(id(key), idle=False)
+    assert modes == [False] * plain_steps + [True] * (verify_steps + 1)
+    assert rule._classes[1].ratio.value == pytest.approx(2.3 / 1.5)
+
+
+def test_a_sequences_acceptance_follows_its_checked_proposals():
+    from jaxpaged.spec_decode import adaptive
+    state = adaptive.SpecState()
+    assert state.alpha == adaptive.PRIOR_ACCEPTANCE == 1.0
+    state.record(1, 4)          # one accepted, the second rejected
+    assert state.alpha == pytest.approx(0.75)
+    state.record(2, 2)          # both accepted
+    assert state.alpha == pytest.approx(1 - 0.25 * 0.75 ** 2)
+    assert adaptive.expected_tokens(0.5, 3) == 1.875
+    assert adaptive.expected_tokens(1.0, 4) == 5.0
+
+
+def test_shadow_ngram_proposals_measure_acceptance_in_plain_steps(tmp_path):
+    from jaxpaged.engine.request import Request
+    from jaxpaged.spec_decode.config import SpeculativeConfig
+    from jaxpaged.spec_decode.scheduling import SpecDecodeScheduling
+    spec = SpecDecodeScheduling(SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}), 100)
+    req = Request("r", None, [5, 6, 7, 8, 5, 6], SamplingParams(), seed=0, max_tokens=20)
+    spec.observe(req)           # proposes what followed the earlier "5 6": 7 8 5
+    assert req.spec_state.shadow == (6, [7, 8, 5])
+    req.all_token_ids.append(7)
+    spec.observe(req)           # matches so far: waits
+    assert req.spec_state.shadow == (6, [7, 8, 5]) and req.spec_state.alpha == 1.0
+    req.all_token_ids.append(9)
+    spec.observe(req)           # 1 accepted, then rejected; "7 9" never occurred: a miss
+    state = req.spec_state
+    assert state.alpha == pytest.approx(0.75 * 0.75) and state.shadow is None
+    # Lookups that find nothing wait 1, 2, 4, 8, 8 ... tokens before the next.
+    lookups = []
+    for t in range(40):
+        req.all_token_ids.append(100 + t)
+        before = state.alpha
+        spec.observe(req)
+        lookups.append(state.alpha < before)
+    assert [i for i, miss in enumerate(lookups) if miss] == [1, 4, 9, 18, 27, 36]
+    draft = SpecDecodeScheduling(SpeculativeConfig.from_dict(
+        {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3}), 100)
+    other = Request("d", None, [5, 6, 7, 8, 5, 6], SamplingParams(), seed=0, max_tokens=20)
+    draft.observe(other)        # a draft model's proposals are not free: no shadow
+    assert other.spec_state is None
 
 
 def test_adaptive_rule_times_a_step_of_a_class_it_was_not_asked_about():
@@ -165,13 +229,13 @@ def test_adaptive_rule_times_a_step_of_a_class_it_was_not_asked_about():
     # decision saw (a fresh-user run: 40 then 20 requests, KeyError in done()).
     from jaxpaged.spec_decode import adaptive
     now = [0.0]
-    rule = adaptive.AdaptiveSpeculation(clock=lambda: now[0])
-    assert rule.choose(40) is True
-    rule.scheduled(1, True, 3)          # 3 sequences left: class 2, never chosen for
+    rule = adaptive.AdaptiveSpeculation(acceptance_is_free=True, clock=lambda: now[0])
+    assert rule.choose([5.0] * 40) is False
+    rule.scheduled(1, 3, 3, False)      # 3 sequences left: class 2, never chosen for
     now[0] += 0.5
-    rule.done(1, 12, idle=False)
-    assert rule._classes[(3).bit_length()].arms[True].steps == 1
-    assert rule.choose(3) is True       # that class measures speculation first, as any
+    rule.done(1, idle=False)
+    assert rule._classes[(3).bit_length()].per_seq.steps == 1
+    assert rule.choose([5.0] * 3) is False      # that class measures plain steps first
 
 
 # ---- the rejection sampler -----------------------------------------------------------------

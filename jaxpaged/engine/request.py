@@ -63,6 +63,9 @@ class Request:
         pooling: for a pooling (embedding) request, its
             ``jaxpaged.engine.pooling.PoolingState`` (prefilled only, never sampled); else
             None.
+        spec_state: with speculative decoding, its drafting record
+            (``jaxpaged.spec_decode.adaptive.SpecState``: acceptance rate, shadow
+            proposal), made at its first decode; else None.
         finish_reason, stop_reason: set when it finishes (vLLM's meanings).
     """
 
@@ -88,6 +91,7 @@ class Request:
     needs_output_tokens: bool = False
     structured_output_request: Any = None
     pooling: Any = None
+    spec_state: Any = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

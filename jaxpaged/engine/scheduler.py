@@ -346,6 +346,8 @@ class Scheduler:
                 stop = append(req, tokens[0], None if logprobs is None else logprobs[i][0])
                 if stop is not None:
                     finish(req, *stop)
+                elif self.spec is not None:
+                    self.spec.observe(req)
             else:   # (children forked before any token is applied: each copies the grammar)
                 for j, seq in enumerate([req] + self._fork(req, len(tokens) - 1)):
                     if seq.structured_output_request is not None:
@@ -356,7 +358,7 @@ class Scheduler:
             touched[req.group_id] = None
         self.num_generation_tokens += num_generated
         if self.spec is not None:
-            self.spec.step_done(scheduler_output.scheduled, num_generated, not self.running)
+            self.spec.step_done(scheduler_output.scheduled, not self.running)
         groups = op.groups
         return [groups[g] for g in touched]
 

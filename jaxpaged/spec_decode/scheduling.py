@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from jaxpaged.engine.request import Request
 from jaxpaged.engine.scheduler_output import ScheduledRequest
-from jaxpaged.spec_decode.adaptive import AdaptiveSpeculation
+from jaxpaged.spec_decode.adaptive import (MAX_SHADOW_WAIT, AdaptiveSpeculation, SpecState,
+                                           expected_tokens)
 from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.spec_decode.ngram import NgramProposer
 
@@ -81,8 +82,8 @@ class SpecDecodeScheduling:
         self._speculate = True
         self._decision: bool | None = None
         self._num_running = 0
-        self._adaptive = AdaptiveSpeculation() if config.disable_by_batch_size is None \
-            else None
+        self._adaptive = None if config.disable_by_batch_size is not None else \
+            AdaptiveSpeculation(acceptance_is_free=self.proposer is not None)
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
         #: Totals since start-up (the benchmarks' acceptance rate).
         self.totals = SpecDecodingStats(config.num_speculative_tokens)
@@ -90,13 +91,19 @@ class SpecDecodeScheduling:
     def wants_speculation(self, running: list[Request]) -> bool:
         """Whether the next step over ``running`` speculates (decided once, and kept for
         :meth:`begin_step`): with ``disable_by_batch_size``, when there are at most that
-        many; else as :class:`~jaxpaged.spec_decode.adaptive.AdaptiveSpeculation` measures
-        pays best. The engine asks before scheduling, to finish an in-flight step first
-        (proposals need the last tokens on the host)."""
+        many; else when :class:`~jaxpaged.spec_decode.adaptive.AdaptiveSpeculation`
+        expects it to pay, from the sequences' acceptance rates. The engine asks before
+        scheduling, to finish an in-flight step first (proposals need the last tokens on
+        the host)."""
         if self._decision is None:
             limit = self.config.disable_by_batch_size
-            self._decision = (self._adaptive.choose(len(running)) if limit is None
-                              else len(running) <= limit)
+            if limit is not None:
+                self._decision = len(running) <= limit
+            else:
+                k = self.config.num_speculative_tokens
+                self._decision = self._adaptive.choose(
+                    [expected_tokens(self._state(r).alpha, k) if self._may_draft(r) else 1.0
+                     for r in running])
         return self._decision
 
     def begin_step(self, running: list[Request]) -> None:
@@ -105,6 +112,19 @@ class SpecDecodeScheduling:
         self._speculate = self.wants_speculation(running)
         self._decision = None
         self._num_running = len(running)
+
+    @staticmethod
+    def _may_draft(req: Request) -> bool:
+        """Whether ``req``'s sampling allows proposals (one sample, no prompt logprobs,
+        no grammar)."""
+        return (req.n_samples == 1 and req.params.prompt_logprobs is None
+                and req.structured_output_request is None)
+
+    @staticmethod
+    def _state(req: Request) -> SpecState:
+        if req.spec_state is None:
+            req.spec_state = SpecState()
+        return req.spec_state
 
     def drafts(self, req: Request, num_new: int, budget: int) -> list[int] | None:
         """The proposals to verify after ``req``'s ``num_new`` scheduled tokens, within
@@ -115,9 +135,8 @@ class SpecDecodeScheduling:
         as the draft is to propose (``DraftModelProposer.propose`` fills it in place
         after :meth:`finish_step`, before the step is dispatched)."""
         total = len(req.all_token_ids)
-        if (not self._speculate or num_new != 1 or req.num_computed_tokens != total - 1 or req.n_samples != 1
-                or req.num_output_placeholders or req.params.prompt_logprobs is not None
-                or req.structured_output_request is not None):
+        if (not self._speculate or num_new != 1 or req.num_computed_tokens != total - 1
+                or req.num_output_placeholders or not self._may_draft(req)):
             return None
         limit = min(budget, req.max_tokens - (total - len(req.prompt_token_ids)) - 1,
                     self.max_model_len - total - 1)
@@ -138,7 +157,8 @@ class SpecDecodeScheduling:
         decodes = all(s.num_new_tokens == 1 + len(s.draft_token_ids or ()) and s.num_samples <= 1
                       for s in scheduled)
         if decodes and scheduled and self._adaptive is not None:
-            self._adaptive.scheduled(id(scheduled), self.step_drafts > 0, self._num_running)
+            self._adaptive.scheduled(id(scheduled), self._num_running, len(scheduled),
+                                     self.step_drafts > 0)
         if not self.step_drafts or decodes:
             return
         for s in scheduled:
@@ -147,12 +167,40 @@ class SpecDecodeScheduling:
                 s.draft_token_ids = None
         self.step_drafts = 0
 
-    def step_done(self, scheduled: list[ScheduledRequest], num_tokens: int,
-                  idle: bool) -> None:
-        """The step ``scheduled`` (its list, as :meth:`finish_step` saw it) emitted
-        ``num_tokens`` tokens; ``idle``: no sequence is left running."""
+    def step_done(self, scheduled: list[ScheduledRequest], idle: bool) -> None:
+        """The step ``scheduled`` (its list, as :meth:`finish_step` saw it) is applied;
+        ``idle``: no sequence is left running."""
         if self._adaptive is not None:
-            self._adaptive.done(id(scheduled), num_tokens, idle)
+            self._adaptive.done(id(scheduled), idle)
+
+    def observe(self, req: Request) -> None:
+        """``req`` emitted a token in a plain step: check its shadow n-gram proposal
+        against it (its acceptance, ``adaptive``), and make the next one when that is done.
+        Only under the adaptive rule with n-gram proposals (they are free; a draft
+        model's are not)."""
+        if self._adaptive is None or self.proposer is None:
+            return
+        state = self._state(req)
+        tokens = req.all_token_ids
+        if state.shadow is not None:
+            start, proposal = state.shadow
+            known = tokens[start:start + len(proposal)]
+            accepted = 0
+            while accepted < len(known) and known[accepted] == proposal[accepted]:
+                accepted += 1
+            if accepted == len(known) < len(proposal):
+                return      # every emitted token so far matches: wait for the next
+            state.record(accepted, len(proposal))
+            state.shadow = None
+        if state.wait:
+            state.wait -= 1
+            return
+        proposal = self.proposer.propose(tokens, self.config.num_speculative_tokens)
+        if proposal:
+            state.shadow, state.backoff = (len(tokens), proposal), 0
+        else:       # nothing to propose: a miss, as in a verification step
+            state.record(0, 1)
+            state.backoff = state.wait = min(2 * state.backoff or 1, MAX_SHADOW_WAIT)
 
     def unschedule(self, drafts: list[int] | None) -> None:
         """A sequence scheduled with ``drafts`` was taken out of the step (preempted)."""
@@ -177,6 +225,9 @@ class SpecDecodeScheduling:
     def _count(self, req: Request, drafts: list[int], num_emitted: int) -> None:
         accepted = num_emitted - 1
         req.num_computed_tokens -= len(drafts) - accepted
+        state = self._state(req)
+        state.record(accepted, len(drafts))
+        state.shadow = None
         for s in (self.stats, self.totals):
             s.num_drafts += 1
             s.num_draft_tokens += len(drafts)
