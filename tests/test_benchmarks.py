@@ -337,7 +337,8 @@ def test_bench_latency_compares_speculation_with_plain_decoding(tmp_path):
          "--speculative-config", spec, "--compare-plain", "--output-json", str(out)])
     latency.main(args)
     result = json.loads(out.read_text())
-    assert result["plain_avg_latency"] > 0
+    assert result["plain_avg_latency"] == pytest.approx(np.mean(result["plain_latencies"]))
+    assert len(result["plain_latencies"]) == 2 and min(result["plain_latencies"]) > 0
     assert result["speedup_vs_plain"] == pytest.approx(
         result["plain_avg_latency"] / result["avg_latency"])
     # warm-up and 2 timed batches of 2 sequences drafted at least once each
