@@ -91,13 +91,36 @@ class SpecState:
     backoff: int = 0
 
     def record(self, accepted: int, proposed: int) -> None:
-        """``accepted`` of ``proposed`` proposals (a run from the first) were accepted."""
-        a = self.alpha
-        for _ in range(accepted):
-            a += ACCEPT_WEIGHT * (1.0 - a)
-        if accepted < proposed:     # the first rejected one; those after it were not tried
-            a -= ACCEPT_WEIGHT * a
-        self.alpha = a
+        """``accepted`` of ``proposed`` proposals (a run from the first) were accepted:
+        that many moving-average steps towards 1, then one towards 0 for the first rejected
+        one (those after it were not tried)."""
+        a = 1.0 - (1.0 - self.alpha) * (1.0 - ACCEPT_WEIGHT) ** accepted
+        self.alpha = a * (1.0 - ACCEPT_WEIGHT) if accepted < proposed else a
+
+    def observe(self, tokens: list[int], propose, k: int) -> None:
+        """The sequence, now ``tokens``, emitted a token in a plain step: check the shadow
+        proposal against it, and when that is settled make the next one with
+        ``propose(tokens, k)`` (``NgramProposer.propose``), backing off after lookups that
+        find nothing."""
+        if self.shadow is not None:
+            start, proposal = self.shadow
+            known = tokens[start:start + len(proposal)]
+            accepted = 0
+            while accepted < len(known) and known[accepted] == proposal[accepted]:
+                accepted += 1
+            if accepted == len(known) < len(proposal):
+                return      # every emitted token so far matches: wait for the next
+            self.record(accepted, len(proposal))
+            self.shadow = None
+        if self.wait:
+            self.wait -= 1
+            return
+        proposal = propose(tokens, k)
+        if proposal:
+            self.shadow, self.backoff = (len(tokens), proposal), 0
+        else:       # nothing to propose: a miss, as in a verification step
+            self.record(0, 1)
+            self.backoff = self.wait = min(2 * self.backoff or 1, MAX_SHADOW_WAIT)
 
 
 def expected_tokens(alpha: float, k: int) -> float:

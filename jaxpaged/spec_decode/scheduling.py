@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 
 from jaxpaged.engine.request import Request
 from jaxpaged.engine.scheduler_output import ScheduledRequest
-from jaxpaged.spec_decode.adaptive import (MAX_SHADOW_WAIT, AdaptiveSpeculation, SpecState,
-                                           expected_tokens)
+from jaxpaged.spec_decode.adaptive import AdaptiveSpeculation, SpecState, expected_tokens
 from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.spec_decode.ngram import NgramProposer
 
@@ -180,27 +179,8 @@ class SpecDecodeScheduling:
         model's are not)."""
         if self._adaptive is None or self.proposer is None:
             return
-        state = self._state(req)
-        tokens = req.all_token_ids
-        if state.shadow is not None:
-            start, proposal = state.shadow
-            known = tokens[start:start + len(proposal)]
-            accepted = 0
-            while accepted < len(known) and known[accepted] == proposal[accepted]:
-                accepted += 1
-            if accepted == len(known) < len(proposal):
-                return      # every emitted token so far matches: wait for the next
-            state.record(accepted, len(proposal))
-            state.shadow = None
-        if state.wait:
-            state.wait -= 1
-            return
-        proposal = self.proposer.propose(tokens, self.config.num_speculative_tokens)
-        if proposal:
-            state.shadow, state.backoff = (len(tokens), proposal), 0
-        else:       # nothing to propose: a miss, as in a verification step
-            state.record(0, 1)
-            state.backoff = state.wait = min(2 * state.backoff or 1, MAX_SHADOW_WAIT)
+        self._state(req).observe(req.all_token_ids, self.proposer.propose,
+                                 self.config.num_speculative_tokens)
 
     def unschedule(self, drafts: list[int] | None) -> None:
         """A sequence scheduled with ``drafts`` was taken out of the step (preempted)."""
