@@ -169,6 +169,7 @@ def test_sharegpt_file(tmp_path):
 ])
 def test_compare_small(tmp_path, flags, ours, others):
     from jaxpaged.benchmarks import compare
+    from jaxpaged.runner.compile_cache import jax_cache_dir
 
     result = compare.main(["--small", "--output-dir", str(tmp_path), "--work-dir",
                            str(tmp_path / "work"), *flags])
@@ -188,6 +189,9 @@ def test_compare_small(tmp_path, flags, ours, others):
         assert (startup["warm"]["num_compiled"], startup["warm"]["num_loaded_from_cache"]) \
             == (0, 6)
         assert startup["num_compilations_during_run"] == 0
+        # The start-up's temporary cache is deleted, and JAX no longer points into it.
+        cache = jax_cache_dir()
+        assert cache is None or os.path.isdir(cache)
 
 
 # ---- benchmarks/gpu_check.sh (a 15-minute GPU slot: <= 6 minutes, <= 8 files in $OUT) ------
