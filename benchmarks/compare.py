@@ -50,8 +50,8 @@ from jaxpaged.benchmarks.results import machine, plot_next_to, write_outputs
 from jaxpaged.benchmarks.throughput import measure, run_requests, shifted, start_engine
 from jaxpaged.config import ModelConfig
 from jaxpaged.engine.arg_utils import EngineArgs
-from jaxpaged.runner.compile_cache import configure_compilation_cache, jax_cache_dir
 from jaxpaged.distributed.tensor_parallel import request_host_devices
+from jaxpaged.runner.compile_cache import configure_compilation_cache, jax_cache_dir
 
 
 def matmul_peak_flops(n: int = 2048, repeats: int = 10) -> float:
@@ -109,16 +109,19 @@ def startup_figures(engine_args: EngineArgs, requests: list[SampleRequest]) -> d
     (``num_compilations_during_run``: 0 when the precompile covered every shape it met,
     ``elapsed_time``), then ``warm`` (a second start on the cache the first left); each
     start as :func:`jaxpaged.benchmarks.throughput.start_engine` reports it. The process's
-    compile cache is pointed back where it was before the temporary one is deleted, so that
-    later compilations (the matmul peak) do not write into a missing directory."""
+    compile cache is pointed back where it was before the temporary one is deleted (even when
+    a start fails), so that later compilations (the matmul peak) do not write into a missing
+    directory."""
     before = jax_cache_dir()
     with tempfile.TemporaryDirectory() as cache:
         args = dataclasses.replace(engine_args, enforce_eager=False, compilation_cache_dir=cache)
-        llm, cold = start_engine(args)
-        run = measure(llm, requests, warmup=False)
-        del llm
-        _, warm = start_engine(args)
-        configure_compilation_cache(before)
+        try:
+            llm, cold = start_engine(args)
+            run = measure(llm, requests, warmup=False)
+            del llm
+            _, warm = start_engine(args)
+        finally:
+            configure_compilation_cache(before)
     return {"cold": cold, "warm": warm, "elapsed_time": run["elapsed_time"],
             "num_compilations_during_run": run["num_compilations_during_run"]}
 
