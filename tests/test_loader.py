@@ -133,9 +133,9 @@ def test_dummy_weights_from_config_alone(tmp_path):
     shutil.copy(os.path.join(FIXTURES, "llama_gqa_untied", "config.json"), tmp_path)
     cfg = ModelConfig.from_pretrained(str(tmp_path))
     model = load_model(str(tmp_path), cfg, dtype=jnp.bfloat16, backend=XLA, load_format="dummy")
-    kernel = model.lm_head.kernel[...]
-    assert kernel.shape == (96, 320) and kernel.dtype == jnp.bfloat16
-    assert 0.01 < float(jnp.std(kernel.astype(jnp.float32))) < 0.05
+    weight = model.lm_head.weight[...]
+    assert weight.shape == (320, 96) and weight.dtype == jnp.bfloat16
+    assert 0.01 < float(jnp.std(weight.astype(jnp.float32))) < 0.05
     np.testing.assert_array_equal(np.asarray(model.model.norm.weight[...], np.float32), 1.0)
 
 

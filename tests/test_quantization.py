@@ -155,7 +155,7 @@ def test_dummy_weights_are_the_float_dummy_weights_quantized():
     floats = _flat_params(None, cfg, load_format="dummy", seed=3)
     ints = _flat_params(None, cfg.with_quantization("int8"), load_format="dummy", seed=3)
     path = ("model", "layers", 1, "mlp", "down_proj")
-    kernel, scale = quantize_weight(floats[path + ("kernel",)], "int8")
+    kernel, scale = quantize_weight(floats[path + ("weight",)].T, "int8")
     assert ints[path + ("kernel",)].dtype == np.int8
     np.testing.assert_array_equal(ints[path + ("kernel",)], kernel)
     np.testing.assert_array_equal(ints[path + ("scale",)], scale)

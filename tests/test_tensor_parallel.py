@@ -8,6 +8,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import ModelConfig
@@ -125,6 +126,23 @@ def test_kv_head_replication_order():
         np.testing.assert_array_equal(heads[:, j], kernel.reshape(2, 4, 8)[:, j // 2])
     q = tp.repeat_kv_heads(("layers", 0, "self_attn", "q_proj", "kernel"), kernel)
     assert q is kernel
+    weight = kernel.T                              # a float projection's [out, in]
+    out = tp.repeat_kv_heads(("layers", 0, "self_attn", "v_proj", "weight"), weight)
+    assert out.shape == (64, 2)
+    for j in range(8):
+        np.testing.assert_array_equal(out[8 * j:8 * j + 8], weight[8 * (j // 2):8 * (j // 2) + 8])
+
+
+def test_projection_shardings_split_the_right_axis():
+    cfg = ModelConfig.from_pretrained(STORIES)     # hidden 64, intermediate 172, vocab 512
+    tp = TensorParallel.create(2, cfg)
+    spec = lambda *path, shape: tp.param_sharding(("layers", 0) + path, shape).spec  # noqa
+    assert spec("self_attn", "q_proj", "weight", shape=(64, 64)) == P("tp", None)
+    assert spec("self_attn", "o_proj", "weight", shape=(64, 64)) == P(None, "tp")
+    assert spec("mlp", "down_proj", "weight", shape=(64, 172)) == P(None, "tp")
+    assert spec("self_attn", "q_proj", "bias", shape=(64,)) == P("tp")
+    assert spec("input_layernorm", "weight", shape=(64,)) == P()
+    assert tp.param_sharding(("lm_head", "weight"), (512, 64)).spec == P("tp", None)
 
 
 def test_cli_splits_the_host_cpu_by_itself():

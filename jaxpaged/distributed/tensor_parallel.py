@@ -151,15 +151,20 @@ class TensorParallel:
         return NamedSharding(self.mesh, P(None, None, TP_AXIS, None))
 
     def param_sharding(self, path: tuple, shape: tuple[int, ...]) -> NamedSharding:
-        """Sharding of the parameter at NNX ``path`` (e.g. ``(..., 'q_proj', 'kernel')``)
-        with ``shape`` (kernels are ``[in, out]``, embeddings ``[vocab, hidden]``). A
-        dimension the mesh does not divide evenly (e.g. an intermediate size of 172 over 8
-        devices) is replicated instead of split."""
+        """Sharding of the parameter at NNX ``path`` (e.g. ``(..., 'q_proj', 'weight')``)
+        with ``shape`` (a float projection's ``weight`` is ``[out, in]``, an 8-bit one's
+        ``kernel`` ``[in, out]``, embeddings ``[vocab, hidden]``). A dimension the mesh does
+        not divide evenly (e.g. an intermediate size of 172 over 8 devices) is replicated
+        instead of split."""
         names = [str(p) for p in path]
         module, leaf = names[-2], names[-1]
         axis = None
-        if module in _COLUMN_PARALLEL:
+        if module in _COLUMN_PARALLEL and leaf == "weight":
+            axis = 0                              # weight [out, in] -> out
+        elif module in _COLUMN_PARALLEL:
             axis = len(shape) - 1                 # kernel [in, out] -> out; bias, scale [out]
+        elif module in _ROW_PARALLEL and leaf == "weight":
+            axis = 1
         elif module in _ROW_PARALLEL and leaf == "kernel":
             axis = 0
         elif module == "experts" and self.expert_parallel:
@@ -168,8 +173,8 @@ class TensorParallel:
             axis = {"w1": 2, "w3": 2, "w2": 1, "w1_scale": 1, "w3_scale": 1}.get(leaf)
         elif module == "embed_tokens":
             axis = 0                              # vocab rows
-        elif module == "lm_head" and leaf == "kernel":
-            axis = 1                              # vocab columns
+        elif module == "lm_head" and leaf == "weight":
+            axis = 0                              # vocab rows of [vocab, hidden]
         if axis is None or shape[axis] % self.size:
             return self.replicated
         spec = [None] * len(shape)
@@ -177,14 +182,17 @@ class TensorParallel:
         return NamedSharding(self.mesh, P(*spec))
 
     def repeat_kv_heads(self, path: tuple, value, xp=np):
-        """Replicate a ``k_proj``/``v_proj`` kernel's or bias's head columns
-        ``kv_head_repeats`` times (head j of the result is checkpoint head
-        ``j // kv_head_repeats``); other parameters are returned unchanged.
+        """Replicate a ``k_proj``/``v_proj`` weight's head rows (``weight`` [out, in]) or
+        kernel's, bias's or scale's head columns (``[..., out]``) ``kv_head_repeats`` times
+        (head j of the result is checkpoint head ``j // kv_head_repeats``); other parameters
+        are returned unchanged.
 
         ``xp`` is ``numpy`` for host arrays or ``jax.numpy`` inside jit.
         """
         if self.kv_head_repeats == 1 or str(path[-2]) not in ("k_proj", "v_proj"):
             return value
+        if str(path[-1]) == "weight":
+            return self.repeat_kv_heads(path[:-1] + ("kernel",), value.T, xp).T
         lead = value.shape[:-1]
         heads = value.reshape(*lead, -1, self.head_dim)
         return xp.repeat(heads, self.kv_head_repeats, axis=-2).reshape(*lead, -1)

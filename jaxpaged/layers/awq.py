@@ -127,7 +127,8 @@ class AWQLinear(nnx.Module):
         if din % group_size or dout % 8:
             raise ValueError(f"AWQ needs in_features ({din}) divisible by the group size "
                              f"({group_size}) and out_features ({dout}) by 8")
-        weight = nnx.initializers.normal(0.02)(rngs.params(), (din, dout), jnp.float32)
+        # Drawn as a float Linear's [out, in] weight, so dummy weights are its quantized ones.
+        weight = nnx.initializers.normal(0.02)(rngs.params(), (dout, din), jnp.float32).T
         qweight, qzeros, scales = quantize_awq(weight, group_size, xp=jnp)
         self.qweight = nnx.Param(qweight)
         self.qzeros = nnx.Param(qzeros)

@@ -1,23 +1,56 @@
 """Linear projections of the decoder layers.
 
 Every dense projection of every model family is built by :func:`linear`, so that checkpoint
-naming (``nnx.Linear``'s ``kernel`` [in, out] is torch's ``weight`` [out, in] transposed) and
-tensor-parallel sharding rules (keyed by the module's name) hold for all of them.
+naming and tensor-parallel sharding rules (keyed by the module's name and leaf) hold for all
+of them. A float projection is a :class:`Linear`, whose ``weight`` keeps torch's ``[out, in]``
+layout: checkpoints load without a transpose, and XLA:CPU's matmuls contract both operands
+on their last, contiguous dimension (measured below).
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxpaged.layers.awq import DEFAULT_GROUP_SIZE, AWQLinear
 from jaxpaged.layers.quantization import QuantizedLinear
 
 
+class Linear(nnx.Module):
+    """``y = x . weight^T + bias``: a [din] -> [dout] projection with ``weight`` [dout, din]
+    (torch's ``nn.Linear`` layout and checkpoint name) and optional ``bias`` [dout], both of
+    ``dtype``; inputs are cast to ``dtype`` and the matmul accumulates in it.
+
+    Why not ``nnx.Linear`` (``kernel`` [din, dout]): on W1's decode step (64 rows, Intel Xeon
+    with AVX-512, 2 cores, jaxlib 0.12.0.1) XLA:CPU's YNNPACK dots ran 8% faster with the
+    weight as [dout, din] (112.0 -> 103.2 ms a step, the prefill step 1.3% faster), the
+    64-row shapes [768 -> 2048], [2048 -> 768] and the [768 -> 32000] ``lm_head`` 8-11%.
+
+    Args:
+        din, dout: input and output widths.
+        bias: whether to add ``bias`` (initialised to zeros).
+        dtype: parameter and compute dtype.
+        rngs: draws ``weight`` from N(0, 0.02) (used only by ``--load-format dummy``).
+    """
+
+    def __init__(self, din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs):
+        self.dtype = dtype
+        self.weight = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (dout, din), dtype))
+        self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else nnx.data(None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [..., din] -> [..., dout] in ``dtype``."""
+        y = jax.lax.dot_general(x.astype(self.dtype), self.weight[...],
+                                (((x.ndim - 1,), (1,)), ((), ())))
+        return y if self.bias is None else y + self.bias[...]
+
+
 def linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs,
            quantization: str | None = None, group_size: int = DEFAULT_GROUP_SIZE
-           ) -> nnx.Linear | QuantizedLinear | AWQLinear:
-    """A [din] -> [dout] projection with ``kernel`` [din, dout] (and ``bias`` [dout]) of
-    ``dtype``, initialised N(0, 0.02) (used only by ``--load-format dummy``).
+           ) -> Linear | QuantizedLinear | AWQLinear:
+    """A [din] -> [dout] projection of ``dtype``: a :class:`Linear` (``weight`` [dout, din],
+    ``bias`` [dout]).
 
     With ``quantization`` (``"int8"`` or ``"fp8"``) it is a :class:`QuantizedLinear` instead:
     an 8-bit ``kernel`` [din, dout] with a float32 ``scale`` [dout] (bias still of ``dtype``);
@@ -31,5 +64,4 @@ def linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs,
         return AWQLinear(din, dout, bias, dtype, group_size, rngs)
     if quantization is not None:
         return QuantizedLinear(din, dout, bias, dtype, quantization, rngs)
-    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs,
-                      kernel_init=nnx.initializers.normal(0.02))
+    return Linear(din, dout, bias, dtype, rngs)

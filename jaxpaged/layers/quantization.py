@@ -123,7 +123,8 @@ class QuantizedLinear(nnx.Module):
     """
 
     def __init__(self, din: int, dout: int, bias: bool, dtype, method: str, rngs: nnx.Rngs):
-        weight = nnx.initializers.normal(0.02)(rngs.params(), (din, dout), jnp.float32)
+        # Drawn as a float Linear's [out, in] weight, so dummy weights are its quantized ones.
+        weight = nnx.initializers.normal(0.02)(rngs.params(), (dout, din), jnp.float32).T
         kernel, scale = quantize_weight(weight, method, xp=jnp)
         self.kernel = nnx.Param(kernel)
         self.scale = nnx.Param(scale)

@@ -1,11 +1,11 @@
 """Load a Hugging Face model directory, a GGUF file (or dummy weights) into a Flax NNX model.
 
 A parameter at NNX path ``a.b.c.<leaf>`` comes from the safetensors tensor ``a.b.c.weight``
-(or ``.bias``): ``nnx.Linear`` kernels are stored transposed ([in, out]) relative to torch's
-``[out, in]``; embeddings and norm scales are taken as they are. Stacked expert kernels
-(:class:`jaxpaged.models.mixtral.ExpertWeights` at ``a.experts.w1``) come from the per-expert
-tensors ``a.experts.{e}.w1.weight``, each transposed (and quantized, with its scales in
-``a.experts.w1_scale``, as a ``QuantizedLinear``'s are).
+(or ``.bias``), taken as it is: a float projection's ``weight`` keeps torch's ``[out, in]``
+(:class:`jaxpaged.layers.linear.Linear`), as do embeddings and norm scales. Stacked expert
+kernels (:class:`jaxpaged.models.mixtral.ExpertWeights` at ``a.experts.w1``) come from the
+per-expert tensors ``a.experts.{e}.w1.weight``, each transposed (and quantized, with its
+scales in ``a.experts.w1_scale``, as a ``QuantizedLinear``'s are).
 An ``AWQLinear``'s ``qweight``, ``qzeros`` and ``scales`` come from the tensors of
 those names (AutoAWQ's layout, ``[in, ...]`` already: not transposed), or are quantized from a
 float ``a.b.c.weight``. A ``QuantizedLinear``'s
@@ -112,7 +112,7 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
     quantized = {}   # checkpoint name -> kernel and scale, from a module's kernel to its scale
     missing, bad_shapes = {}, []   # missing: an ordered set of names
     for path, var in flat:
-        name, transpose = _hf_name(path)
+        name = _hf_name(path)
         if isinstance(var, (ExpertWeights, ExpertScales)):
             key = (*path[:-1], str(path[-1]).removesuffix("_scale"))
             if key not in quantized:
@@ -131,8 +131,6 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
                     f"tensor {name} is stored in 8 bits ({arr.dtype}) but loads into a float "
                     "parameter; only a checkpoint whose config.json has a supported "
                     "quantization_config may store its projections in fp8")
-            if arr is not None and transpose:
-                arr = arr.T
         if arr is None:
             missing[name] = None
             continue
@@ -159,7 +157,7 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
 
 
 def param_path(key_path) -> tuple:
-    """The NNX path (``('model', 'layers', 0, 'self_attn', 'q_proj', 'kernel')``) of a
+    """The NNX path (``('model', 'layers', 0, 'self_attn', 'q_proj', 'weight')``) of a
     state leaf's JAX key path."""
     keys = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in key_path]
     return tuple(keys[:-1] if keys and keys[-1] == "value" else keys)
@@ -218,18 +216,17 @@ def _read_experts(reader, path: tuple, num_experts: int, method: str | None
     return label, {part: np.stack([e[part] for e in experts]) for part in experts[0]}
 
 
-def _hf_name(path: tuple) -> tuple[str, bool]:
-    """NNX parameter path -> (safetensors tensor name, whether to transpose)."""
+def _hf_name(path: tuple) -> str:
+    """NNX parameter path -> safetensors tensor name."""
     *prefix, leaf = (str(p) for p in path)
     base = ".".join(prefix)
     if leaf in _AWQ_LEAVES:
-        return f"{base}.qweight", False
-    if leaf == "kernel" or prefix[-1:] == ["experts"]:
-        return f"{base}.weight", True
+        return f"{base}.qweight"
     if leaf == "bias":
-        return f"{base}.bias", False
-    # "embedding" (nnx.Embed), "weight" (RMSNorm), "scale" (QuantizedLinear, from its weight)
-    return f"{base}.weight", False
+        return f"{base}.bias"
+    # "weight" (Linear, RMSNorm), "embedding" (nnx.Embed), "kernel" and "scale"
+    # (QuantizedLinear, from its weight), stacked experts (from their per-expert weights)
+    return f"{base}.weight"
 
 
 def _quantized_weight(reader: "_SafetensorsReader", name: str, method: str,
