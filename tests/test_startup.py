@@ -133,7 +133,8 @@ def test_page_buckets_follow_the_backend():
 
 def test_ladders_skip_buckets_only_where_padding_is_cheap():
     """The bundled model (0.26 M parameters) pads within the budget from the smallest bucket
-    to the largest; W1's 110 M-parameter model keeps every power of two."""
+    to the largest; W1's 110 M-parameter model keeps every power of two, and its token
+    ladder the 1.5x steps from 1024 on."""
     bundled = LLM(enforce_eager=True).engine.runner
     assert bundled._buckets.seq_buckets == [8, 256]
     assert bundled._token_buckets == [16, 2048]
@@ -143,6 +144,12 @@ def test_ladders_skip_buckets_only_where_padding_is_cheap():
     assert bucket_sizes(16, 2048, 9) == [16, 32, 64, 128, 256, 512, 1024, 2048]
     assert bucket_sizes(16, 2048, 100) == [16, 64, 128, 256, 512, 1024, 2048]
     assert bucket_sizes(8, 100, 1000) == [8, 100]
+    w1 = ShapeBuckets(max_num_tokens=2048, max_num_seqs=64, max_pages_per_seq=64,
+                      page_buckets_by_width=False, max_padding=9)
+    assert w1.token_buckets == [16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
+    assert w1.seq_buckets == [8, 16, 32, 64]
+    assert w1.pad_sizes(1220, 58, 58, 12, False) == (1536, 64, 64)
+    assert bucket_sizes(16, 8192, 9, 1024)[-6:] == [1536, 2048, 3072, 4096, 6144, 8192]
 
 
 @pytest.mark.parametrize("tokens, seqs, pages", [(64, 32, 4), (16, 64, 8), (2048, 256, 32)])
