@@ -52,16 +52,60 @@ def test_precompile_then_a_w1_like_run_compiles_nothing():
     llm = LLM(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=128, block_size=16)
     runner = llm.engine.runner
     # forward: decode B {8, 16}, mixed T {16, 128} (the bundled model is small enough for
-    # the ladder to skip 32 and 64), P 8 (the xla backend's one bucket); the sampler: rows
-    # {8, 16}
-    assert runner.num_compilations == 6
+    # the ladder to skip 32 and 64), P 8 (the xla backend's one bucket); the sampler and
+    # the greedy program: rows {8, 16}
+    assert runner.num_compilations == 8
     rng = np.random.default_rng(0)
     prompts = [[1] + rng.integers(3, 512, size=int(n) - 1).tolist()
                for n in rng.integers(8, 65, size=24)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
                         use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
-    assert llm.engine.stats().num_compilations == 6
+    assert llm.engine.stats().num_compilations == 8
+
+
+def test_plain_greedy_steps_take_the_greedy_program_with_the_samplers_tokens():
+    """A step of greedy rows without logprobs, adjustments or grammar runs the greedy
+    program, which picks ``sample``'s tokens; any of those features selects ``sample``."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxpaged.runner.dummy_step import dummy_layout
+    from jaxpaged.runner.step_programs import sample_inputs
+    from jaxpaged.sampling.logits_adjust import LogitsAdjustment
+
+    runner = LLM(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=128,
+                 block_size=16).engine.runner
+    layout = dummy_layout(8, 8, runner._page_buckets[-1], True)
+    inputs = runner._dummy_inputs(layout)
+    assert not runner._plain_greedy(inputs)    # a host mask: the start-up runs `sample`
+    inputs = dataclasses.replace(inputs, token_bitmask=runner._free_bitmask(8))
+    assert runner._plain_greedy(inputs)
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(8, 512)), jnp.float32)
+    logits = logits.at[3, 7].set(logits[3].max()).at[3, 9].set(logits[3].max())  # a tie
+    prev = jnp.full(16, -1, jnp.int32)
+    info = jax.ShapeDtypeStruct(logits.shape, logits.dtype)
+    greedy_out, greedy_prev = runner._sampler_for(info, inputs)(logits, sample_inputs(inputs),
+                                                                prev)
+    sample = runner._compiled(("sample", 8, inputs.adjust.ids.shape[1],
+                               inputs.adjust.allowed_ids.shape[1]), None)
+    full_out, full_prev = sample(logits, sample_inputs(inputs), prev)
+    np.testing.assert_array_equal(greedy_out.token_ids, full_out.token_ids)
+    np.testing.assert_array_equal(greedy_prev, full_prev)
+    assert greedy_out.logprobs is None and int(greedy_out.token_ids[3]) == 7
+    ids = np.array(inputs.adjust.ids)
+    ids[0, 0] = 5                                   # one logit bias entry
+    for other in (dataclasses.replace(inputs, with_logprobs=np.asarray(True)),
+                  dataclasses.replace(inputs, adjust=LogitsAdjustment(
+                      ids, *dataclasses.astuple(inputs.adjust)[1:])),
+                  dataclasses.replace(inputs, token_bitmask=np.array(inputs.token_bitmask)),
+                  dataclasses.replace(inputs, sampling=dataclasses.replace(
+                      inputs.sampling, greedy=np.arange(8) != 2))):
+        assert not runner._plain_greedy(other)
+        assert runner._sampler_for(info, other) is sample
 
 
 @pytest.mark.slow

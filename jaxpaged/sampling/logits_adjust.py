@@ -176,6 +176,12 @@ def apply(logits: jax.Array, adj: LogitsAdjustment) -> jax.Array:
     return logits.at[rows, adj.ids].add(adj.post, mode="drop")
 
 
+def has_entries(adj: LogitsAdjustment) -> bool:
+    """On the host (numpy arrays): whether any row of ``adj`` has an entry, what
+    :func:`apply_if_any` decides on the device."""
+    return bool(np.any(np.asarray(adj.ids) != _PAD_ID) or np.any(np.asarray(adj.has_allowed)))
+
+
 def apply_if_any(logits: jax.Array, adj: LogitsAdjustment) -> jax.Array:
     """:func:`apply` when any row of ``adj`` has an entry, else ``logits`` unchanged, decided
     on the device (``lax.cond``), so one executable serves steps with and without them."""
