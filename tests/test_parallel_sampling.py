@@ -124,3 +124,23 @@ def test_bad_words_apply_to_every_sequence_of_n():
     for c in banned.outputs:
         assert "Lily" not in c.text
         assert c.token_ids == solo.outputs[0].token_ids
+
+
+def test_bad_word_written_with_a_leading_space_is_banned():
+    # vLLM strips a bad word's leading spaces before encoding it. The bundled sentencepiece
+    # tokenizer encodes " girl" as a lone space piece and then "girl", a sequence generated
+    # text never holds, so the word as written banned nothing (a fresh user's report).
+    llm = LLM(enforce_eager=True)
+    girl = llm.get_tokenizer().encode("girl", add_special_tokens=False)
+    assert len(girl) == 3
+    prompt, params = "Once upon a time", dict(temperature=0, max_tokens=30)
+
+    def ids(**kw):
+        return llm.generate([prompt], SamplingParams(**params, **kw))[0].outputs[0].token_ids
+
+    def holds(seq, sub):
+        return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+    assert holds(ids(), girl)
+    spaced, bare = ids(bad_words=[" girl"]), ids(bad_words=["girl"])
+    assert spaced == bare and not holds(bare, girl)

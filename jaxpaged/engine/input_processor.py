@@ -66,14 +66,21 @@ class InputProcessor:
         return params
 
     def bad_words_ids(self, params: SamplingParams) -> list[list[int]]:
-        """Token sequences of each bad word, as written and with a leading space (vLLM's
-        rule), without duplicates."""
+        """Token sequences of each bad word, without duplicates, by vLLM's rule
+        (``SamplingParams.update_from_tokenizer``): the word without leading spaces, and
+        with one leading space when that encodes to as many tokens with another first token
+        (the word's form after a space on tokenizers without a dummy prefix). A word written
+        with a leading space is the same word: a sentencepiece tokenizer encodes " girl" as
+        a lone space piece and "girl", which generated text never holds."""
         seqs: dict[tuple[int, ...], None] = {}     # an ordered set
         for word in params.bad_words or ():
-            for variant in (word, " " + word.lstrip()):
-                ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                if ids:
-                    seqs[tuple(ids)] = None
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not bare:
+                continue
+            seqs[tuple(bare)] = None
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if len(spaced) == len(bare) and spaced[0] != bare[0]:
+                seqs[tuple(spaced)] = None
         return [list(ids) for ids in seqs]
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
