@@ -74,16 +74,17 @@ def test_plain_greedy_steps_take_the_greedy_program_with_the_samplers_tokens():
     import numpy as np
 
     from jaxpaged.runner.dummy_step import dummy_layout
-    from jaxpaged.runner.step_programs import sample_inputs
+    from jaxpaged.runner.step_programs import is_plain_greedy, sample_inputs
     from jaxpaged.sampling.logits_adjust import LogitsAdjustment
 
     runner = LLM(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=128,
                  block_size=16).engine.runner
     layout = dummy_layout(8, 8, runner._page_buckets[-1], True)
     inputs = runner._dummy_inputs(layout)
-    assert not runner._plain_greedy(inputs)    # a host mask: the start-up runs `sample`
-    inputs = dataclasses.replace(inputs, token_bitmask=runner._free_bitmask(8))
-    assert runner._plain_greedy(inputs)
+    free = runner._free_bitmask(8)
+    assert not is_plain_greedy(inputs, free)    # a host mask: the start-up runs `sample`
+    inputs = dataclasses.replace(inputs, token_bitmask=free)
+    assert is_plain_greedy(inputs, free)
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(8, 512)), jnp.float32)
     logits = logits.at[3, 7].set(logits[3].max()).at[3, 9].set(logits[3].max())  # a tie
     prev = jnp.full(16, -1, jnp.int32)
@@ -104,7 +105,7 @@ def test_plain_greedy_steps_take_the_greedy_program_with_the_samplers_tokens():
                   dataclasses.replace(inputs, token_bitmask=np.array(inputs.token_bitmask)),
                   dataclasses.replace(inputs, sampling=dataclasses.replace(
                       inputs.sampling, greedy=np.arange(8) != 2))):
-        assert not runner._plain_greedy(other)
+        assert not is_plain_greedy(other, free)
         assert runner._sampler_for(info, other) is sample
 
 

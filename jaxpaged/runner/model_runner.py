@@ -45,8 +45,7 @@ from jaxpaged.runner.input_batch import PreparedStep, StepInputs, attention_meta
 from jaxpaged.runner.output import ModelRunnerOutput
 from jaxpaged.runner.pending_step import PendingStep, copy_indices
 from jaxpaged.runner.step_programs import (build_programs, build_verify_program,
-                                           forward_inputs, sample_inputs)
-from jaxpaged.sampling.logits_adjust import has_entries
+                                           forward_inputs, is_plain_greedy, sample_inputs)
 from jaxpaged.structured_output.manager import all_allowed, num_words
 
 logger = logging.getLogger(__name__)
@@ -308,7 +307,7 @@ class ModelRunner:
     def _sampler_for(self, logits, inputs: StepInputs, verify: bool = False):
         """The compiled sampler, or with ``verify`` the verifier (its third input: each
         row's proposal), for ``logits`` (the forward's first output info, [B, V]) and
-        ``inputs``' adjustment capacity; for a plain greedy step (:meth:`_plain_greedy`)
+        ``inputs``' adjustment capacity; for a plain greedy step (``is_plain_greedy``)
         the greedy program, called the same way. A row bucket's sampler and greedy program
         compile together, so precompiling a shape readies both."""
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=self._replicated)
@@ -322,18 +321,9 @@ class ModelRunner:
             return sampler
         greedy = self._compiled(("greedy", logits.shape[0]), self._programs.greedy, logits,
                                 self._prev_tokens)
-        if not self._plain_greedy(inputs):
+        if not is_plain_greedy(inputs, self._free_bitmasks.get(logits.shape[0])):
             return sampler
         return lambda logits, _, prev_tokens: greedy(logits, prev_tokens)
-
-    def _plain_greedy(self, inputs: StepInputs) -> bool:
-        """Whether ``sample`` reduces to the argmax for ``inputs``: every row greedy (padding
-        rows are), no logprobs, no logit adjustment and no grammar mask (the shared
-        all-allowed one)."""
-        rows = inputs.sampling.greedy.shape[0]
-        return bool(np.all(inputs.sampling.greedy)) and not bool(inputs.with_logprobs) \
-            and not has_entries(inputs.adjust) \
-            and inputs.token_bitmask is self._free_bitmasks.get(rows)
 
     def _free_bitmask(self, rows: int) -> jax.Array:
         """The all-allowed grammar bitmask of ``rows`` rows, on the device (made once per row

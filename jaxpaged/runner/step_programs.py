@@ -30,12 +30,14 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpaged.layers.attention.base import KVPages
 from jaxpaged.layers.lora import lora_token_slots
 from jaxpaged.runner.input_batch import StepInputs
 from jaxpaged.runner.pooling import pool_rows
+from jaxpaged.sampling.logits_adjust import has_entries
 from jaxpaged.sampling.sampler import SamplerOutput, argmax_first, sample, token_logprobs, when
 
 
@@ -88,6 +90,15 @@ def greedy_step_rows(logits: jax.Array, prev_tokens: jax.Array
     ``prev_tokens``."""
     tokens = argmax_first(logits)
     return SamplerOutput(tokens), prev_tokens.at[:tokens.shape[0]].set(tokens)
+
+
+def is_plain_greedy(inputs: StepInputs, free_bitmask) -> bool:
+    """Whether ``sample`` reduces to the greedy program for ``inputs`` (host arrays): every
+    row greedy (padding rows are), no logprobs, no logit adjustment, and the grammar mask
+    the shared all-allowed ``free_bitmask`` (a step's own mask, even an all-allowed one,
+    keeps ``sample``; so do the start-up's dummy inputs)."""
+    return bool(np.all(inputs.sampling.greedy)) and not bool(inputs.with_logprobs) \
+        and not bool(has_entries(inputs.adjust)) and inputs.token_bitmask is free_bitmask
 
 
 def copy_kv_pages(kv_caches: list[KVPages], src: jax.Array, dst: jax.Array) -> list[KVPages]:

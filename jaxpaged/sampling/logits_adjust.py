@@ -176,14 +176,13 @@ def apply(logits: jax.Array, adj: LogitsAdjustment) -> jax.Array:
     return logits.at[rows, adj.ids].add(adj.post, mode="drop")
 
 
-def has_entries(adj: LogitsAdjustment) -> bool:
-    """On the host (numpy arrays): whether any row of ``adj`` has an entry, what
-    :func:`apply_if_any` decides on the device."""
-    return bool(np.any(np.asarray(adj.ids) != _PAD_ID) or np.any(np.asarray(adj.has_allowed)))
+def has_entries(adj: LogitsAdjustment, xp=np):
+    """Whether any row of ``adj`` has an entry: a bool on the host (``xp`` numpy, numpy
+    arrays), a [] bool array inside jit (``xp`` ``jax.numpy``)."""
+    return xp.any(adj.ids != _PAD_ID) | xp.any(adj.has_allowed)
 
 
 def apply_if_any(logits: jax.Array, adj: LogitsAdjustment) -> jax.Array:
     """:func:`apply` when any row of ``adj`` has an entry, else ``logits`` unchanged, decided
     on the device (``lax.cond``), so one executable serves steps with and without them."""
-    active = jnp.any(adj.ids != _PAD_ID) | jnp.any(adj.has_allowed)
-    return jax.lax.cond(active, apply, lambda x, _: x, logits, adj)
+    return jax.lax.cond(has_entries(adj, jnp), apply, lambda x, _: x, logits, adj)
