@@ -111,6 +111,18 @@ def compare_backends(kind: str, model_dir: str, backends: list[str], dtype: str,
     return {"kind": kind, "dtype": dtype, "rounds": interleave(calls, repeats, rounds)}
 
 
+def compare_matmuls(kind: str, model_dir: str, dtype: str, repeats: int, rounds: int) -> dict:
+    """Best and median step time of ``kind`` with the ``cpu`` attention backend, its few-row
+    projections by XLA's dot and by the C++ kernel (:mod:`jaxpaged.layers.cpu_matmul`), calls
+    interleaved; ratios are to XLA's dot."""
+    calls = {}
+    for name, use in (("xla dot", False), ("cpu matmul", True)):
+        fn, state, kv, args, _, _ = build_step(kind, model_dir, dtype=dtype, backend="cpu",
+                                               cpu_matmuls=use)
+        calls[name] = step_caller(fn, state, {"kv": kv}, args)
+    return {"kind": kind, "dtype": dtype, "rounds": interleave(calls, repeats, rounds)}
+
+
 def compare_decode_layer(model_dir: str, backends: list[str], dtype: str, repeats: int,
                          rounds: int) -> dict:
     """One layer's attention (``forward``: KV write and attention, the pool donated) in W1's
@@ -169,6 +181,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--backends", nargs="+", default=None,
                    help="compare these attention backends (e.g. xla cpu) instead of dtypes; "
                         "one backend: compare --dtypes with it")
+    p.add_argument("--matmuls", action="store_true",
+                   help="compare XLA's dot with the C++ small-rows matmul instead (cpu "
+                        "attention backend, the first of --dtypes)")
     p.add_argument("--layer", action="store_true",
                    help="with --backends: time one layer's decode attention first")
     p.add_argument("--repeats", type=int, default=6)
@@ -180,7 +195,10 @@ def main(argv: list[str] | None = None) -> dict:
                                                args.repeats, args.rounds)
         print(json.dumps({"layer": result["layer"]}), flush=True)
     for kind in args.steps:
-        if args.backends and len(args.backends) == 1:
+        if args.matmuls:
+            result[kind] = compare_matmuls(kind, args.model, args.dtypes[0], args.repeats,
+                                           args.rounds)
+        elif args.backends and len(args.backends) == 1:
             result[kind] = compare_dtypes(kind, args.model, args.dtypes, args.repeats,
                                           args.rounds, args.backends[0])
         elif args.backends:

@@ -110,14 +110,17 @@ def w1_layout(kind: str):
 
 
 def build_step(kind: str, model_dir: str, compile_: bool = True, dtype: str = "float32",
-               backend: str = "xla"):
+               backend: str = "xla", cpu_matmuls: bool | None = None):
     """(compiled step, its argument tuple, [(name, m, k, n)] matmul shapes) for ``kind``,
     weights and KV pool in ``dtype`` (``--dtype``), attention by ``backend``
-    (``--attention-backend``); the step returns (token ids [64] int32, KV pool)."""
+    (``--attention-backend``), few-row float32 projections by the C++ kernel when
+    ``cpu_matmuls`` (None: as the runner decides, with the ``cpu`` backend); the step returns
+    (token ids [64] int32, KV pool)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
     from jaxpaged.config import ModelConfig
+    from jaxpaged.layers import cpu_matmul
     from jaxpaged.layers.attention.base import allocate_kv_pool
     from jaxpaged.layers.attention.selection import get_attention_backend
     from jaxpaged.models.loader import load_model
@@ -126,6 +129,8 @@ def build_step(kind: str, model_dir: str, compile_: bool = True, dtype: str = "f
 
     cfg = ModelConfig.from_pretrained(model_dir)
     backend = get_attention_backend(backend)
+    if cpu_matmuls is None:
+        cpu_matmuls = backend.name == "cpu" and cpu_matmul.available()
     model = load_model(model_dir, cfg, dtype=jnp.dtype(dtype), backend=backend,
                        load_format="dummy")
     graphdef, state = nnx.split(model)
@@ -135,8 +140,9 @@ def build_step(kind: str, model_dir: str, compile_: bool = True, dtype: str = "f
 
     def step(state, kv, input_ids, positions, metadata, logits_indices, sampling):
         m = nnx.merge(graphdef, state)
-        hidden, kv = m(input_ids, positions, kv, metadata)
-        logits = m.compute_logits(hidden[logits_indices])
+        with cpu_matmul.small_rows_matmuls(cpu_matmuls):
+            hidden, kv = m(input_ids, positions, kv, metadata)
+            logits = m.compute_logits(hidden[logits_indices])
         return sample(logits, sampling).token_ids, kv
 
     t = layout.positions.shape[0]

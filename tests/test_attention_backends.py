@@ -25,7 +25,7 @@ def test_engine_on_pallas_reproduces_reference_greedy_outputs():
 
 
 def test_auto_is_cpu_on_cpu_unless_the_kernel_cannot_build(monkeypatch):
-    from jaxpaged.layers.attention import cpu_build
+    from jaxpaged.layers import cpu_build
     assert get_attention_backend("auto").name == "cpu"
     monkeypatch.setenv(cpu_build.CXX_ENV, "/nonexistent/g++")
     assert get_attention_backend("auto").name == "xla"

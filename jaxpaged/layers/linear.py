@@ -9,10 +9,13 @@ on their last, contiguous dimension (measured below).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpaged.layers import cpu_matmul
 from jaxpaged.layers.awq import DEFAULT_GROUP_SIZE, AWQLinear
 from jaxpaged.layers.quantization import QuantizedLinear
 
@@ -40,9 +43,13 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else nnx.data(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [..., din] -> [..., dout] in ``dtype``."""
-        y = jax.lax.dot_general(x.astype(self.dtype), self.weight[...],
-                                (((x.ndim - 1,), (1,)), ((), ())))
+        """x: [..., din] -> [..., dout] in ``dtype`` (few float32 rows inside
+        :func:`~jaxpaged.layers.cpu_matmul.small_rows_matmuls` through the C++ kernel)."""
+        x = x.astype(self.dtype)
+        if cpu_matmul.applies(math.prod(x.shape[:-1]), self.dtype):
+            y = cpu_matmul.small_rows_matmul(x, self.weight[...])
+        else:
+            y = jax.lax.dot_general(x, self.weight[...], (((x.ndim - 1,), (1,)), ((), ())))
         return y if self.bias is None else y + self.bias[...]
 
 

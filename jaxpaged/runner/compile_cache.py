@@ -34,8 +34,8 @@ CACHE_ROOT_ENV = "JAXPAGED_CACHE_ROOT"
 
 def cache_root() -> str:
     """``$JAXPAGED_CACHE_ROOT``, defaulting to ``$XDG_CACHE_HOME/jaxpaged`` or
-    ``~/.cache/jaxpaged`` (also where the CPU attention kernel is built,
-    ``jaxpaged.layers.attention.cpu_build``)."""
+    ``~/.cache/jaxpaged`` (also where the CPU kernels are built,
+    ``jaxpaged.layers.cpu_build``)."""
     root = os.environ.get(CACHE_ROOT_ENV)
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -67,7 +67,7 @@ def _source_digest() -> str:
         for folder, dirs, files in sorted(os.walk(root)):
             dirs.sort()
             for f in sorted(files):
-                if f.endswith((".py", ".cc")):      # .cc: the CPU attention kernel
+                if f.endswith((".py", ".cc")):      # .cc: the CPU kernels
                     digest.update(f.encode())
                     with open(os.path.join(folder, f), "rb") as fh:
                         digest.update(fh.read())
@@ -111,17 +111,17 @@ class ExecutableStore:
     def load(self, name: str, devices: list):
         """The executable stored as ``name`` (a :func:`fingerprint`) loaded onto ``devices``
         (the step's mesh, in its order), or None; an entry that cannot be read or loaded is
-        ignored (logged) and compiled again. On the CPU the C++ attention kernel's FFI target
-        is registered first (``jaxpaged.layers.attention.cpu_build``)."""
+        ignored (logged) and compiled again. On the CPU the C++ kernels' FFI targets are
+        registered first (``jaxpaged.layers.cpu_build``)."""
         if self.directory is None or not os.path.exists(self._path(name)):
             return None
         from jax.experimental import serialize_executable
         if {d.platform for d in devices} == {"cpu"}:
-            # A step may call the CPU attention kernel: its FFI target must be registered
+            # A step may call the CPU kernels: their FFI targets must be registered
             # before the executable is deserialized (a failure is logged; the load then fails
             # below and the step is compiled again).
-            from jaxpaged.layers.attention.cpu_build import load_paged_attention
-            load_paged_attention()
+            from jaxpaged.layers.cpu_build import load_cpu_kernels
+            load_cpu_kernels()
         try:
             with open(self._path(name), "rb") as f:
                 return serialize_executable.deserialize_and_load(

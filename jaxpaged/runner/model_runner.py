@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from jaxpaged.distributed.multihost import to_host
 from jaxpaged.runner.kv_scales import KVScales, set_kv_scales
 from jaxpaged.engine.scheduler_output import SchedulerOutput
+from jaxpaged.layers import cpu_matmul
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, allocate_kv_pool
 from jaxpaged.lora.device import LoRASlotWriter, token_slots
 from jaxpaged.runner.buckets import ShapeBuckets, padding_budget_tokens
@@ -85,7 +86,9 @@ class ModelRunner:
             engine sets :attr:`eos_token_ids` once its tokenizer is loaded (the runner is
             built and compiles while the tokenizer loads), before the first step.
         replicated: the sharding of every per-step input and output (the whole mesh); the
-            parameters and the pool keep the shardings they arrived with.
+            parameters and the pool keep the shardings they arrived with. On one CPU device
+            with the ``cpu`` attention backend the forward's few-row float32 projections run
+            through the C++ kernel of :mod:`jaxpaged.layers.cpu_matmul`.
         executable_dir: where compiled steps are kept whole across runs
             (``jaxpaged.runner.executable_store``; None: not kept).
         lora: the writer of the model's LoRA slots (``jaxpaged.lora.device``; None: LoRA
@@ -104,6 +107,8 @@ class ModelRunner:
         self._page_size = page_size
         self._limits = limits
         self._replicated = replicated
+        self._cpu_matmuls = (backend.name == "cpu" and replicated.mesh.size == 1
+                             and cpu_matmul.available())
         self._num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
         self._set_buckets()
         self._executables: dict[tuple, object] = {}
@@ -121,7 +126,8 @@ class ModelRunner:
         num_rows = self._buckets.seq_buckets[-1]
         self._programs = build_programs(
             graphdef, jax.tree.map(lambda a: a.sharding, self._state),
-            jax.tree.map(lambda a: a.sharding, self._kv_caches), self._replicated)
+            jax.tree.map(lambda a: a.sharding, self._kv_caches), self._replicated,
+            self._cpu_matmuls)
         self._prev_tokens = jax.device_put(np.zeros(num_rows, np.int32), self._replicated)
         self._prev_rows: Callable[[], dict[str, int]] = dict
         self._free_bitmasks: dict[int, jax.Array] = {}
@@ -343,7 +349,7 @@ class ModelRunner:
             devices = devices or list(self._replicated.mesh.devices.flat)
             name = fingerprint(self._graphdef, self._state, self._kv_caches, args,
                                (key, self._page_size, repr(self._replicated),
-                                [d.id for d in devices]))
+                                [d.id for d in devices], self._cpu_matmuls))
             fn = self._store.load(name, devices)
             if fn is None:
                 fn = self._store.compile(name, lambda: program.lower(*args))

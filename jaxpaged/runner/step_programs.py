@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpaged.layers.attention.base import KVPages
+from jaxpaged.layers.cpu_matmul import small_rows_matmuls
 from jaxpaged.layers.lora import lora_token_slots
 from jaxpaged.runner.input_batch import StepInputs
 from jaxpaged.runner.pooling import pool_rows
@@ -151,17 +152,19 @@ def build_verify_program(replicated: jax.sharding.Sharding) -> jax.stages.Wrappe
 
 
 def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
-                   replicated: jax.sharding.Sharding) -> StepPrograms:
+                   replicated: jax.sharding.Sharding, cpu_matmuls: bool = False) -> StepPrograms:
     """Jit the runner's programs for a model split into ``graphdef`` and a state of
     ``state_sharding``, a KV pool of ``kv_sharding``, and per-step inputs and outputs
-    ``replicated``."""
+    ``replicated``; with ``cpu_matmuls`` the forward's few-row float32 projections use the C++
+    kernel (:mod:`jaxpaged.layers.cpu_matmul`)."""
 
     def forward(state, kv_caches: list[KVPages], inputs: dict, prev_tokens: jax.Array):
         input_ids = inputs["input_ids"]
         index = inputs["prev_token_index"]
         input_ids = jnp.where(index >= 0, prev_tokens[index], input_ids)
         model = nnx.merge(graphdef, state)
-        with lora_token_slots(inputs.get("lora_slots")):   # [T] int32 with --enable-lora
+        with lora_token_slots(inputs.get("lora_slots")), \
+                small_rows_matmuls(cpu_matmuls):   # lora_slots: [T] int32 with --enable-lora
             hidden, kv_caches = model(input_ids, inputs["positions"], kv_caches,
                                       inputs["attn_metadata"])
         return *forward_outputs(model, hidden, inputs), kv_caches

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.layers.attention import cpu_build, get_attention_backend, selection
+from jaxpaged.layers import cpu_build
+from jaxpaged.layers.attention import get_attention_backend, selection
 from jaxpaged.layers.attention.cpu import CpuAttentionBackend, kernel_available, paged_attention_cpu
 from jaxpaged.layers.attention.xla import XlaAttentionBackend, paged_attention_chunked
 from pallas_kernels.kv_quant import FP8_DTYPE, quantize_kv
@@ -147,11 +148,11 @@ def test_auto_picks_cpu_on_cpu_for_its_dtypes():
 def test_missing_compiler_falls_back_to_xla(monkeypatch, caplog, tmp_path):
     monkeypatch.setenv(cpu_build.CXX_ENV, str(tmp_path / "no-such-g++"))
     with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
-        assert not cpu_build.load_paged_attention()
+        assert not cpu_build.load_cpu_kernels()
         assert get_attention_backend("cpu").name == "xla"
         assert get_attention_backend("auto", num_kv_heads=2, num_heads=4, head_dim=64,
                                      dtype=jnp.float32).name == "xla"
-    warnings = [r for r in caplog.records if "kernel unavailable" in r.getMessage()]
+    warnings = [r for r in caplog.records if "kernels unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "no-such-g++" in warnings[0].getMessage()
 
 

@@ -7,7 +7,7 @@ queries computes all 16 rows even when one is real (a decode inside a mixed step
 backend sends every query block (``block_q`` = 1 in a decode-only step, 16 otherwise, or a
 speculative verify block's 1 + k) to ``csrc/paged_attention_cpu.cc``, which walks the page
 table itself, reads each K/V page once per block with the softmax fused and skips padding
-queries (:mod:`jaxpaged.layers.attention.cpu_build` builds and registers it). It reads the
+queries (:mod:`jaxpaged.layers.cpu_build` builds and registers it). It reads the
 queries and writes the outputs in token order, so ``forward`` gathers nothing into blocks
 and scatters nothing back (on W1's 2048-token prefill step those two copies were about as
 long as the kernel itself, ``docs/benchmarks.md``). The KV write
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.layers.attention.cpu_build import PAGED_ATTENTION_TARGET, load_paged_attention
+from jaxpaged.layers.cpu_build import PAGED_ATTENTION_TARGET, load_cpu_kernels
 from jaxpaged.layers.attention.xla import XlaAttentionBackend, paged_attention_chunked
 
 #: Query and pool dtypes the kernel reads (the pool in the queries' dtype).
@@ -46,7 +46,7 @@ def paged_attention_cpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                         sliding_window: int | None = None, soft_cap: float | None = None,
                         k_scale: float = 1.0, v_scale: float = 1.0) -> jax.Array:
     """Paged attention of a step's query tokens, in query blocks, by the C++ kernel (the FFI
-    target must be registered: :func:`~jaxpaged.layers.attention.cpu_build.load_paged_attention`).
+    target must be registered: :func:`~jaxpaged.layers.cpu_build.load_cpu_kernels`).
 
     Args:
         q: [T, H, D] query tokens, float32 or bfloat16.
@@ -117,4 +117,4 @@ class CpuAttentionBackend(XlaAttentionBackend):
 
 def kernel_available() -> bool:
     """True when this process runs on the CPU and the kernel is built and registered."""
-    return jax.default_backend() == "cpu" and load_paged_attention()
+    return jax.default_backend() == "cpu" and load_cpu_kernels()

@@ -1,16 +1,20 @@
-"""Build, cache and register the C++ CPU attention kernel (``csrc/``) as an XLA FFI target.
+"""Build, cache and register the C++ CPU kernels (``csrc/``) as XLA FFI targets.
 
-On first use ``csrc/paged_attention_cpu.cc`` (with the headers beside it) is compiled with the C++ compiler (``$JAXPAGED_CXX``, default
-``g++``) against the XLA FFI headers jaxlib ships (``jax.ffi.include_dir()``) into
-``$JAXPAGED_CACHE_ROOT/kernels`` (``~/.cache/jaxpaged/kernels`` by default, the root of
+The library holds the paged attention kernel (``csrc/paged_attention_cpu.cc``, used by
+:mod:`jaxpaged.layers.attention.cpu`) and the small-rows matmul
+(``csrc/small_rows_matmul.cc``, used by :mod:`jaxpaged.layers.cpu_matmul`).
+On first use the ``.cc`` sources (with the headers beside them) are compiled with the C++
+compiler (``$JAXPAGED_CXX``, default ``g++``) against the XLA FFI headers jaxlib ships
+(``jax.ffi.include_dir()``) into one library in ``$JAXPAGED_CACHE_ROOT/kernels`` (``~/.cache/jaxpaged/kernels`` by default, the root of
 :mod:`jaxpaged.runner.compile_cache`), named by a hash of the sources, the compiler command,
 its version, the jaxlib version and this CPU's feature flags (``-march=native`` code is only
 valid on such a CPU). The library is written under a temporary name and renamed, so two
 processes building at once both end with a whole file. It is loaded with ``ctypes`` and its
-handler registered with ``jax.ffi.register_ffi_target(..., platform="cpu")``, once per process.
+handlers registered with ``jax.ffi.register_ffi_target(..., platform="cpu")``, once per process.
 
-A missing compiler or a failed build logs one warning and reports the kernel unavailable; the
-callers then use the ``xla`` backend (:mod:`jaxpaged.layers.attention.selection`).
+A missing compiler or a failed build logs one warning and reports the kernels unavailable; the
+callers then use XLA's own ops (the ``xla`` attention backend,
+:mod:`jaxpaged.layers.attention.selection`, and XLA's dot).
 """
 
 from __future__ import annotations
@@ -33,10 +37,14 @@ logger = logging.getLogger(__name__)
 CXX_ENV = "JAXPAGED_CXX"
 #: The XLA FFI target of the paged attention kernel.
 PAGED_ATTENTION_TARGET = "jaxpaged_paged_attention"
+#: The XLA FFI target of the small-rows float32 matmul.
+SMALL_ROWS_MATMUL_TARGET = "jaxpaged_small_rows_matmul"
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCE = os.path.join(_CSRC, "paged_attention_cpu.cc")
-_SYMBOL = "JaxpagedPagedAttention"
+_SOURCES = ("paged_attention_cpu.cc", "small_rows_matmul.cc")
+# FFI target -> the handler symbol the library exports.
+_TARGETS = {PAGED_ATTENTION_TARGET: "JaxpagedPagedAttention",
+            SMALL_ROWS_MATMUL_TARGET: "JaxpagedSmallRowsMatmul"}
 # OpenMP only for its `simd` pragmas (no runtime): threads come from XLA:CPU's pool.
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
@@ -65,11 +73,11 @@ def library_path(cxx: str) -> str:
             digest.update(name.encode() + f.read())
     for part in (cxx, version, " ".join(_FLAGS), jaxlib.__version__, _cpu_flags()):
         digest.update(part.encode())
-    return os.path.join(cache_root(), "kernels", f"paged_attention_cpu-{digest.hexdigest()[:20]}.so")
+    return os.path.join(cache_root(), "kernels", f"jaxpaged_cpu-{digest.hexdigest()[:20]}.so")
 
 
 def _build(cxx: str, path: str) -> None:
-    """Compile the source into ``path`` atomically (temporary name, then rename).
+    """Compile the sources into ``path`` atomically (temporary name, then rename).
 
     Raises:
         OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired: the build failed.
@@ -79,7 +87,8 @@ def _build(cxx: str, path: str) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=folder)
     os.close(fd)
     try:
-        subprocess.run([cxx, *_FLAGS, "-isystem", jax.ffi.include_dir(), _SOURCE, "-o", tmp],
+        sources = [os.path.join(_CSRC, name) for name in _SOURCES]
+        subprocess.run([cxx, *_FLAGS, "-isystem", jax.ffi.include_dir(), *sources, "-o", tmp],
                        capture_output=True, text=True, check=True, timeout=600)
         os.replace(tmp, path)
     finally:
@@ -92,22 +101,22 @@ def _load(cxx: str) -> bool:
     try:
         path = library_path(cxx)
         if not os.path.exists(path):
-            logger.info("building the CPU attention kernel with %s into %s", cxx, path)
+            logger.info("building the CPU kernels with %s into %s", cxx, path)
             _build(cxx, path)
         library = ctypes.CDLL(path)
-        jax.ffi.register_ffi_target(PAGED_ATTENTION_TARGET,
-                                    jax.ffi.pycapsule(getattr(library, _SYMBOL)),
-                                    platform="cpu")
-    except Exception as e:  # noqa: BLE001 - any failure means: attend with the xla backend
+        for target, symbol in _TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                        platform="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure means: use the xla paths
         detail = getattr(e, "stderr", "") or ""
-        logger.warning("CPU attention kernel unavailable (%s: %s%s); using the xla backend",
+        logger.warning("CPU kernels unavailable (%s: %s%s); using the xla backend",
                        type(e).__name__, e, f"\n{detail[-2000:]}" if detail else "")
         return False
     return True
 
 
-def load_paged_attention() -> bool:
-    """Build (or find in the cache) and register the paged attention kernel; True when the FFI
-    target :data:`PAGED_ATTENTION_TARGET` is registered for the CPU. Never raises: a failure is
-    logged once (per compiler) and returns False."""
+def load_cpu_kernels() -> bool:
+    """Build (or find in the cache) and register the CPU kernels; True when the FFI targets
+    :data:`PAGED_ATTENTION_TARGET` and :data:`SMALL_ROWS_MATMUL_TARGET` are registered for the
+    CPU. Never raises: a failure is logged once (per compiler) and returns False."""
     return _load(os.environ.get(CXX_ENV) or "g++")

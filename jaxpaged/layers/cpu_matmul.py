@@ -1,0 +1,89 @@
+"""Float32 projections of few rows through the C++ small-rows matmul (XLA FFI) on the CPU.
+
+A decode step multiplies every weight by as many rows as it has sequences (64 for W1), and
+XLA:CPU's dot then spends about as long repacking the weight as multiplying: for a 768 x 768
+weight a call cost ~0.24 ms plus ~3.5 us a row (Intel Xeon, AVX-512, 2 cores, jaxlib
+0.12.0.1), so 64 rows ran at ~half the machine's matmul peak. ``csrc/small_rows_matmul.cc``
+reads the ``[out, in]`` weight where it lies and keeps the rows (transposed by XLA, in the
+fusion that produces them) in cache; on W1's 64-row shapes it was 1.2-1.9x XLA's dot (figures
+in ``docs/benchmarks.md``, "Small-row matmuls").
+
+The runner turns it on while tracing a forward step (:func:`small_rows_matmuls`) when the
+model runs on one CPU device with the ``cpu`` attention backend (so ``--attention-backend
+xla`` keeps the all-XLA numerical oracle, and sharded weights stay with XLA's partitioner);
+:class:`~jaxpaged.layers.linear.Linear` then sends float32 products of
+:data:`MIN_ROWS`..:data:`MAX_ROWS` rows here. Results equal XLA's to float32 rounding (each
+output a float32 sum of fused multiply-adds in order of ``k``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.layers.cpu_build import SMALL_ROWS_MATMUL_TARGET, load_cpu_kernels
+
+#: Row counts the kernel takes (W1's shapes, same machine: below 16 rows XLA's matrix-vector
+#: path was as fast; at 128 rows the kernel was 1.03-1.08x XLA; at 256 rows XLA was faster).
+MIN_ROWS, MAX_ROWS = 16, 128
+#: The kernel's rows come in vectors of this many (the transposed input is padded to them).
+_LANES = 16
+
+_ENABLED: contextvars.ContextVar = contextvars.ContextVar("small_rows_matmuls", default=False)
+
+
+@contextlib.contextmanager
+def small_rows_matmuls(enabled: bool):
+    """While tracing inside this context, float32 :class:`~jaxpaged.layers.linear.Linear`
+    calls of :data:`MIN_ROWS`..:data:`MAX_ROWS` rows use :func:`small_rows_matmul` when
+    ``enabled`` (the caller checks :func:`available`)."""
+    token = _ENABLED.set(enabled)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+def applies(rows: int, dtype) -> bool:
+    """Whether a product of ``rows`` rows in ``dtype`` traced now goes to the kernel."""
+    return _ENABLED.get() and MIN_ROWS <= rows <= MAX_ROWS and jnp.dtype(dtype) == jnp.float32
+
+
+def small_rows_matmul(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """``x . weight^T`` by the C++ kernel (its FFI target registered: :func:`available`).
+
+    Args:
+        x: [..., K] float32, at most a few hundred rows in all (any count works).
+        weight: [N, K] float32 (torch's ``[out, in]`` layout).
+
+    Returns:
+        [..., N] float32.
+    """
+    k = x.shape[-1]
+    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    padded = -(-rows // _LANES) * _LANES
+    xt = jnp.pad(x.reshape(rows, k), ((0, padded - rows), (0, 0))).T      # [K, Mp]
+    y = jax.ffi.ffi_call(SMALL_ROWS_MATMUL_TARGET,
+                         jax.ShapeDtypeStruct((rows, weight.shape[0]), jnp.float32))(xt, weight)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """True on the CPU when the kernel builds and matches XLA's dot on a small product of odd
+    widths (relative error <= 1e-5); never raises (a failure is logged once by the build)."""
+    return jax.default_backend() == "cpu" and load_cpu_kernels() and _self_check() <= 1e-5
+
+
+def _self_check() -> float:
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(37, 45)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(53, 45)), jnp.float32)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    got = np.asarray(jax.jit(small_rows_matmul)(x, w), np.float64)
+    return float(np.abs(got - want).max() / np.abs(want).max())
