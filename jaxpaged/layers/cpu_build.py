@@ -19,6 +19,7 @@ callers then use XLA's own ops (the ``xla`` attention backend,
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -46,7 +47,8 @@ _SOURCES = ("paged_attention_cpu.cc", "small_rows_matmul.cc")
 _TARGETS = {PAGED_ATTENTION_TARGET: "JaxpagedPagedAttention",
             SMALL_ROWS_MATMUL_TARGET: "JaxpagedSmallRowsMatmul"}
 # OpenMP only for its `simd` pragmas (no runtime): threads come from XLA:CPU's pool.
-_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
+_COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-fPIC")
+_LINK_FLAGS = ("-shared",)
 
 
 def _cpu_flags() -> str:
@@ -71,13 +73,15 @@ def library_path(cxx: str) -> str:
     for name in sorted(os.listdir(_CSRC)):
         with open(os.path.join(_CSRC, name), "rb") as f:
             digest.update(name.encode() + f.read())
-    for part in (cxx, version, " ".join(_FLAGS), jaxlib.__version__, _cpu_flags()):
+    for part in (cxx, version, " ".join(_COMPILE_FLAGS + _LINK_FLAGS), jaxlib.__version__,
+                 _cpu_flags()):
         digest.update(part.encode())
     return os.path.join(cache_root(), "kernels", f"jaxpaged_cpu-{digest.hexdigest()[:20]}.so")
 
 
 def _build(cxx: str, path: str) -> None:
-    """Compile the sources into ``path`` atomically (temporary name, then rename).
+    """Compile the sources (one compiler process each, at once) and link them into ``path``
+    atomically (temporary name, then rename).
 
     Raises:
         OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired: the build failed.
@@ -86,10 +90,20 @@ def _build(cxx: str, path: str) -> None:
     os.makedirs(folder, mode=0o700, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=folder)
     os.close(fd)
+
+    def run(args):
+        subprocess.run([cxx, *args], capture_output=True, text=True, check=True, timeout=600)
+
     try:
-        sources = [os.path.join(_CSRC, name) for name in _SOURCES]
-        subprocess.run([cxx, *_FLAGS, "-isystem", jax.ffi.include_dir(), *sources, "-o", tmp],
-                       capture_output=True, text=True, check=True, timeout=600)
+        with tempfile.TemporaryDirectory(dir=folder) as objects:
+            pairs = [(os.path.join(_CSRC, name), os.path.join(objects, f"{name}.o"))
+                     for name in _SOURCES]
+            with concurrent.futures.ThreadPoolExecutor(len(pairs)) as pool:
+                for done in [pool.submit(run, [*_COMPILE_FLAGS, "-isystem",
+                                               jax.ffi.include_dir(), "-c", src, "-o", obj])
+                             for src, obj in pairs]:
+                    done.result()
+            run([*_LINK_FLAGS, *(obj for _, obj in pairs), "-o", tmp])
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
