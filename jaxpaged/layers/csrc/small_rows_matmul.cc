@@ -12,8 +12,9 @@
 // (MV * NR fused multiply-adds for MV vector loads and NR scalar broadcasts), the outer-product
 // micro-kernel of BLIS (Van Zee & van de Geijn, ACM TOMS 2015) with the activation, not the
 // weight, as the packed operand. Each weight row is contiguous in k, so NR rows are NR
-// sequential streams; xt (Mp x K floats) stays in L2 for every block. The finished block is
-// written to y transposed through a small tile.
+// sequential streams, and the next block's rows are prefetched into L2 a cache line per 16
+// steps of k (W1's decode step 0.91 -> 0.87 of XLA's time with it); xt (Mp x K floats) stays
+// in L2 for every block. The finished block is written to y transposed through a small tile.
 //
 // Work items are chunks of kChunk output features, spread over XLA:CPU's intra-op thread pool
 // with the calling thread working too (as in paged_attention_cpu.cc). The sum over k runs in
@@ -46,7 +47,8 @@ struct MatmulArgs {
 
 // y^T[n0 .. n0 + NR, m0 .. m0 + 16 MV] into tile[j * kMaxBlockRows + r].
 template <int MV, int NR>
-inline void register_block(const MatmulArgs& a, int64_t m0, int64_t n0, float* tile) {
+inline void register_block(const MatmulArgs& a, int64_t m0, int64_t n0, float* tile,
+                           const float* next) {
   v16 acc[NR][MV];
 #pragma GCC unroll 16
   for (int j = 0; j < NR; ++j) {
@@ -56,6 +58,10 @@ inline void register_block(const MatmulArgs& a, int64_t m0, int64_t n0, float* t
   const float* xt = a.xt + m0;
   const float* w = a.w + n0 * a.k;
   for (int64_t k = 0; k < a.k; ++k) {
+    if (next != nullptr && k % kLanes == 0) {
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) __builtin_prefetch(next + j * a.k + k, 0, 2);
+    }
     v16 xv[MV];
 #pragma GCC unroll 4
     for (int i = 0; i < MV; ++i) xv[i] = load16(xt + k * a.mp + kLanes * i);
@@ -85,11 +91,14 @@ void row_group(const MatmulArgs& a, int64_t m0, int64_t n0, int64_t n1, float* t
   };
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
-    register_block<MV, NR>(a, m0, n, tile);
+    // The next NR weight rows are fetched into L2 while these are used (past the item's
+    // end they are the next item's, which a thread takes next).
+    const float* next = n + 2 * NR <= a.n ? a.w + (n + NR) * a.k : nullptr;
+    register_block<MV, NR>(a, m0, n, tile, next);
     write(n, NR);
   }
   for (; n < n1; ++n) {
-    register_block<MV, 1>(a, m0, n, tile);
+    register_block<MV, 1>(a, m0, n, tile, nullptr);
     write(n, 1);
   }
 }
