@@ -51,7 +51,8 @@ _COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-fPIC"
 _LINK_FLAGS = ("-shared",)
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's feature flags line from ``/proc/cpuinfo`` ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith(("flags", "Features"))), "")
@@ -74,7 +75,7 @@ def library_path(cxx: str) -> str:
         with open(os.path.join(_CSRC, name), "rb") as f:
             digest.update(name.encode() + f.read())
     for part in (cxx, version, " ".join(_COMPILE_FLAGS + _LINK_FLAGS), jaxlib.__version__,
-                 _cpu_flags()):
+                 cpu_flags()):
         digest.update(part.encode())
     return os.path.join(cache_root(), "kernels", f"jaxpaged_cpu-{digest.hexdigest()[:20]}.so")
 

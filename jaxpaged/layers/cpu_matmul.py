@@ -9,7 +9,7 @@ fusion that produces them) in cache; on W1's 64-row shapes it was 1.2-1.9x XLA's
 in ``docs/benchmarks.md``, "Small-row matmuls").
 
 The runner turns it on while tracing a forward step (:func:`small_rows_matmuls`) when the
-model runs on one CPU device with the ``cpu`` attention backend (so ``--attention-backend
+model runs on one CPU device with AVX-512 (:func:`available`) and the ``cpu`` attention backend (so ``--attention-backend
 xla`` keeps the all-XLA numerical oracle, and sharded weights stay with XLA's partitioner);
 :class:`~jaxpaged.layers.linear.Linear` then sends float32 products of
 :data:`MIN_ROWS`..:data:`MAX_ROWS` rows here. Results equal XLA's to float32 rounding (each
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.layers.cpu_build import SMALL_ROWS_MATMUL_TARGET, load_cpu_kernels
+from jaxpaged.layers.cpu_build import SMALL_ROWS_MATMUL_TARGET, cpu_flags, load_cpu_kernels
 
 #: Row counts the kernel takes (W1's shapes, same machine: below 16 rows XLA's matrix-vector
 #: path was as fast; at 128 rows the kernel was 1.03-1.08x XLA; at 256 rows XLA was faster).
@@ -75,9 +75,15 @@ def small_rows_matmul(x: jax.Array, weight: jax.Array) -> jax.Array:
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """True on the CPU when the kernel builds and matches XLA's dot on a small product of odd
-    widths (relative error <= 1e-5); never raises (a failure is logged once by the build)."""
-    return jax.default_backend() == "cpu" and load_cpu_kernels() and _self_check() <= 1e-5
+    """True on a CPU with AVX-512 when the kernel builds and matches float64 on a small product
+    of odd widths (relative error <= 1e-5); never raises (a failure is logged once by the
+    build).
+
+    AVX-512 because the register blocks hold 24-28 vectors of 16 floats: the 32 registers of
+    AVX-512, where the kernel was measured; with AVX2's 16 registers of 8 floats they would
+    spill, so there XLA's dot is kept."""
+    return (jax.default_backend() == "cpu" and "avx512f" in cpu_flags().split()
+            and load_cpu_kernels() and _self_check() <= 1e-5)
 
 
 def _self_check() -> float:

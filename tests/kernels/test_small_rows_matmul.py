@@ -10,10 +10,10 @@ from flax import nnx
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.layers import cpu_matmul
-from jaxpaged.layers.cpu_build import SMALL_ROWS_MATMUL_TARGET
+from jaxpaged.layers.cpu_build import SMALL_ROWS_MATMUL_TARGET, cpu_flags, load_cpu_kernels
 from jaxpaged.layers.linear import Linear
 
-pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="needs g++ on the CPU")
+pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="needs g++ on the CPU")
 
 
 @pytest.mark.parametrize("rows,k,n", [
@@ -67,9 +67,14 @@ def _forward_texts(llm) -> list[str]:
     return [fn.as_text() for key, fn in runner._executables.items() if key[0] == "forward"]
 
 
+def test_the_kernel_is_offered_exactly_on_avx512_cpus():
+    assert cpu_matmul.available() == ("avx512f" in cpu_flags().split())
+
+
 def test_cpu_backend_runner_sends_its_decode_projections_to_the_kernel():
-    """One CPU device with the cpu attention backend: the decode step's projections (16
-    rows) are custom calls and greedy tokens equal the xla backend's (no kernels at all)."""
+    """One CPU device with the cpu attention backend (and AVX-512): the decode step's
+    projections (16 rows) are custom calls and greedy tokens equal the xla backend's (no
+    kernels at all)."""
     prompts = [[1, 403, 407, 412], [1, 17, 29]]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     tokens = {}
@@ -79,7 +84,7 @@ def test_cpu_backend_runner_sends_its_decode_projections_to_the_kernel():
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(
             prompts, params, use_tqdm=False)]
         used = any(SMALL_ROWS_MATMUL_TARGET in text for text in _forward_texts(llm))
-        assert used == (backend == "cpu")
+        assert used == (backend == "cpu" and cpu_matmul.available())
     assert tokens["cpu"] == tokens["xla"]
     assert all(len(t) == 12 for t in tokens["cpu"])
 
