@@ -59,7 +59,8 @@ def persistent_cache_hits() -> int:
 
 @functools.lru_cache(maxsize=1)
 def _source_digest() -> str:
-    """SHA-256 of every ``.py`` and ``.cc`` file of the packages that build the step."""
+    """SHA-256 of every ``.py``, ``.cc`` and ``.h`` file of the packages that build the
+    step."""
     digest = hashlib.sha256()
     for name in _PACKAGES:
         module = __import__(name)
@@ -67,7 +68,7 @@ def _source_digest() -> str:
         for folder, dirs, files in sorted(os.walk(root)):
             dirs.sort()
             for f in sorted(files):
-                if f.endswith((".py", ".cc")):      # .cc: the CPU kernels
+                if f.endswith((".py", ".cc", ".h")):      # .cc, .h: the CPU kernels
                     digest.update(f.encode())
                     with open(os.path.join(folder, f), "rb") as fh:
                         digest.update(fh.read())
