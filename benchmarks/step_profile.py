@@ -130,7 +130,7 @@ def build_step(kind: str, model_dir: str, compile_: bool = True, dtype: str = "f
     cfg = ModelConfig.from_pretrained(model_dir)
     backend = get_attention_backend(backend)
     if cpu_matmuls is None:
-        cpu_matmuls = backend.name == "cpu" and cpu_matmul.available()
+        cpu_matmuls = cpu_matmul.wanted(backend.name, 1)
     model = load_model(model_dir, cfg, dtype=jnp.dtype(dtype), backend=backend,
                        load_format="dummy")
     graphdef, state = nnx.split(model)

@@ -5,8 +5,9 @@ The library holds the paged attention kernel (``csrc/paged_attention_cpu.cc``, u
 (``csrc/small_rows_matmul.cc``, used by :mod:`jaxpaged.layers.cpu_matmul`).
 On first use the ``.cc`` sources (with the headers beside them) are compiled with the C++
 compiler (``$JAXPAGED_CXX``, default ``g++``) against the XLA FFI headers jaxlib ships
-(``jax.ffi.include_dir()``) into one library in ``$JAXPAGED_CACHE_ROOT/kernels`` (``~/.cache/jaxpaged/kernels`` by default, the root of
-:mod:`jaxpaged.runner.compile_cache`), named by a hash of the sources, the compiler command,
+(``jax.ffi.include_dir()``) into one library in ``$JAXPAGED_CACHE_ROOT/kernels``
+(``~/.cache/jaxpaged/kernels`` by default, the root of :mod:`jaxpaged.runner.compile_cache`),
+named by a hash of the sources, the compiler command,
 its version, the jaxlib version and this CPU's feature flags (``-march=native`` code is only
 valid on such a CPU). The library is written under a temporary name and renamed, so two
 processes building at once both end with a whole file. It is loaded with ``ctypes`` and its

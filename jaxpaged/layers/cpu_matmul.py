@@ -8,10 +8,11 @@ reads the ``[out, in]`` weight where it lies and keeps the rows (transposed by X
 fusion that produces them) in cache; on W1's 64-row shapes it was 1.2-1.9x XLA's dot (figures
 in ``docs/benchmarks.md``, "Small-row matmuls").
 
-The runner turns it on while tracing a forward step (:func:`small_rows_matmuls`) when the
-model runs on one CPU device with AVX-512 (:func:`available`) and the ``cpu`` attention backend (so ``--attention-backend
-xla`` keeps the all-XLA numerical oracle, and sharded weights stay with XLA's partitioner);
-:class:`~jaxpaged.layers.linear.Linear` then sends float32 products of
+The runner turns it on while tracing a forward step (:func:`small_rows_matmuls`) when
+:func:`wanted`: the model runs on one CPU device with AVX-512 and the ``cpu`` attention
+backend (so ``--attention-backend xla`` keeps the all-XLA numerical oracle, and sharded
+weights stay with XLA's partitioner); :class:`~jaxpaged.layers.linear.Linear` then sends
+float32 products of
 :data:`MIN_ROWS`..:data:`MAX_ROWS` rows here. Results equal XLA's to float32 rounding (each
 output a float32 sum of fused multiply-adds in order of ``k``).
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +43,7 @@ _ENABLED: contextvars.ContextVar = contextvars.ContextVar("small_rows_matmuls", 
 def small_rows_matmuls(enabled: bool):
     """While tracing inside this context, float32 :class:`~jaxpaged.layers.linear.Linear`
     calls of :data:`MIN_ROWS`..:data:`MAX_ROWS` rows use :func:`small_rows_matmul` when
-    ``enabled`` (the caller checks :func:`available`)."""
+    ``enabled`` (the caller asks :func:`wanted`)."""
     token = _ENABLED.set(enabled)
     try:
         yield
@@ -65,7 +67,7 @@ def small_rows_matmul(x: jax.Array, weight: jax.Array) -> jax.Array:
         [..., N] float32.
     """
     k = x.shape[-1]
-    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
+    rows = math.prod(x.shape[:-1])
     padded = -(-rows // _LANES) * _LANES
     xt = jnp.pad(x.reshape(rows, k), ((0, padded - rows), (0, 0))).T      # [K, Mp]
     y = jax.ffi.ffi_call(SMALL_ROWS_MATMUL_TARGET,
@@ -84,6 +86,13 @@ def available() -> bool:
     spill, so there XLA's dot is kept."""
     return (jax.default_backend() == "cpu" and "avx512f" in cpu_flags().split()
             and load_cpu_kernels() and _self_check() <= 1e-5)
+
+
+def wanted(attention_backend: str, num_devices: int) -> bool:
+    """Whether a model with the attention backend named ``attention_backend`` on
+    ``num_devices`` devices should trace its forward inside :func:`small_rows_matmuls`: the
+    ``cpu`` backend on one device, where the kernel is :func:`available`."""
+    return attention_backend == "cpu" and num_devices == 1 and available()
 
 
 def _self_check() -> float:

@@ -86,9 +86,10 @@ class ModelRunner:
             engine sets :attr:`eos_token_ids` once its tokenizer is loaded (the runner is
             built and compiles while the tokenizer loads), before the first step.
         replicated: the sharding of every per-step input and output (the whole mesh); the
-            parameters and the pool keep the shardings they arrived with. On one CPU device
-            with the ``cpu`` attention backend the forward's few-row float32 projections run
-            through the C++ kernel of :mod:`jaxpaged.layers.cpu_matmul`.
+            parameters and the pool keep the shardings they arrived with. Where
+            :func:`jaxpaged.layers.cpu_matmul.wanted` (one AVX-512 CPU device, the ``cpu``
+            attention backend) the forward's few-row float32 projections run through its C++
+            kernel.
         executable_dir: where compiled steps are kept whole across runs
             (``jaxpaged.runner.executable_store``; None: not kept).
         lora: the writer of the model's LoRA slots (``jaxpaged.lora.device``; None: LoRA
@@ -107,8 +108,7 @@ class ModelRunner:
         self._page_size = page_size
         self._limits = limits
         self._replicated = replicated
-        self._cpu_matmuls = (backend.name == "cpu" and replicated.mesh.size == 1
-                             and cpu_matmul.available())
+        self._cpu_matmuls = cpu_matmul.wanted(backend.name, replicated.mesh.size)
         self._num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
         self._set_buckets()
         self._executables: dict[tuple, object] = {}

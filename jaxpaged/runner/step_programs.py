@@ -163,8 +163,8 @@ def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
         index = inputs["prev_token_index"]
         input_ids = jnp.where(index >= 0, prev_tokens[index], input_ids)
         model = nnx.merge(graphdef, state)
-        with lora_token_slots(inputs.get("lora_slots")), \
-                small_rows_matmuls(cpu_matmuls):   # lora_slots: [T] int32 with --enable-lora
+        # lora_slots: [T] int32 with --enable-lora
+        with lora_token_slots(inputs.get("lora_slots")), small_rows_matmuls(cpu_matmuls):
             hidden, kv_caches = model(input_ids, inputs["positions"], kv_caches,
                                       inputs["attn_metadata"])
         return *forward_outputs(model, hidden, inputs), kv_caches
