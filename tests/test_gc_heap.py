@@ -26,8 +26,11 @@ def test_freezer_freezes_when_the_compile_count_moves_and_collects_first():
     assert dead() is not None
     assert freezer.update(3) is True
     assert dead() is None                      # collected before the freeze, not frozen
-    assert gc.get_freeze_count() >= frozen + len(kept) + 1
-    assert not any(o is kept for o in gc.get_objects())   # frozen objects are not tracked
+    # Frozen objects are no longer tracked: the list and each of its 100 lists. (Not the
+    # freeze count: objects frozen earlier, e.g. by other tests' threads, may die meanwhile
+    # and lower it; one CI run saw it 2 short of frozen + 101.)
+    tracked = {id(o) for o in gc.get_objects()}
+    assert id(kept) not in tracked and not any(id(k) in tracked for k in kept)
 
 
 def test_engine_freezes_after_start_up_and_after_a_step_that_compiled():
