@@ -74,8 +74,10 @@ def encode(w: np.ndarray, qtype: T, rng: np.random.Generator) -> np.ndarray:
 
 
 def write_random_llama(path: str, tied: bool = True, arch: str = "llama", tokens: int | None = None,
-                       seed: int = 0) -> dict[str, np.ndarray]:
-    """A random Llama as a GGUF at ``path``; returns the Hugging Face tensors it should load as
+                       seed: int = 0, types: list[dict] = TYPES, embedding_type: T = T.F16
+                       ) -> dict[str, np.ndarray]:
+    """A random Llama as a GGUF at ``path`` (each layer's projections of ``types``, the
+    embedding of ``embedding_type``); returns the Hugging Face tensors it should load as
     (the GGUF's own dequantized values, rows in Hugging Face order)."""
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(path, arch)
@@ -101,13 +103,13 @@ def write_random_llama(path: str, tied: bool = True, arch: str = "llama", tokens
         expected[hf_name] = from_gguf_rows(back, heads) if heads else back
 
     add("token_embd.weight", "model.embed_tokens.weight",
-        rng.normal(0, 0.3, (VOCAB, HIDDEN)).astype(np.float32), T.F16)
-    for i, types in enumerate(TYPES):
+        rng.normal(0, 0.3, (VOCAB, HIDDEN)).astype(np.float32), embedding_type)
+    for i, layer_types in enumerate(types):
         for norm, hf_norm in (("attn_norm", "input_layernorm"),
                               ("ffn_norm", "post_attention_layernorm")):
             add(f"blk.{i}.{norm}.weight", f"model.layers.{i}.{hf_norm}.weight",
                 1 + rng.normal(0, 0.1, HIDDEN).astype(np.float32), T.F32)
-        for name, qtype in types.items():
+        for name, qtype in layer_types.items():
             heads = {"attn_q": HEADS, "attn_k": KV_HEADS}.get(name)
             add(f"blk.{i}.{name}.weight", f"model.layers.{i}.{HF[name]}.weight",
                 rng.normal(0, 0.08, SHAPES[name]).astype(np.float32), qtype, heads)

@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxpaged.layers import cpu_matmul
 from jaxpaged.layers.awq import DEFAULT_GROUP_SIZE, AWQLinear
+from jaxpaged.layers.packed_linear import PackedLinear
 from jaxpaged.layers.quantization import QuantizedLinear
 
 
@@ -55,20 +56,23 @@ class Linear(nnx.Module):
 
 def linear(din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs,
            quantization: str | None = None, group_size: int = DEFAULT_GROUP_SIZE
-           ) -> Linear | QuantizedLinear | AWQLinear:
+           ) -> Linear | QuantizedLinear | AWQLinear | PackedLinear:
     """A [din] -> [dout] projection of ``dtype``: a :class:`Linear` (``weight`` [dout, din],
     ``bias`` [dout]).
 
     With ``quantization`` (``"int8"`` or ``"fp8"``) it is a :class:`QuantizedLinear` instead:
     an 8-bit ``kernel`` [din, dout] with a float32 ``scale`` [dout] (bias still of ``dtype``);
     with ``"awq"`` an :class:`AWQLinear` of ``group_size`` (packed 4-bit ``qweight``,
-    ``qzeros`` and ``scales``).
+    ``qzeros`` and ``scales``); with ``"gguf"`` a
+    :class:`~jaxpaged.layers.packed_linear.PackedLinear` (a GGUF tensor's blocks as stored).
 
     Raises:
         ValueError: unknown ``quantization``; AWQ widths that do not fit ``group_size``.
     """
     if quantization == "awq":
         return AWQLinear(din, dout, bias, dtype, group_size, rngs)
+    if quantization == "gguf":
+        return PackedLinear(din, dout, bias, dtype, rngs)
     if quantization is not None:
         return QuantizedLinear(din, dout, bias, dtype, quantization, rngs)
     return Linear(din, dout, bias, dtype, rngs)

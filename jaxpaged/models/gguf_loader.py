@@ -32,6 +32,8 @@ import re
 import numpy as np
 
 from jaxpaged.config import UnsupportedModelError
+from jaxpaged.layers.packed_layout import pack_weight
+from jaxpaged.models.gguf_blocks import PACKABLE_TYPES, decode_blocks
 
 #: GGUF ``general.architecture`` -> the Hugging Face class jaxpaged builds for it.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
@@ -55,6 +57,17 @@ class BadGGUFError(ValueError):
 def is_gguf(path: str) -> bool:
     """Whether ``path`` names a GGUF file (vLLM's rule: a file ending in ``.gguf``)."""
     return path.endswith(".gguf") and not os.path.isdir(path)
+
+
+def keeps_packed(path: str) -> bool:
+    """Whether the GGUF file's projections and token embedding (and LM head, if any) can all
+    stay packed: each stored in one of :data:`PACKABLE_TYPES` (a file with F32/F16/BF16
+    projections loads dequantized, as before)."""
+    kinds = {t.name: t.tensor_type.name for t in open_gguf(path).tensors}
+    weights = [n for n in kinds if n.endswith(".weight") and
+               (n.split(".")[-2] in _LAYER_NAMES and n.split(".")[-2].startswith(("attn_", "ffn_"))
+                and not n.endswith("_norm.weight") or n in ("token_embd.weight", "output.weight"))]
+    return bool(weights) and all(kinds[n] in PACKABLE_TYPES for n in weights)
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -225,6 +238,30 @@ class GGUFCheckpoint:
         """Tensors no :meth:`get` asked for (llama.cpp's names for those outside the mapping),
         sorted."""
         return sorted((set(self._tensors) - self._read) | set(self._unmapped))
+
+    def get_packed(self, name: str) -> dict[str, np.ndarray] | None:
+        """Tensor ``name`` (a ``[out, in]`` weight of a :data:`PACKABLE_TYPES` type) kept in
+        its integers, laid out for :class:`jaxpaged.layers.packed_linear.PackedLinear`
+        (``blocks``, ``block_scale``, ``block_min``; Q/K rows unpermuted), or None if the file
+        lacks it.
+
+        Raises:
+            UnsupportedModelError: the tensor is stored in a type that does not pack (F32,
+                F16, BF16: such files load dequantized, :func:`keeps_packed`).
+        """
+        t = self._tensors.get(name)
+        if t is None:
+            return None
+        self._read.add(name)
+        if t.tensor_type.name not in PACKABLE_TYPES:
+            raise UnsupportedModelError(f"tensor {t.name} in {self._path!r} is stored as "
+                                        f"{t.tensor_type.name}, which is not kept packed")
+        rows, cols = (int(d) for d in reversed(t.shape))
+        q, scale, offset = decode_blocks(np.asarray(t.data), t.tensor_type.name, cols)
+        module = name.rsplit(".", 1)[0].split(".", 3)[-1]
+        if module in self._heads:
+            q, scale, offset = (unpermute_rows(a, self._heads[module]) for a in (q, scale, offset))
+        return pack_weight(q, scale, offset, PACKABLE_TYPES[t.tensor_type.name][0])
 
     def get(self, name: str) -> np.ndarray | None:
         """Tensor ``name`` (Hugging Face naming and layout: a weight ``[out, in]``) as float32,

@@ -23,6 +23,7 @@ from flax import nnx
 from jaxpaged.config import ModelConfig
 from jaxpaged.layers.attention import AttentionBackend, KVPages
 from jaxpaged.layers.linear import linear
+from jaxpaged.layers.packed_linear import PackedEmbedding
 from jaxpaged.layers.normalization import RMSNorm
 from jaxpaged.layers.rotary import apply_rope, rope_inv_freq
 
@@ -127,9 +128,11 @@ class LlamaModel(nnx.Module):
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, dtype, rngs: nnx.Rngs,
                  layer_cls=LlamaDecoderLayer, gemma_style: bool = False):
-        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype,
-                                      param_dtype=dtype, rngs=rngs,
-                                      embedding_init=nnx.initializers.normal(0.02))
+        self.embed_tokens = (
+            PackedEmbedding(config.vocab_size, config.hidden_size, dtype)
+            if config.quantization == "gguf" else
+            nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
+                      rngs=rngs, embedding_init=nnx.initializers.normal(0.02)))
         self.layers = nnx.List([layer_cls(config, i, backend, dtype, rngs)
                                 for i in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
@@ -142,7 +145,7 @@ class LlamaModel(nnx.Module):
         return self.norm(x), new_caches
 
 
-def embed(embed_tokens: nnx.Embed, scale: float | None, input_ids):
+def embed(embed_tokens: nnx.Embed | PackedEmbedding, scale: float | None, input_ids):
     """input_ids [T] int32 -> [T, H] embeddings, times ``scale`` (rounded to their dtype)
     unless None (Gemma's ``sqrt(hidden_size)``)."""
     x = embed_tokens(input_ids)
@@ -159,7 +162,7 @@ def run_layers(layers, x, positions, kv_caches: list[KVPages], metadata):
     return x, new_caches
 
 
-def lm_logits(hidden, embed_tokens: nnx.Embed | None, lm_head, soft_cap: float | None):
+def lm_logits(hidden, embed_tokens: nnx.Embed | PackedEmbedding | None, lm_head, soft_cap: float | None):
     """hidden [N, H] -> [N, V] float32 logits through ``lm_head`` (or the tied
     ``embed_tokens`` when it is None), soft-capped as ``cap * tanh(logits / cap)`` unless
     ``soft_cap`` is None."""
@@ -189,7 +192,8 @@ class LlamaForCausalLM(nnx.Module):
         self.model = LlamaModel(config, backend, dtype, rngs, self.decoder_layer,
                                 self.gemma_style)
         self.lm_head = (None if config.tie_word_embeddings else
-                        linear(config.hidden_size, config.vocab_size, False, dtype, rngs))
+                        linear(config.hidden_size, config.vocab_size, False, dtype, rngs,
+                               "gguf" if config.quantization == "gguf" else None))
         self.final_soft_cap = config.final_logit_softcapping
 
     def __call__(self, input_ids, positions, kv_caches: list[KVPages], metadata):

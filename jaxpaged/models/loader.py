@@ -12,7 +12,9 @@ float ``a.b.c.weight``. A ``QuantizedLinear``'s
 ``kernel`` and ``scale`` both come from ``a.b.c.weight``: a float tensor is transposed and
 quantized on the host (``jaxpaged.layers.quantization``); an fp8 one (a checkpoint stored in
 fp8) is taken as it is, with its ``a.b.c.weight_scale``. An 8-bit tensor never loads into a
-float parameter.
+float parameter. A ``PackedLinear``'s or ``PackedEmbedding``'s ``blocks``, ``block_scale``
+and ``block_min`` come from a GGUF tensor's blocks (``GGUFCheckpoint.get_packed``), in the
+shapes and dtypes of its own block type.
 
 Every tensor goes straight to its devices with its tensor-parallel sharding
 (:mod:`jaxpaged.distributed.tensor_parallel`), so a device receives only its own slice (and a
@@ -37,6 +39,8 @@ from jaxpaged.config import ModelConfig, UnsupportedModelError
 from jaxpaged.distributed.tensor_parallel import TensorParallel
 from jaxpaged.layers.attention import AttentionBackend
 from jaxpaged.layers.awq import DEFAULT_GROUP_SIZE, AWQLinear, quantize_awq
+from jaxpaged.layers.packed_layout import LANES, PACKED_LEAVES
+from jaxpaged.layers.packed_linear import PackedEmbedding, PackedLinear
 from jaxpaged.layers.quantization import (QUANTIZED_DTYPES, QuantizedLinear, per_channel_scale,
                                           quantize_weight)
 from jaxpaged.models.gguf_loader import GGUFCheckpoint, is_gguf
@@ -109,6 +113,8 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
               if is_gguf(model_dir) else _SafetensorsReader(model_dir))
     quantized_modules = {p for p, node in nnx.iter_graph(abstract)
                          if isinstance(node, (QuantizedLinear, AWQLinear))}
+    packed_modules = {p: node for p, node in nnx.iter_graph(abstract)
+                      if isinstance(node, (PackedLinear, PackedEmbedding))}
     quantized = {}   # checkpoint name -> kernel and scale, from a module's kernel to its scale
     missing, bad_shapes = {}, []   # missing: an ordered set of names
     for path, var in flat:
@@ -119,6 +125,19 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
                 quantized = {key: _read_experts(reader, key, var.shape[0], config.quantization)}
             name, parts = quantized[key]
             arr = parts.get("scale" if isinstance(var, ExpertScales) else "kernel")
+        elif path[:-1] in packed_modules and path[-1] in PACKED_LEAVES:
+            if name not in quantized:
+                quantized = {name: reader.get_packed(name) or {}}
+            arr = quantized[name].get(path[-1])
+            if arr is not None:     # shapes and dtypes are the tensor's own (its block type)
+                problem = _packed_shape_problem(packed_modules[path[:-1]], path[-1], arr)
+                if problem:
+                    bad_shapes.append(f"{name}: {problem}")
+                    continue
+                var.set_value(jax.make_array_from_callback(
+                    arr.shape, tp.param_sharding(path, arr.shape),
+                    lambda index, arr=arr: arr[index]))
+                continue
         elif path[:-1] in quantized_modules and path[-1] in _QUANTIZED_LEAVES:
             if name not in quantized:
                 quantized = {name: _quantized_weight(reader, name, config.quantization,
@@ -154,6 +173,19 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
         raise MissingWeightsError(f"checkpoint {model_dir!r} does not match the "
                                   f"{config.architecture} config: " + "; ".join(problems))
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _packed_shape_problem(module, leaf: str, arr: np.ndarray) -> str | None:
+    """Why a packed leaf (:mod:`jaxpaged.layers.packed_layout`) does not fit ``module`` (a
+    :class:`PackedLinear` or :class:`PackedEmbedding`), or None when it does."""
+    din, dout = ((module.din, module.dout) if isinstance(module, PackedLinear)
+                 else (module.features, module.num_embeddings))
+    vectors = -(-dout // LANES)
+    if arr.ndim != 3 or arr.shape[0] != vectors or arr.shape[2] != LANES:
+        return f"checkpoint [{arr.shape[0] * LANES}, ...] does not fit [{dout}, {din}]"
+    if leaf == "blocks" and arr.shape[1] != (din // 2 if arr.dtype == np.uint8 else din):
+        return f"checkpoint rows of {arr.shape[1]} blocks do not fit {din} input features"
+    return None
 
 
 def param_path(key_path) -> tuple:

@@ -60,8 +60,18 @@ def num_kv_pages(*, bytes_per_page: int, pages_per_seq: int, max_num_seqs: int,
         logger.info("GPU memory: %.1f GiB total, %.1f GiB peak in the profiling step, "
                     "%.1f GiB for KV", total / 2**30, peak / 2**30, budget / 2**30)
         return budget // bytes_per_page
-    return min(DEFAULT_CPU_KV_CACHE_BYTES // (bytes_per_page * num_devices),
-               max_num_seqs * pages_per_seq + 1)
+    cap = DEFAULT_CPU_KV_CACHE_BYTES // (bytes_per_page * num_devices)
+    need = max_num_seqs * pages_per_seq + 1
+    if need <= cap:
+        logger.info("CPU KV budget: what max_num_seqs=%d requests of %d pages need (%.1f MiB)",
+                    max_num_seqs, pages_per_seq, need * bytes_per_page * num_devices / 2**20)
+    else:
+        logger.info("CPU KV budget: the %.0f GiB default cap (max_num_seqs=%d requests of %d "
+                    "pages would need %.1f GiB; --kv-cache-memory-bytes sets another); pages "
+                    "take host memory as they are first written", DEFAULT_CPU_KV_CACHE_BYTES
+                    / 2**30, max_num_seqs, pages_per_seq,
+                    need * bytes_per_page * num_devices / 2**30)
+    return min(cap, need)
 
 
 def device_memory_bytes() -> int | None:

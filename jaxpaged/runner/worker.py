@@ -11,6 +11,7 @@ allocate the serving pool. The engine gets the runner and the figures the host s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -33,6 +34,7 @@ from jaxpaged.layers.attention.tensor_parallel import TensorParallelAttention
 from jaxpaged.lora.config import LoRAConfig
 from jaxpaged.lora.device import LoRASlotWriter, add_lora_slots
 from jaxpaged.models.mixtral import use_expert_parallelism
+from jaxpaged.models.gguf_loader import is_gguf, keeps_packed
 from jaxpaged.models.loader import load_model
 from jaxpaged.runner.compile_cache import configure_compilation_cache, resolve_cache_dir
 from jaxpaged.runner.model_runner import ModelRunner, RunnerLimits
@@ -74,6 +76,17 @@ def resolve_dtype(name: str, checkpoint_dtype: str):
     if name == "auto":
         name = "float32" if checkpoint_dtype in ("float32", "float64") else "bfloat16"
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def keeps_gguf_packed(args: EngineArgs, cfg: ModelConfig, num_devices: int,
+                      platform: str) -> bool:
+    """Whether a GGUF model's projections, embedding and LM head stay packed as the file
+    stores them (:class:`jaxpaged.layers.packed_linear.PackedLinear`) rather than dequantized
+    on load: on one CPU device, without ``--quantization``, when every one of those tensors
+    is of a packable block type (``jaxpaged.models.gguf_loader.keeps_packed``). On a GPU, or
+    split over devices, the file loads dequantized (``docs/quantization.md``)."""
+    return (is_gguf(args.model) and args.load_format != "dummy" and cfg.quantization is None
+            and num_devices == 1 and platform == "cpu" and keeps_packed(args.model))
 
 
 def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
@@ -126,6 +139,10 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
         logger.info("block_size auto: %d tokens per page (%s)", page_size, choice.reason)
     if tp.size > 1 and pipeline is None:    # (each stage wraps its own layers)
         backend = TensorParallelAttention(backend, tp.mesh)
+    if keeps_gguf_packed(args, cfg, tp.size * args.pipeline_parallel_size,
+                         tp.mesh.devices.flat[0].platform):
+        cfg = dataclasses.replace(cfg, quantization="gguf")
+        logger.info("GGUF projections and embedding kept packed as stored (CPU, one device)")
     model = load_model(args.model, cfg, dtype=dtype, backend=backend,
                        load_format=args.load_format, seed=args.seed, tp=pipeline or tp)
     if tp.expert_parallel:

@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.layers.cpu_build import LAZY_ZEROS_TARGET, load_cpu_kernels
+
 from jaxpaged.constants import KV_CACHE_DTYPES, NULL_PAGE  # noqa: F401 (NULL_PAGE re-exported)
 from pallas_kernels.kv_quant import FP8_DTYPE
 
@@ -158,9 +160,17 @@ def allocate_kv_pool(num_layers: int, num_pages: int, page_size: int, num_kv_hea
     """Preallocate the zero-filled pool: ``num_layers`` pairs of
     [num_pages, page_size, num_kv_heads, head_dim] arrays of the KV cache ``dtype``, each
     placed with ``sharding`` (every device allocates only its own slice) or on the default
-    device."""
+    device.
+
+    On one CPU device the zeros come from ``csrc/lazy_zeros.cc`` where the kernel library
+    builds: the host commits a page of the pool only when a step first writes it, so the
+    process's resident memory grows with the tokens held, not with the budget."""
     shape = (num_pages, page_size, num_kv_heads, head_dim)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    one_cpu = (sharding is None or len(sharding.device_set) == 1) and \
+        jax.default_backend() == "cpu" and load_cpu_kernels()
+    make = (lambda: jax.ffi.ffi_call(LAZY_ZEROS_TARGET, jax.ShapeDtypeStruct(shape, dtype))()
+            ) if one_cpu else (lambda: jnp.zeros(shape, dtype))
+    zeros = jax.jit(make, out_shardings=sharding)
     return [(zeros(), zeros()) for _ in range(num_layers)]
 
 

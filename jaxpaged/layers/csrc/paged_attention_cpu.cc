@@ -27,13 +27,12 @@
 // for bfloat16 the softmax weights are rounded to bfloat16 before the value product (as the
 // xla backend's bf16 dots and the Pallas kernels do). The output is acc / l * v_scale.
 
-#include <atomic>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "one_query.h"
 #include "row_tiles.h"
+#include "work_items.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -100,25 +99,6 @@ void attend_item(const Shape& sh, int64_t item, const Operands<T>& x, Scratch& w
   }
 }
 
-// Work shared by the calling thread and the pool's tasks; tasks that start after the work is
-// done find nothing left and drop their reference.
-struct Work {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t total = 0;
-};
-
-template <typename T>
-void run_items(const Shape& sh, const std::shared_ptr<Work>& work, const Operands<T>& x) {
-  Scratch scratch(sh);
-  int64_t finished = 0;
-  for (int64_t i; (i = work->next.fetch_add(1, std::memory_order_relaxed)) < work->total;) {
-    attend_item(sh, i, x, scratch);
-    ++finished;
-  }
-  work->done.fetch_add(finished, std::memory_order_release);
-}
-
 // Zeros in the output rows of tokens that are no block's query (padding tokens).
 template <typename T>
 void zero_other_tokens(const Shape& sh, const Operands<T>& x) {
@@ -135,12 +115,11 @@ void zero_other_tokens(const Shape& sh, const Operands<T>& x) {
 template <typename T>
 void launch(ffi::ThreadPool& pool, const Shape& sh, const Operands<T>& x) {
   zero_other_tokens(sh, x);
-  auto work = std::make_shared<Work>();
-  work->total = sh.num_blocks * (sh.num_kv_heads / sh.heads_per_item);
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([=] { run_items(sh, work, x); });
-  run_items(sh, work, x);
-  while (work->done.load(std::memory_order_acquire) < work->total) std::this_thread::yield();
+  run_items(pool, sh.num_blocks * (sh.num_kv_heads / sh.heads_per_item), [sh, x] {
+    return [sh, x, scratch = std::make_shared<Scratch>(sh)](int64_t i) {
+      attend_item(sh, i, x, *scratch);
+    };
+  });
 }
 
 template <typename T, typename Ptr>

@@ -16,16 +16,14 @@
 // steps of k (W1's decode step 0.91 -> 0.87 of XLA's time with it); xt (Mp x K floats) stays
 // in L2 for every block. The finished block is written to y transposed through a small tile.
 //
-// Work items are chunks of kChunk output features, spread over XLA:CPU's intra-op thread pool
-// with the calling thread working too (as in paged_attention_cpu.cc). The sum over k runs in
+// Work items are chunks of kChunk output features (work_items.h). The sum over k runs in
 // order, one fused multiply-add per term, in float32.
 
 #include <algorithm>
-#include <atomic>
-#include <memory>
-#include <thread>
+#include <vector>
 
 #include "cpu_math.h"
+#include "work_items.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -119,22 +117,6 @@ void matmul_item(const MatmulArgs& a, int64_t item, float* tile) {
   }
 }
 
-struct MatmulWork {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t total = 0;
-};
-
-void run_matmul_items(const MatmulArgs& a, const std::shared_ptr<MatmulWork>& work) {
-  alignas(64) float tile[12 * kMaxBlockRows];
-  int64_t finished = 0;
-  for (int64_t i; (i = work->next.fetch_add(1, std::memory_order_relaxed)) < work->total;) {
-    matmul_item(a, i, tile);
-    ++finished;
-  }
-  work->done.fetch_add(finished, std::memory_order_release);
-}
-
 ffi::Error SmallRowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xt,
                                ffi::Buffer<ffi::F32> w, ffi::Result<ffi::Buffer<ffi::F32>> y) {
   auto xd = xt.dimensions(), wd = w.dimensions(), yd = y->dimensions();
@@ -147,12 +129,11 @@ ffi::Error SmallRowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xt,
     return ffi::Error::InvalidArgument("inconsistent shapes (Mp must be a multiple of 16)");
   }
   if (a.m == 0 || a.n == 0) return ffi::Error::Success();
-  auto work = std::make_shared<MatmulWork>();
-  work->total = (a.n + kChunk - 1) / kChunk;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([=] { run_matmul_items(a, work); });
-  run_matmul_items(a, work);
-  while (work->done.load(std::memory_order_acquire) < work->total) std::this_thread::yield();
+  run_items(pool, (a.n + kChunk - 1) / kChunk, [a] {
+    return [a, tile = std::vector<float>(12 * kMaxBlockRows)](int64_t i) mutable {
+      matmul_item(a, i, tile.data());
+    };
+  });
   return ffi::Error::Success();
 }
 

@@ -1,0 +1,151 @@
+"""Projections and embeddings whose weights stay packed in 4 or 8 bits (GGUF files on a CPU).
+
+A GGUF checkpoint stores its projections as ggml blocks: integers with a scale and an offset
+per group of G weights of a row (:mod:`jaxpaged.models.gguf_blocks`). Dequantized to float32
+they take 4 bytes a weight, which every decode step reads (SmolLM2-135M's Q4_1 file: 513 MiB
+a step against its 85 MiB of blocks). Here they are kept as the file stores them, regrouped
+at load time so that 16 output features lie side by side (one vector register's lanes;
+:mod:`jaxpaged.layers.packed_layout`: ``blocks``, ``block_scale``, ``block_min``). The bits and G are read from the arrays' dtypes and shapes, so one module class holds every
+block type, and the loader gives each projection the shapes of its own tensor.
+
+On the CPU, where the kernel library builds (:func:`kernel_available`), ``x . W^T`` runs in
+``csrc/packed_matmul.cc``, which dequantizes a vector of weights at a time in registers;
+elsewhere (no compiler), the weight is dequantized in the jitted step (``dequantize``)
+before an XLA dot, which is the kernel's reference. Either way the weights are those of
+``gguf.quants.dequantize`` bit for bit, and outputs equal a float32 matmul with them up to
+the order of the sum. Packed layers are used on one CPU device only
+(``jaxpaged.runner.worker``); on GPUs and with parallelism the GGUF is dequantized on load
+(``docs/quantization.md``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxpaged.layers.cpu_build import PACKED_MATMUL_TARGET, load_cpu_kernels
+from jaxpaged.layers.packed_layout import LANES, dequantize, integers, pack_weight
+
+def packed_matmul(x: jax.Array, blocks: jax.Array, block_scale: jax.Array,
+                  block_min: jax.Array) -> jax.Array:
+    """``x . W^T`` by the C++ kernel (registered: :func:`kernel_available`).
+
+    Args:
+        x: [..., K] float32.
+        blocks, block_scale, block_min: a packed weight of N' = 16 * blocks.shape[0] features.
+
+    Returns:
+        [..., N'] float32 (the caller drops padding features).
+    """
+    k, n = x.shape[-1], blocks.shape[0] * LANES
+    rows = x.reshape(-1, k).astype(jnp.float32)
+    y = jax.ffi.ffi_call(PACKED_MATMUL_TARGET,
+                         jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(
+        rows, blocks, block_scale, block_min)
+    return y.reshape(*x.shape[:-1], n)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_available() -> bool:
+    """True on a CPU backend where the kernel library builds and the kernel matches
+    :func:`dequantize` + float64 matmul on small products of both widths (relative error
+    <= 1e-5); never raises (a build failure is logged once by the build)."""
+    return jax.default_backend() == "cpu" and load_cpu_kernels() and _self_check() <= 1e-5
+
+
+def _project(x: jax.Array, params, din: int, dout: int) -> jax.Array:
+    """x [..., din] -> [..., dout] float32 through a packed weight (kernel or reference)."""
+    if kernel_available():
+        return packed_matmul(x, *params)[..., :dout]
+    w = dequantize(*params, din, dout, xp=jnp)
+    return jax.lax.dot_general(x.astype(jnp.float32), w, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def _placeholders(din: int, dout: int) -> dict[str, nnx.Param]:
+    """4-bit, G = 32 parameters of the right size class (the loader replaces them with the
+    checkpoint's own shapes and dtypes)."""
+    v, groups = -(-dout // LANES), max(1, din // 32)
+    return {"blocks": nnx.Param(jnp.zeros((v, din // 2, LANES), jnp.uint8)),
+            "block_scale": nnx.Param(jnp.zeros((v, groups, LANES), jnp.float32)),
+            "block_min": nnx.Param(jnp.zeros((v, groups, LANES), jnp.float32))}
+
+
+class PackedLinear(nnx.Module):
+    """``y = x . W^T + bias`` with W packed (module docstring), returned in ``dtype``.
+
+    Args:
+        din, dout: input and output widths.
+        bias: whether the projection has a bias (zeros until loaded).
+        dtype: the model dtype (of ``bias`` and of the output).
+        rngs: unused (kept for :func:`jaxpaged.layers.linear.linear`'s signature).
+    """
+
+    def __init__(self, din: int, dout: int, bias: bool, dtype, rngs: nnx.Rngs):
+        del rngs
+        self.din, self.dout, self.dtype = din, dout, dtype
+        for name, param in _placeholders(din, dout).items():
+            setattr(self, name, param)
+        self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else nnx.data(None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [..., din] -> [..., dout] in ``dtype`` (computed in float32)."""
+        y = _project(x, (self.blocks[...], self.block_scale[...], self.block_min[...]),
+                     self.din, self.dout).astype(self.dtype)
+        return y if self.bias is None else y + self.bias[...]
+
+
+class PackedEmbedding(nnx.Module):
+    """A token embedding [num_embeddings, features] kept packed; ``nnx.Embed``'s interface
+    (``__call__`` to look tokens up, :meth:`attend` for a tied LM head).
+
+    Args:
+        num_embeddings: vocabulary size; features: the hidden size.
+        dtype: the dtype of looked-up rows and of :meth:`attend`'s output.
+    """
+
+    def __init__(self, num_embeddings: int, features: int, dtype):
+        self.num_embeddings, self.features, self.dtype = num_embeddings, features, dtype
+        for name, param in _placeholders(features, num_embeddings).items():
+            setattr(self, name, param)
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        """ids [T] int32 -> [T, features] in ``dtype``: each row dequantized from its blocks
+        (only the looked-up rows are read)."""
+        blocks, scale, offset = self.blocks[...], self.block_scale[...], self.block_min[...]
+        v, lane = (ids // LANES)[:, None], (ids % LANES)[:, None]
+        pick = lambda a: a[v, jnp.arange(a.shape[1])[None, :], lane]     # [T, a.shape[1]]
+        q = integers(pick(blocks)[..., None], self.features, jnp)[..., 0]
+        group = self.features // scale.shape[1]
+        widen = lambda a: jnp.repeat(pick(a), group, axis=1)
+        return (q * widen(scale) + widen(offset)).astype(self.dtype)
+
+    def attend(self, hidden: jax.Array) -> jax.Array:
+        """hidden [N, features] -> [N, num_embeddings] logits (``hidden . E^T``)."""
+        params = (self.blocks[...], self.block_scale[...], self.block_min[...])
+        return _project(hidden, params, self.features, self.num_embeddings).astype(self.dtype)
+
+
+def _self_check() -> float:
+    with jax.ensure_compile_time_eval():      # (first asked while a step is being traced)
+        return _self_check_error()
+
+
+def _self_check_error() -> float:
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for bits, k, group in ((4, 64, 32), (8, 48, 16)):
+        n = 40
+        q = rng.integers(0, 16, (n, k)) if bits == 4 else rng.integers(-128, 128, (n, k))
+        scale = rng.uniform(0.01, 0.1, (n, k // group)).astype(np.float32)
+        offset = rng.uniform(-0.2, 0.2, (n, k // group)).astype(np.float32)
+        p = pack_weight(q, scale, offset, bits)
+        x = rng.normal(size=(7, k)).astype(np.float32)
+        w = dequantize(p["blocks"], p["block_scale"], p["block_min"], k, n, xp=np)
+        want = x.astype(np.float64) @ w.astype(np.float64).T
+        got = np.asarray(jax.jit(packed_matmul)(x, *p.values()), np.float64)[:, :n]
+        worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
+    return worst
