@@ -20,6 +20,8 @@ the order of the sum. Packed layers are used on one CPU device only
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -30,22 +32,42 @@ from flax import nnx
 from jaxpaged.layers.cpu_build import PACKED_MATMUL_TARGET, load_cpu_kernels
 from jaxpaged.layers.packed_layout import LANES, dequantize, integers, pack_weight
 
+_VALID_ROWS: contextvars.ContextVar = contextvars.ContextVar("packed_valid_rows",
+                                                              default=None)
+
+
+@contextlib.contextmanager
+def valid_rows(count: jax.Array | None):
+    """While tracing inside this block, the packed projections' kernel computes only the
+    first ``count`` rows ([] int32, a traced value: the step's real tokens or sampling rows)
+    of its input and writes zeros in the rest, so a step padded to its bucket (8 decode rows
+    for one sequence) costs what its real rows cost. None: every row."""
+    token = _VALID_ROWS.set(count)
+    try:
+        yield
+    finally:
+        _VALID_ROWS.reset(token)
+
+
 def packed_matmul(x: jax.Array, blocks: jax.Array, block_scale: jax.Array,
-                  block_min: jax.Array) -> jax.Array:
+                  block_min: jax.Array, rows: jax.Array | None = None) -> jax.Array:
     """``x . W^T`` by the C++ kernel (registered: :func:`kernel_available`).
 
     Args:
         x: [..., K] float32.
         blocks, block_scale, block_min: a packed weight of N' = 16 * blocks.shape[0] features.
+        rows: [] int32, how many leading rows of ``x`` (flattened) to compute; the others
+            come back as zeros (None: all).
 
     Returns:
         [..., N'] float32 (the caller drops padding features).
     """
     k, n = x.shape[-1], blocks.shape[0] * LANES
-    rows = x.reshape(-1, k).astype(jnp.float32)
+    flat = x.reshape(-1, k).astype(jnp.float32)
+    rows = jnp.asarray(flat.shape[0] if rows is None else rows, jnp.int32)
     y = jax.ffi.ffi_call(PACKED_MATMUL_TARGET,
-                         jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(
-        rows, blocks, block_scale, block_min)
+                         jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))(
+        flat, rows, blocks, block_scale, block_min)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -60,7 +82,7 @@ def kernel_available() -> bool:
 def _project(x: jax.Array, params, din: int, dout: int) -> jax.Array:
     """x [..., din] -> [..., dout] float32 through a packed weight (kernel or reference)."""
     if kernel_available():
-        return packed_matmul(x, *params)[..., :dout]
+        return packed_matmul(x, *params, rows=_VALID_ROWS.get())[..., :dout]
     w = dequantize(*params, din, dout, xp=jnp)
     return jax.lax.dot_general(x.astype(jnp.float32), w, (((x.ndim - 1,), (1,)), ((), ())))
 

@@ -42,4 +42,5 @@ def dummy_inputs(layout: BatchLayout, backend: AttentionBackend, max_adjust_entr
                       SamplingMetadata.from_host([], b_pad), no_adjustment(b_pad, k, k),
                       all_allowed(b_pad, num_words(vocab_size)),
                       np.zeros(t_pad, np.int32), np.full(t_pad, -1, np.int32),
-                      np.asarray(False), np.asarray(False))
+                      np.asarray(False), np.asarray(False), np.asarray(False),
+                      np.asarray(b_pad, np.int32))

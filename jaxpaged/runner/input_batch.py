@@ -69,6 +69,8 @@ class StepInputs:
         with_prompt_logprobs: [] bool; also score ``prompt_targets``.
         with_pooling: [] bool; also return the hidden rows pooling requests need
             (``jaxpaged.runner.pooling``).
+        num_rows: [] int32, the real sampling rows (the first ones of ``logits_indices``;
+            padding rows' logits may be left zero: ``jaxpaged.layers.packed_linear``).
     """
 
     input_ids: np.ndarray
@@ -83,13 +85,14 @@ class StepInputs:
     with_logprobs: np.ndarray
     with_prompt_logprobs: np.ndarray
     with_pooling: np.ndarray = field(default_factory=lambda: np.asarray(False))
+    num_rows: np.ndarray = field(default_factory=lambda: np.asarray(0, np.int32))
 
 
 jax.tree_util.register_dataclass(
     StepInputs, data_fields=["input_ids", "positions", "logits_indices", "attn_metadata",
                              "sampling", "adjust", "token_bitmask", "prompt_targets",
                              "prev_token_index", "with_logprobs", "with_prompt_logprobs",
-                             "with_pooling"],
+                             "with_pooling", "num_rows"],
     meta_fields=[])
 
 
@@ -290,7 +293,8 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
     inputs = StepInputs(input_ids, positions, logits_indices, attention_metadata(backend, layout),
                         sampling, adjust, token_bitmask, prompt_targets, prev_token_index,
                         np.asarray(with_logprobs), np.asarray(with_prompt),
-                        np.asarray(any(r.pooling is not None for r in reqs)))
+                        np.asarray(any(r.pooling is not None for r in reqs)),
+                        np.asarray(num_rows, np.int32))
     draft_ids = None
     if speculative:
         draft_ids = np.full(r_pad, -1, np.int32)

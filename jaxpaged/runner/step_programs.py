@@ -36,6 +36,7 @@ from flax import nnx
 from jaxpaged.layers.attention.base import KVPages
 from jaxpaged.layers.cpu_matmul import small_rows_matmuls
 from jaxpaged.layers.lora import lora_token_slots
+from jaxpaged.layers.packed_linear import valid_rows
 from jaxpaged.runner.input_batch import StepInputs
 from jaxpaged.runner.pooling import pool_rows
 from jaxpaged.sampling.logits_adjust import has_entries
@@ -49,7 +50,7 @@ def forward_inputs(inputs: StepInputs) -> dict:
             "prompt_targets": inputs.prompt_targets,
             "prev_token_index": inputs.prev_token_index,
             "with_prompt_logprobs": inputs.with_prompt_logprobs,
-            "with_pooling": inputs.with_pooling}
+            "with_pooling": inputs.with_pooling, "num_rows": inputs.num_rows}
 
 
 def sample_inputs(inputs: StepInputs) -> dict:
@@ -61,14 +62,17 @@ def sample_inputs(inputs: StepInputs) -> dict:
 def forward_outputs(model, hidden: jax.Array, inputs: dict) -> tuple:
     """What the forward program returns besides the pool, from the final hidden states
     ``hidden`` [T, H]: (logits [B, V] float32 of the sampling rows, prompt TokenLogprobs of
-    [T] rows (zeros unless asked), pooled [2, B, H] float32 rows (zeros unless asked))."""
-    logits = model.compute_logits(hidden[inputs["logits_indices"]])
+    [T] rows (zeros unless asked), pooled [2, B, H] float32 rows (zeros unless asked)).
+    Packed projections compute only the real rows (:func:`valid_rows`)."""
+    with valid_rows(inputs["num_rows"]):
+        logits = model.compute_logits(hidden[inputs["logits_indices"]])
     # Every token's distribution over the next prompt token (a chunk's last token
     # predicts the first token of the request's next chunk, which is not among this
     # step's inputs: the host passes every row's target); skipped on the device
     # unless asked.
-    prompt = when(inputs["with_prompt_logprobs"], lambda: token_logprobs(
-        model.compute_logits(hidden), inputs["prompt_targets"]))
+    with valid_rows(inputs["attn_metadata"]["query_start_loc"][-1]):
+        prompt = when(inputs["with_prompt_logprobs"], lambda: token_logprobs(
+            model.compute_logits(hidden), inputs["prompt_targets"]))
     pooled = pool_rows(hidden, inputs["logits_indices"],
                        inputs["attn_metadata"]["query_start_loc"], inputs["with_pooling"])
     return logits, prompt, pooled
@@ -164,7 +168,8 @@ def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
         input_ids = jnp.where(index >= 0, prev_tokens[index], input_ids)
         model = nnx.merge(graphdef, state)
         # lora_slots: [T] int32 with --enable-lora
-        with lora_token_slots(inputs.get("lora_slots")), small_rows_matmuls(cpu_matmuls):
+        with lora_token_slots(inputs.get("lora_slots")), small_rows_matmuls(cpu_matmuls), \
+                valid_rows(inputs["attn_metadata"]["query_start_loc"][-1]):
             hidden, kv_caches = model(input_ids, inputs["positions"], kv_caches,
                                       inputs["attn_metadata"])
         return *forward_outputs(model, hidden, inputs), kv_caches

@@ -1,7 +1,8 @@
 // float32 y = x . W^T with W kept packed in 4 or 8 bits per weight (GGUF projections, as
 // jaxpaged.layers.packed_linear lays them out), as an XLA FFI custom call.
 //
-// Inputs: x [M, K] float32 rows; blocks, the weight's integers in lanes of 16 output features:
+// Inputs: x [M, K] float32 rows, of which the first `rows` ([] int32, clamped to [0, M]) are
+// computed and the rest written as zeros (a bucketed step's padding); blocks, the weight's integers in lanes of 16 output features:
 //   4-bit: uint8 [N/16, K/2, 16], byte [b, j, l] = q[16b + l, 2j] | q[16b + l, 2j + 1] << 4;
 //   8-bit: int8  [N/16, K, 16],   [b, k, l] = q[16b + l, k];
 // scale and min, float32 [N/16, K/G, 16]: the weight is W[n, k] = scale * q + min of n's
@@ -177,7 +178,8 @@ void launch(ffi::ThreadPool& pool, const PackedArgs& a) {
   });
 }
 
-ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
+ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer q,
                             ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> min,
                             ffi::Result<ffi::Buffer<ffi::F32>> y) {
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions(),
@@ -198,12 +200,15 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
       !std::equal(sd.begin(), sd.end(), min.dimensions().begin())) {
     return ffi::Error::InvalidArgument("inconsistent packed matmul shapes");
   }
+  if (rows.element_count() != 1) return ffi::Error::InvalidArgument("rows must be a scalar");
+  const int64_t valid = std::clamp<int64_t>(rows.typed_data()[0], 0, m);
+  std::fill(y->typed_data() + valid * n, y->typed_data() + m * n, 0.0f);
   const PackedArgs a{x.typed_data(), q.untyped_data(), scale.typed_data(), min.typed_data(),
-                     y->typed_data(), m, k, n, k / sd[1]};
+                     y->typed_data(), valid, k, n, k / sd[1]};
   if (four_bit && a.group % 2 != 0) {
     return ffi::Error::InvalidArgument("4-bit groups must hold an even number of weights");
   }
-  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (valid == 0 || n == 0) return ffi::Error::Success();
   if (four_bit) {
     launch<4>(pool, a);
   } else {
@@ -219,6 +224,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPackedMatmul, jaxpaged_cpu::PackedMatmulIm
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
