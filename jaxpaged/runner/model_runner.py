@@ -307,12 +307,14 @@ class ModelRunner:
         forward = self._compiled(
             ("forward", *_shape_key(layout)), self._programs.forward, self._state,
             self._kv_caches, self._forward_inputs(inputs), self._prev_tokens)
-        return forward, self._sampler_for(forward.out_info[0], inputs,
-                                          verify=bool(layout.verify_block_q))
+        # (the forward's logits [B, V] float32, known without asking it: out_info costs ~1 ms)
+        logits = jax.ShapeDtypeStruct((inputs.logits_indices.shape[0], self._limits.vocab_size),
+                                      np.float32)
+        return forward, self._sampler_for(logits, inputs, verify=bool(layout.verify_block_q))
 
     def _sampler_for(self, logits, inputs: StepInputs, verify: bool = False):
         """The compiled sampler, or with ``verify`` the verifier (its third input: each
-        row's proposal), for ``logits`` (the forward's first output info, [B, V]) and
+        row's proposal), for ``logits`` (the forward's logits' shape and dtype, [B, V]) and
         ``inputs``' adjustment capacity; for a plain greedy step (``is_plain_greedy``)
         the greedy program, called the same way. A row bucket's sampler and greedy program
         compile together, so precompiling a shape readies both."""
