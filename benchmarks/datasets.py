@@ -1,9 +1,10 @@
 """Benchmark request sets: random, ShareGPT-format JSON, prefix repetition, prompt lookup,
-workload W1.
+workload W1, chat questions.
 
-Each yields :class:`SampleRequest`s (a prompt as token ids or text, its length, and the exact
-number of tokens to generate). The dataset names and flags follow ``vllm bench``
-(``--dataset-name random|sharegpt|prefix_repetition``, ``--random-input-len``, ...).
+Each yields :class:`SampleRequest`s (a prompt as token ids, text or chat messages, its length,
+and the exact number of tokens to generate). The dataset names and flags follow ``vllm bench``
+(``--dataset-name random|sharegpt|prefix_repetition``, ``--random-input-len``, ...); ``chat``
+(``bench serve`` only) sends the questions of ``configs/workloads/chat.json`` as chat messages.
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 W1_PATH = os.path.join(ROOT, "configs", "workloads", "w1.json")
+CHAT_PATH = os.path.join(ROOT, "configs", "workloads", "chat.json")
 DATASETS = ("random", "sharegpt", "prefix_repetition", "prompt_lookup", "w1")
+#: Sets only a server can take (their prompts are chat messages, rendered by its template).
+CHAT_DATASETS = ("chat",)
 
 
 @dataclass
@@ -25,14 +29,22 @@ class SampleRequest:
     """One benchmark request.
 
     Attributes:
-        prompt: token ids (random sets) or text (ShareGPT).
-        prompt_len: prompt length in tokens.
+        prompt: token ids (random sets), text (ShareGPT) or chat messages (``[{"role": "user",
+            "content": ...}]``, the chat set: sent to ``/v1/chat/completions``).
+        prompt_len: prompt length in tokens; 0 for chat messages (only the server knows their
+            rendered length: the results take its ``usage.prompt_tokens``).
         output_len: tokens to generate (EOS is ignored so that exactly this many come out).
     """
 
-    prompt: list[int] | str
+    prompt: list[int] | str | list[dict]
     prompt_len: int
     output_len: int
+
+    @property
+    def is_chat(self) -> bool:
+        """Whether :attr:`prompt` is a list of chat messages."""
+        return isinstance(self.prompt, list) and bool(self.prompt) \
+            and isinstance(self.prompt[0], dict)
 
 
 def random_requests(num: int, input_len: tuple[int, int], output_len: int, seed: int,
@@ -120,14 +132,33 @@ def w1_requests(vocab_size: int | None = None) -> list[SampleRequest]:
                            (lo, min(hi, vocab_size or hi)))
 
 
-def add_dataset_args(parser: argparse.ArgumentParser) -> None:
-    """``vllm bench``-style dataset flags."""
+def load_chat() -> dict:
+    """The chat workload's definition (``configs/workloads/chat.json``): ``questions`` (64
+    short user questions), ``output_len``, ``single_user_requests``, ``concurrency``."""
+    with open(CHAT_PATH) as f:
+        return json.load(f)
+
+
+def chat_requests(num: int, output_len: int) -> list[SampleRequest]:
+    """The first ``num`` chat questions (cycled when ``num`` is more than there are), each as
+    one user message, generating ``output_len`` tokens."""
+    questions = load_chat()["questions"]
+    return [SampleRequest([{"role": "user", "content": questions[i % len(questions)]}], 0,
+                          output_len) for i in range(num)]
+
+
+def add_dataset_args(parser: argparse.ArgumentParser, chat: bool = False) -> None:
+    """``vllm bench``-style dataset flags (``chat``: offer the chat sets too, for a
+    benchmark that sends requests to a server)."""
     g = parser.add_argument_group("dataset")
-    g.add_argument("--dataset-name", choices=DATASETS, default="random")
+    g.add_argument("--dataset-name", choices=DATASETS + (CHAT_DATASETS if chat else ()),
+                   default="random")
     g.add_argument("--dataset-path", default=None, help="ShareGPT JSON file (--dataset-name sharegpt)")
     g.add_argument("--num-prompts", type=int, default=64)
     g.add_argument("--random-input-len", type=int, default=128)
-    g.add_argument("--random-output-len", type=int, default=128)
+    g.add_argument("--random-output-len", type=int, default=128,
+                   help="tokens each request generates (random, prefix_repetition, "
+                        "prompt_lookup and chat sets)")
     g.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="input lengths uniform in [len*(1-r), len*(1+r)]")
     g.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
@@ -139,7 +170,8 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
 
 def requests_from_args(args: argparse.Namespace, tokenizer, vocab_size: int,
                        max_len: int) -> list[SampleRequest]:
-    """The request set the flags describe (token ids kept inside ``[3, vocab_size)``).
+    """The request set the flags describe (token ids kept inside ``[3, vocab_size)``; the
+    chat set uses neither ``tokenizer`` nor ``vocab_size``).
 
     Raises:
         ValueError: inconsistent flags (no ``--dataset-path`` for sharegpt, requests longer
@@ -152,6 +184,8 @@ def requests_from_args(args: argparse.Namespace, tokenizer, vocab_size: int,
     name = args.dataset_name
     if name == "w1":
         requests = w1_requests(vocab_size)
+    elif name == "chat":
+        requests = chat_requests(args.num_prompts, args.random_output_len)
     elif name == "sharegpt":
         if not args.dataset_path:
             raise ValueError("--dataset-name sharegpt needs --dataset-path FILE.json")

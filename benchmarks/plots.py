@@ -5,7 +5,9 @@
 * :func:`plot_throughput_vs_max_num_seqs`: jaxpaged's output tokens/s against
   ``--max-num-seqs``;
 * :func:`plot_step_phases`: where a decode and a prefill step spend their time, per phase
-  (``benchmarks/step_profile.py``).
+  (``benchmarks/step_profile.py``);
+* :func:`plot_grouped_bars`: panels of grouped bars, one bar per engine in each group
+  (``benchmarks/compare_chat.py``).
 """
 
 from __future__ import annotations
@@ -93,5 +95,29 @@ def plot_step_phases(result: dict, path: str) -> str:
     ax.legend(ncol=2, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def plot_grouped_bars(panels: list[tuple[str, list[str], dict[str, list[float]]]], path: str,
+                      title: str) -> str:
+    """One panel per ``(ylabel, group names, {engine: one value per group})`` of ``panels``,
+    side by side: in each group a bar per engine, labelled with its value; returns ``path``."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.4), squeeze=False)
+    colors = plt.get_cmap("tab10").colors
+    for ax, (label, groups, values) in zip(axes[0], panels):
+        width = 0.8 / max(len(values), 1)
+        for i, (engine, ys) in enumerate(values.items()):
+            xs = [g + (i - (len(values) - 1) / 2) * width for g in range(len(groups))]
+            bars = ax.bar(xs, ys, width, label=engine, color=colors[i % len(colors)])
+            ax.bar_label(bars, fmt="%.4g", fontsize=7)
+        ax.set_xticks(range(len(groups)), groups)
+        ax.set_ylabel(label)
+        ax.margins(y=0.15)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -1,11 +1,15 @@
 """``jaxpaged bench serve``: online serving benchmark against a running ``jaxpaged serve``
 (``vllm bench serve``).
 
-Requests go to ``POST /v1/completions`` with streaming, at Poisson arrivals of
-``--request-rate`` per second (``inf``: all at once), at most ``--max-concurrency`` in flight.
-Each generates exactly its ``output_len`` tokens (greedy, EOS ignored). Per request: TTFT
-(send to first streamed text), ITL (gaps between streamed chunks), TPOT ((E2E - TTFT) /
-(output tokens - 1)) and E2E latency. Prints vLLM's "Serving Benchmark Result" table and
+Requests go to ``POST /v1/completions`` with streaming (``--dataset-name chat``: chat
+messages to ``POST /v1/chat/completions``, rendered by the server's own chat template), at
+Poisson arrivals of ``--request-rate`` per second (``inf``: all at once), at most
+``--max-concurrency`` in flight. Each generates exactly its ``output_len`` tokens (greedy, EOS
+ignored), counted by the stream's ``usage``. Per request: TTFT (send to first streamed text),
+ITL (gaps between streamed chunks), TPOT ((E2E - TTFT) / (output tokens - 1)) and E2E
+latency. Any OpenAI-compatible server that honours ``ignore_eos`` and
+``stream_options.include_usage`` will do (llama.cpp's ``llama-server`` does:
+``benchmarks/compare_chat.py``). Prints vLLM's "Serving Benchmark Result" table and
 writes its field names to ``--output-json``.
 """
 
@@ -21,7 +25,8 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from jaxpaged.benchmarks.datasets import SampleRequest, add_dataset_args, requests_from_args
+from jaxpaged.benchmarks.datasets import (CHAT_DATASETS, SampleRequest, add_dataset_args,
+                                          requests_from_args)
 from jaxpaged.benchmarks.plots import plot_serve_latencies
 from jaxpaged.benchmarks.results import (add_cost, add_cost_arg, distribution, plot_next_to,
                                          write_outputs)
@@ -42,7 +47,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="the server's limit (default: read from /v1/models)")
-    add_dataset_args(parser)
+    add_dataset_args(parser, chat=True)
     parser.add_argument("--output-json", default=None)
     add_cost_arg(parser)
 
@@ -60,14 +65,28 @@ class RequestResult:
     itls: list[float] = field(default_factory=list)
 
 
+def _streamed_text(choice: dict) -> str:
+    """The text of one streamed choice: a completion's ``text``, a chat ``delta.content``."""
+    if "delta" in choice:
+        return choice["delta"].get("content") or ""
+    return choice.get("text") or ""
+
+
 async def send(client: httpx.AsyncClient, model: str, q: SampleRequest) -> RequestResult:
-    body = {"model": model, "prompt": q.prompt, "max_tokens": q.output_len, "temperature": 0,
+    """Stream one greedy request of exactly ``q.output_len`` tokens (EOS ignored) and time it:
+    to ``/v1/chat/completions`` when ``q`` holds chat messages (its prompt length is then the
+    server's ``usage.prompt_tokens``), else to ``/v1/completions``."""
+    body = {"model": model, "max_tokens": q.output_len, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if q.is_chat:
+        path, body["messages"] = "/v1/chat/completions", q.prompt
+    else:
+        path, body["prompt"] = "/v1/completions", q.prompt
     res = RequestResult(prompt_len=q.prompt_len)
     t0 = time.perf_counter()
     last = None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
+        async with client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
                 return res
@@ -80,7 +99,9 @@ async def send(client: httpx.AsyncClient, model: str, q: SampleRequest) -> Reque
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(c["text"] for c in chunk["choices"]):
+                    if q.is_chat:
+                        res.prompt_len = chunk["usage"].get("prompt_tokens", 0)
+                if any(_streamed_text(c) for c in chunk.get("choices") or ()):
                     if last is None:
                         res.ttft = now - t0
                     else:
@@ -96,11 +117,18 @@ async def send(client: httpx.AsyncClient, model: str, q: SampleRequest) -> Reque
     return res
 
 
-async def run(args: argparse.Namespace, model: str, requests: list[SampleRequest]
-              ) -> tuple[list[RequestResult], float]:
-    async with http_client(args.base_url, args.api_key) as client:
-        return await run_limited(requests, lambda q: send(client, model, q),
-                                 args.max_concurrency, args.request_rate, args.seed)
+def run(base_url: str, model: str, requests: list[SampleRequest],
+        max_concurrency: int | None = None, request_rate: float = float("inf"), seed: int = 0,
+        api_key: str | None = None) -> tuple[list[RequestResult], float]:
+    """Send ``requests`` to the server at ``base_url`` (:func:`send`, :func:`run_limited`'s
+    arrivals and limit); returns the results in request order and the seconds the whole set
+    took (first send to last answer)."""
+    async def go():
+        async with http_client(base_url, api_key) as client:
+            return await run_limited(requests, lambda q: send(client, model, q),
+                                     max_concurrency, request_rate, seed)
+
+    return asyncio.run(go())
 
 
 # ---- client pieces (shared with benchmarks/soak.py) -------------------------------------------
@@ -191,6 +219,16 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     }
 
 
+def per_request(results: list[RequestResult]) -> dict:
+    """Each request's ``input_lens`` and ``output_lens`` (tokens), ``ttfts`` and ``tpots``
+    (seconds; 0.0 for a failed request), in request order."""
+    return {"input_lens": [r.prompt_len for r in results],
+            "output_lens": [r.output_tokens for r in results],
+            "ttfts": [r.ttft for r in results],
+            "tpots": [(r.e2e - r.ttft) / (r.output_tokens - 1) if r.ok and r.output_tokens > 1
+                      else 0.0 for r in results]}
+
+
 def print_table(s: dict) -> None:
     rows = [("Successful requests:", s["completed"]), ("Failed requests:", s["failed"]),
             ("Benchmark duration (s):", f"{s['duration']:.2f}"),
@@ -224,21 +262,17 @@ def main(args: argparse.Namespace) -> dict:
     args.base_url, card = served_model(args.base_url, args.api_key, args.model)
     model = card["id"]
     max_len = args.max_model_len or card.get("max_model_len") or 2**31
-    tokenizer = load_tokenizer(args.tokenizer)
-    requests = requests_from_args(args, tokenizer, len(tokenizer), max_len)
-    results, duration = asyncio.run(run(args, model, requests))
+    tokenizer = None if args.dataset_name in CHAT_DATASETS else load_tokenizer(args.tokenizer)
+    requests = requests_from_args(args, tokenizer, len(tokenizer or ()), max_len)
+    results, duration = run(args.base_url, model, requests, args.max_concurrency,
+                            args.request_rate, args.seed, args.api_key)
     summary = summarize(results, duration)
     if not summary["completed"]:
         raise RuntimeError(f"every request failed, e.g.: {summary['errors'][0]}")
     print_table(summary)
     result = {"backend": "jaxpaged", "model": model, "dataset": args.dataset_name,
               "request_rate": args.request_rate if np.isfinite(args.request_rate) else "inf",
-              "max_concurrency": args.max_concurrency, **summary,
-              "input_lens": [r.prompt_len for r in results],
-              "output_lens": [r.output_tokens for r in results],
-              "ttfts": [r.ttft for r in results],
-              "tpots": [(r.e2e - r.ttft) / (r.output_tokens - 1) if r.ok and r.output_tokens > 1
-                        else 0.0 for r in results]}
+              "max_concurrency": args.max_concurrency, **summary, **per_request(results)}
     add_cost(result, args.cost_per_hour, duration, summary["total_output_tokens"],
              summary["total_input_tokens"] + summary["total_output_tokens"])
     write_outputs(result, args.output_json)

@@ -4,7 +4,7 @@
 * ``jaxpaged serve [MODEL] [ENGINE FLAGS] [SERVER FLAGS]`` runs the OpenAI-compatible server
   (``server/``).
 * ``jaxpaged bench {throughput,latency,serve,soak,host-overhead,structured-outputs,
-  scheduling-policy,block-size} ...``
+  scheduling-policy,block-size,compare-chat} ...``
   runs a benchmark (``benchmarks/``).
 """
 
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
 
     from jaxpaged.benchmarks import host_overhead, latency, serve as serve_bench, soak, throughput
-    from jaxpaged.benchmarks import block_size, scheduling_policy, structured_outputs
+    from jaxpaged.benchmarks import block_size, compare_chat, scheduling_policy, structured_outputs
     bench = sub.add_parser("bench", help="benchmarks (vllm bench equivalents)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     for name, module, text in (
@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("scheduling-policy", scheduling_policy, "short requests' latency under fcfs "
                                                      "and sjf on a mixed workload"),
             ("block-size", block_size, "W1 at several --block-size values (auto too), "
-                                       "side by side")):
+                                       "side by side"),
+            ("compare-chat", compare_chat, "a chat workload on jaxpaged serve and on "
+                                           "llama.cpp's llama-server, one after the other")):
         module.add_cli_args(kinds.add_parser(name, help=text))
     return parser
 
@@ -99,8 +101,10 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "bench":
         from jaxpaged.benchmarks import host_overhead, latency, serve as serve_bench, soak, throughput
         from jaxpaged.benchmarks import block_size, scheduling_policy, structured_outputs
+        from jaxpaged.benchmarks import compare_chat
 
-        module = {"block-size": block_size, "throughput": throughput, "latency": latency, "serve": serve_bench,
+        module = {"block-size": block_size, "compare-chat": compare_chat,
+                  "throughput": throughput, "latency": latency, "serve": serve_bench,
                   "soak": soak, "host-overhead": host_overhead,
                   "structured-outputs": structured_outputs,
                   "scheduling-policy": scheduling_policy}

@@ -21,9 +21,10 @@ import os
 import socket
 import subprocess
 import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+
+from jaxpaged.benchmarks.server_process import ServerProcess
 
 #: Tokens of the untimed warm-up request (the first prompt's head), and its output length.
 WARMUP_PROMPT_TOKENS, WARMUP_OUTPUT = 16, 8
@@ -53,66 +54,20 @@ def server_command(binary: str, gguf: str, port: int, parallel: int, ctx_size: i
             "--threads", str(threads), "--threads-batch", str(threads), "--no-webui"]
 
 
-class LlamaServer:
-    """A ``llama-server`` subprocess on 127.0.0.1 (a context manager that stops it by PID).
+class LlamaServer(ServerProcess):
+    """A ``llama-server`` subprocess on 127.0.0.1 (a context manager that stops it by PID),
+    with llama.cpp's own ``/completion`` client.
 
     Args:
         command: from :func:`server_command` (its ``--port`` is where requests go).
         log_path: the server's stdout and stderr.
         health_timeout_s: how long the model may take to load.
         stop_timeout_s: how long SIGTERM may take before SIGKILL.
+        **kwargs: more of :class:`~jaxpaged.benchmarks.server_process.ServerProcess`'s
+            (``rss_interval_s``, ``env``).
     Raises (on entry):
         RuntimeError: the server exited, or ``/health`` was not 200 within the timeout.
     """
-
-    def __init__(self, command: list[str], log_path: str, health_timeout_s: float = 600.0,
-                 stop_timeout_s: float = 10.0):
-        self.command, self.log_path = command, log_path
-        self.url = f"http://127.0.0.1:{command[command.index('--port') + 1]}"
-        self.health_timeout_s, self.stop_timeout_s = health_timeout_s, stop_timeout_s
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> "LlamaServer":
-        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.health_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}; "
-                                   f"log: {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass                  # not listening yet, or 503 while the model loads
-            time.sleep(0.1)
-        raise RuntimeError(f"llama-server not healthy after {self.health_timeout_s} s; "
-                           f"log: {self.log_path}")
-
-    def stop(self) -> None:
-        """SIGTERM the server's PID, SIGKILL it after ``stop_timeout_s``, and reap it."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(self.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
     def complete(self, prompt: list[int], n_predict: int) -> dict:
         """``POST /completion`` of token ids, greedy, exactly ``n_predict`` tokens.
@@ -162,10 +117,9 @@ def llama_cpp_row(binary: str, gguf: str, requests, work: str, parallel: int = 1
     name = os.path.basename(gguf)
     command = server_command(binary, gguf, free_port(), parallel,
                              slot_context(requests, parallel), threads) + list(extra_args)
-    t0 = time.perf_counter()
     with LlamaServer(command, os.path.join(work, f"llama-server-{name}.log"),
                      stop_timeout_s=stop_timeout_s) as server:
-        startup = time.perf_counter() - t0
+        startup = server.startup_time
         server.complete(requests[0].prompt[:WARMUP_PROMPT_TOKENS], WARMUP_OUTPUT)
         elapsed, answers = server.run(requests, parallel)
     out_tokens = sum(a["tokens_predicted"] for a in answers)
