@@ -249,19 +249,34 @@ class GGUFCheckpoint:
             UnsupportedModelError: the tensor is stored in a type that does not pack (F32,
                 F16, BF16: such files load dequantized, :func:`keeps_packed`).
         """
+        t = self._tensor(name, PACKABLE_TYPES, ", which is not kept packed")
+        if t is None:
+            return None
+        cols = int(t.shape[0])                  # ggml lists dimensions fastest first
+        parts = decode_blocks(np.asarray(t.data), t.tensor_type.name, cols)
+        q, scale, offset = (self._hf_rows(name, a) for a in parts)
+        return pack_weight(q, scale, offset, PACKABLE_TYPES[t.tensor_type.name][0])
+
+    def _tensor(self, name: str, allowed, refusal: str):
+        """The file's tensor ``name`` (marked read), or None if it lacks it.
+
+        Raises:
+            UnsupportedModelError: its type is not in ``allowed`` (``refusal`` says why).
+        """
         t = self._tensors.get(name)
         if t is None:
             return None
         self._read.add(name)
-        if t.tensor_type.name not in PACKABLE_TYPES:
+        if t.tensor_type.name not in allowed:
             raise UnsupportedModelError(f"tensor {t.name} in {self._path!r} is stored as "
-                                        f"{t.tensor_type.name}, which is not kept packed")
-        rows, cols = (int(d) for d in reversed(t.shape))
-        q, scale, offset = decode_blocks(np.asarray(t.data), t.tensor_type.name, cols)
-        module = name.rsplit(".", 1)[0].split(".", 3)[-1]
-        if module in self._heads:
-            q, scale, offset = (unpermute_rows(a, self._heads[module]) for a in (q, scale, offset))
-        return pack_weight(q, scale, offset, PACKABLE_TYPES[t.tensor_type.name][0])
+                                        f"{t.tensor_type.name}{refusal}")
+        return t
+
+    def _hf_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """A weight's per-row array (values, integers or scales) in Hugging Face row order
+        (the Q/K permutation undone for ``q_proj`` and ``k_proj``)."""
+        module = name.rsplit(".", 1)[0].split(".", 3)[-1]   # e.g. "self_attn.q_proj"
+        return unpermute_rows(rows, self._heads[module]) if module in self._heads else rows
 
     def get(self, name: str) -> np.ndarray | None:
         """Tensor ``name`` (Hugging Face naming and layout: a weight ``[out, in]``) as float32,
@@ -272,18 +287,11 @@ class GGUFCheckpoint:
         """
         import gguf
 
-        t = self._tensors.get(name)
+        t = self._tensor(name, SUPPORTED_TENSOR_TYPES,
+                         f"; supported: {list(SUPPORTED_TENSOR_TYPES)}")
         if t is None:
             return None
-        self._read.add(name)
-        if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
-            raise UnsupportedModelError(f"tensor {t.name} in {self._path!r} is stored as "
-                                        f"{t.tensor_type.name}; supported: "
-                                        f"{list(SUPPORTED_TENSOR_TYPES)}")
         # ggml lists dimensions fastest first: [in, out] is numpy's [out, in].
         shape = tuple(int(d) for d in reversed(t.shape))
         w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
-        module = name.rsplit(".", 1)[0].split(".", 3)[-1]   # e.g. "self_attn.q_proj"
-        if module in self._heads:
-            w = unpermute_rows(w, self._heads[module])
-        return w
+        return self._hf_rows(name, w)
