@@ -49,26 +49,51 @@ def valid_rows(count: jax.Array | None):
         _VALID_ROWS.reset(token)
 
 
-def packed_matmul(x: jax.Array, blocks: jax.Array, block_scale: jax.Array,
-                  block_min: jax.Array, rows: jax.Array | None = None) -> jax.Array:
-    """``x . W^T`` by the C++ kernel (registered: :func:`kernel_available`).
+def packed_projections(x: jax.Array, weights, *, rows: jax.Array | None = None,
+                       norm: jax.Array | None = None, eps: float = 0.0,
+                       residual: jax.Array | None = None, gated: bool = False) -> list:
+    """``x . W_p^T`` for several packed weights in one call of the C++ kernel (registered:
+    :func:`kernel_available`), with a decoder layer's neighbouring operations folded in.
 
     Args:
         x: [..., K] float32.
-        blocks, block_scale, block_min: a packed weight of N' = 16 * blocks.shape[0] features.
+        weights: (blocks, block_scale, block_min) per weight; weight p has N_p' = 16 *
+            blocks.shape[0] features.
         rows: [] int32, how many leading rows of ``x`` (flattened) to compute; the others
             come back as zeros (None: all).
+        norm: [K] float32 weight of an RMSNorm applied to ``x`` first (with ``eps``;
+            transformers' ``LlamaRMSNorm`` in float32), or None.
+        residual: [..., N_0'] float32 added to the only weight's product, or None.
+        gated: two weights (a SwiGLU gate and up): one output ``silu(x . W_0^T) * (x . W_1^T)``.
 
     Returns:
-        [..., N'] float32 (the caller drops padding features).
+        The outputs, [..., N_p'] float32 each (one when ``gated``); the caller drops padding
+        features.
     """
-    k, n = x.shape[-1], blocks.shape[0] * LANES
+    k = x.shape[-1]
     flat = x.reshape(-1, k).astype(jnp.float32)
-    rows = jnp.asarray(flat.shape[0] if rows is None else rows, jnp.int32)
-    y = jax.ffi.ffi_call(PACKED_MATMUL_TARGET,
-                         jax.ShapeDtypeStruct((flat.shape[0], n), jnp.float32))(
-        flat, rows, blocks, block_scale, block_min)
-    return y.reshape(*x.shape[:-1], n)
+    m = flat.shape[0]
+    widths = [w[0].shape[0] * LANES for w in weights]
+    outs = [jax.ShapeDtypeStruct((m, n), jnp.float32) for n in widths[:1 if gated else None]]
+    empty = jnp.zeros((0,), jnp.float32)
+    args = [flat, jnp.asarray(m if rows is None else rows, jnp.int32),
+            empty if norm is None else norm.astype(jnp.float32),
+            empty if residual is None else residual.reshape(m, -1).astype(jnp.float32)]
+    ys = jax.ffi.ffi_call(PACKED_MATMUL_TARGET, outs)(
+        *args, *(a for w in weights for a in w), eps=np.float32(eps), gated=np.int32(gated))
+    return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
+
+
+def project_packed(x: jax.Array, weights, **options) -> list:
+    """:func:`packed_projections` of the rows the enclosing :func:`valid_rows` block names."""
+    return packed_projections(x, weights, rows=_VALID_ROWS.get(), **options)
+
+
+def packed_matmul(x: jax.Array, blocks: jax.Array, block_scale: jax.Array,
+                  block_min: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+    """``x . W^T`` ([..., K] float32 -> [..., N'] float32) for one packed weight
+    (:func:`packed_projections` without the folded operations)."""
+    return packed_projections(x, [(blocks, block_scale, block_min)], rows=rows)[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,7 +107,7 @@ def kernel_available() -> bool:
 def _project(x: jax.Array, params, din: int, dout: int) -> jax.Array:
     """x [..., din] -> [..., dout] float32 through a packed weight (kernel or reference)."""
     if kernel_available():
-        return packed_matmul(x, *params, rows=_VALID_ROWS.get())[..., :dout]
+        return project_packed(x, [params])[0][..., :dout]
     w = dequantize(*params, din, dout, xp=jnp)
     return jax.lax.dot_general(x.astype(jnp.float32), w, (((x.ndim - 1,), (1,)), ((), ())))
 

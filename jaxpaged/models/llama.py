@@ -23,7 +23,9 @@ from flax import nnx
 from jaxpaged.config import ModelConfig
 from jaxpaged.layers.attention import AttentionBackend, KVPages
 from jaxpaged.layers.linear import linear
-from jaxpaged.layers.packed_linear import PackedEmbedding
+from jaxpaged.layers.packed_layout import LANES
+from jaxpaged.layers.packed_linear import (PackedEmbedding, PackedLinear, kernel_available,
+                                           project_packed)
 from jaxpaged.layers.normalization import RMSNorm
 from jaxpaged.layers.rotary import apply_rope, rope_inv_freq
 
@@ -62,10 +64,18 @@ class LlamaAttention(nnx.Module):
 
     def __call__(self, x, positions, kv_pages: KVPages, metadata):
         """x: [T, H]; positions: [T] int32 -> ([T, H], updated kv_pages)."""
-        t = x.shape[0]
-        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        out, kv_pages = self.attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), positions,
+                                    kv_pages, metadata)
+        return self.o_proj(out), kv_pages
+
+    def attend(self, q, k, v, positions, kv_pages: KVPages, metadata):
+        """The projections' outputs q [T, heads * D], k and v [T, kv_heads * D] (any width
+        padding past them dropped) through q/k norms, RoPE and the paged attention ->
+        ([T, heads * D] before ``o_proj``, updated kv_pages)."""
+        t = q.shape[0]
+        q = q[:, :self.num_heads * self.head_dim].reshape(t, self.num_heads, self.head_dim)
+        k = k[:, :self.num_kv_heads * self.head_dim].reshape(t, self.num_kv_heads, self.head_dim)
+        v = v[:, :self.num_kv_heads * self.head_dim].reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, self.inv_freq)
@@ -73,7 +83,7 @@ class LlamaAttention(nnx.Module):
         out, kv_pages = self.backend.forward(q, k, v, kv_pages, metadata, scale=self.scale,
                                              sliding_window=self.sliding_window,
                                              soft_cap=self.soft_cap)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), kv_pages
+        return out.reshape(t, self.num_heads * self.head_dim), kv_pages
 
 
 class LlamaMLP(nnx.Module):
@@ -111,9 +121,49 @@ class LlamaDecoderLayer(nnx.Module):
         return self.mlp(x)
 
     def __call__(self, x, positions, kv_pages, metadata):
+        if fused_packed_layer(self):
+            return self.packed_call(x, positions, kv_pages, metadata)
         attn, kv_pages = self.self_attn(self.input_layernorm(x), positions, kv_pages, metadata)
         x = x + attn
         return x + self.feed_forward(self.post_attention_layernorm(x)), kv_pages
+
+    def packed_call(self, x, positions, kv_pages, metadata):
+        """:meth:`__call__` for packed projections (:func:`fused_packed_layer`) in four
+        kernel calls: norm and q, k, v; o and the residual; norm, gate and up and SiLU;
+        down and the residual."""
+        attn, mlp = self.self_attn, self.mlp
+        params = lambda layer: (layer.blocks[...], layer.block_scale[...], layer.block_min[...])
+        eps = self.input_layernorm.eps
+        q, k, v = project_packed(x, [params(attn.q_proj), params(attn.k_proj),
+                                     params(attn.v_proj)],
+                                 norm=self.input_layernorm.weight[...], eps=eps)
+        q, k, v = (y if p.bias is None else y[:, :p.dout] + p.bias[...]
+                   for y, p in ((q, attn.q_proj), (k, attn.k_proj), (v, attn.v_proj)))
+        out, kv_pages = attn.attend(q, k, v, positions, kv_pages, metadata)
+        (x,) = project_packed(out, [params(attn.o_proj)], residual=x)
+        (h,) = project_packed(x, [params(mlp.gate_proj), params(mlp.up_proj)], gated=True,
+                              norm=self.post_attention_layernorm.weight[...],
+                              eps=self.post_attention_layernorm.eps)
+        (x,) = project_packed(h, [params(mlp.down_proj)], residual=x)
+        return x, kv_pages
+
+
+def fused_packed_layer(layer: LlamaDecoderLayer) -> bool:
+    """Whether ``layer`` runs as :meth:`LlamaDecoderLayer.packed_call`: its seven projections
+    are :class:`~jaxpaged.layers.packed_linear.PackedLinear` (not wrapped by LoRA) on the
+    C++ kernel, its norms plain RMSNorms, its feed-forward a SiLU :class:`LlamaMLP` without
+    biases past q, k and v, and the hidden and intermediate widths multiples of the kernel's
+    16 lanes."""
+    attn, mlp = layer.self_attn, getattr(layer, "mlp", None)
+    if not isinstance(mlp, LlamaMLP) or mlp.act is not jax.nn.silu:
+        return False
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
+                   mlp.up_proj, mlp.down_proj)
+    return (all(type(p) is PackedLinear for p in projections)
+            and all(p.bias is None for p in projections[3:])
+            and not (layer.input_layernorm.unit_offset or layer.post_attention_layernorm.unit_offset)
+            and attn.o_proj.dout % LANES == 0 and mlp.gate_proj.dout % LANES == 0
+            and kernel_available())
 
 
 class LlamaModel(nnx.Module):

@@ -124,10 +124,11 @@ class ModelRunner:
         self._executables.clear()
 
         num_rows = self._buckets.seq_buckets[-1]
+        self._state_leaves, state_def = jax.tree.flatten(self._state)
         self._programs = build_programs(
-            graphdef, jax.tree.map(lambda a: a.sharding, self._state),
+            graphdef, [a.sharding for a in self._state_leaves],
             jax.tree.map(lambda a: a.sharding, self._kv_caches), self._replicated,
-            self._cpu_matmuls)
+            self._cpu_matmuls, state_def)
         self._prev_tokens = jax.device_put(np.zeros(num_rows, np.int32), self._replicated)
         self._prev_rows: Callable[[], dict[str, int]] = dict
         self._free_bitmasks: dict[int, jax.Array] = {}
@@ -270,7 +271,7 @@ class ModelRunner:
         or None), all device arrays possibly not ready yet."""
         forward, sampler = self._executables_for(layout, inputs)
         logits, prompt, pooled, self._kv_caches = forward(
-            self._state, self._kv_caches, self._forward_inputs(inputs, scheduler_output),
+            self._state_leaves, self._kv_caches, self._forward_inputs(inputs, scheduler_output),
             self._prev_tokens)
         accepted = None
         if layout.verify_block_q:
@@ -300,12 +301,13 @@ class ModelRunner:
         write = self._compiled(("lora_write",), lora.program(self._state), arrays,
                                np.int32(slot), new)
         lora.set_arrays(self._state, write(arrays, np.int32(slot), new))
+        self._state_leaves = jax.tree.leaves(self._state)
 
     def _executables_for(self, layout: BatchLayout, inputs: StepInputs) -> tuple:
         """The compiled forward and sample programs for ``inputs``' shapes (compiled now,
         or loaded from the executable store, if new)."""
         forward = self._compiled(
-            ("forward", *_shape_key(layout)), self._programs.forward, self._state,
+            ("forward", *_shape_key(layout)), self._programs.forward, self._state_leaves,
             self._kv_caches, self._forward_inputs(inputs), self._prev_tokens)
         # (the forward's logits [B, V] float32, known without asking it: out_info costs ~1 ms)
         logits = jax.ShapeDtypeStruct((inputs.logits_indices.shape[0], self._limits.vocab_size),
@@ -394,7 +396,7 @@ class ModelRunner:
             query_start_loc=np.array([0, t], np.int32), seq_lens=np.array([t], np.int32),
             positions=positions, slot_mapping=pages[positions // page_size] * page_size
             + positions % page_size, page_table=pages[None], num_seqs=1, num_tokens=t)
-        logits, pool = self._programs.prefill(self._state, pool, np.asarray(token_ids, np.int32),
+        logits, pool = self._programs.prefill(self._state_leaves, pool, np.asarray(token_ids, np.int32),
                                      positions, attention_metadata(self._backend, layout))
         return to_host(logits), pool
 
