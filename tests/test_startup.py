@@ -238,3 +238,20 @@ def test_engines_of_other_row_counts_do_not_share_stored_samplers(tmp_path):
         compile_cache.configure_compilation_cache(compile_cache.resolve_cache_dir(None))
     assert rows == [(16,), (8,)]
     assert len(tokens[0]) == 4 and tokens[0] == tokens[1]
+
+
+def test_server_start_up_compiles_a_short_requests_shapes_first():
+    """``jaxpaged serve`` compiles the decode steps of the smallest sequence bucket and prompt
+    steps of up to 64 tokens before /health, the rest on a background thread, smallest
+    first (``jaxpaged.runner.background_compile``)."""
+    from jaxpaged.runner.background_compile import split_shapes
+    from jaxpaged.runner.buckets import ShapeBuckets
+
+    shapes = ShapeBuckets(max_num_tokens=2048, max_num_seqs=256, max_pages_per_seq=512,
+                          page_buckets_by_width=False).step_shapes()
+    first, rest = split_shapes(shapes)
+    assert first == [(8, 8, 512, True), (16, 16, 512, False), (32, 32, 512, False),
+                     (64, 64, 512, False)]
+    assert sorted(first + rest) == sorted(shapes) and not set(first) & set(rest)
+    assert rest[0] == (16, 16, 512, True) and rest[-1][0] == 2048
+    assert [s[0] for s in rest] == sorted(s[0] for s in rest)

@@ -33,10 +33,14 @@ from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
 
-def make_engine(args: EngineArgs) -> Engine | DataParallelEngine:
+def make_engine(args: EngineArgs, background_compile: bool = False
+                ) -> Engine | DataParallelEngine:
     """An :class:`Engine`, or a :class:`DataParallelEngine` when
-    ``args.data_parallel_size > 1``."""
-    return DataParallelEngine(args) if args.data_parallel_size > 1 else Engine(args)
+    ``args.data_parallel_size > 1`` (``background_compile``: see
+    :func:`jaxpaged.engine.startup.load_and_compile`)."""
+    if args.data_parallel_size > 1:
+        return DataParallelEngine(args, background_compile)
+    return Engine(args, background_compile=background_compile)
 
 
 class DataParallelEngine:
@@ -53,7 +57,7 @@ class DataParallelEngine:
             devices. Otherwise as :class:`Engine`.
     """
 
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, background_compile: bool = False):
         tp, dp = args.tensor_parallel_size, args.data_parallel_size
         self.args = args
         request_host_devices(tp * dp)       # before _devices starts JAX
@@ -61,7 +65,8 @@ class DataParallelEngine:
         self.replicas: list[Engine] = []
         for i in range(dp):
             devices = _devices(i, tp, dp)
-            self.replicas.append(Engine(args, devices, seed_rng=seeds))
+            self.replicas.append(Engine(args, devices, seed_rng=seeds,
+                                        background_compile=background_compile))
         first = self.replicas[0]
         self.tokenizer = first.tokenizer
         self.model_config = first.model_config

@@ -98,7 +98,7 @@ class Engine:
     """
 
     def __init__(self, args: EngineArgs, devices: list | None = None,
-                 seed_rng: np.random.Generator | None = None):
+                 seed_rng: np.random.Generator | None = None, background_compile: bool = False):
         self.args = args
         join_processes(args)
         #: The pooler of a pooling engine (embeddings only); None: the engine generates.
@@ -110,7 +110,8 @@ class Engine:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         speculative_config = SpeculativeConfig.from_dict(args.speculative_config)
-        loaded = load_and_compile(args, cfg, self.max_model_len, speculative_config, devices)
+        loaded = load_and_compile(args, cfg, self.max_model_len, speculative_config, devices,
+                                  background_compile)
         worker, self.tokenizer = loaded.worker, loaded.tokenizer
         #: The draft model's proposer (``method="draft_model"``), else None.
         self.drafter = loaded.drafter

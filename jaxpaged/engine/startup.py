@@ -19,6 +19,7 @@ from jaxpaged.distributed.multihost import check_same_everywhere, initialize as 
 from jaxpaged.distributed.step_sync import install_signal_handlers, stop_requested_anywhere
 from jaxpaged.distributed.tensor_parallel import request_host_devices
 from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.runner.background_compile import precompile_in_background, split_shapes
 from jaxpaged.runner.worker import Worker, build_worker
 from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.spec_decode.draft_model import DraftModel, DraftModelProposer
@@ -60,9 +61,13 @@ class LoadedModel:
 
 def load_and_compile(args: EngineArgs, cfg: ModelConfig, max_model_len: int,
                      speculative_config: SpeculativeConfig | None,
-                     devices: list | None = None) -> LoadedModel:
+                     devices: list | None = None,
+                     background_compile: bool = False) -> LoadedModel:
     """Load the model (and its draft model) onto ``devices``, precompile every step shape
-    (unless ``enforce_eager``), and load the tokenizer on another thread meanwhile.
+    (unless ``enforce_eager``), and load the tokenizer on another thread meanwhile. With
+    ``background_compile`` (a server) only the shapes of a first short request compile
+    before this returns, the rest on a background thread
+    (:mod:`jaxpaged.runner.background_compile`).
 
     Raises:
         SpeculativeConfigError: a draft model that does not fit the target (before
@@ -81,6 +86,10 @@ def load_and_compile(args: EngineArgs, cfg: ModelConfig, max_model_len: int,
         drafter = draft and draft.build(worker, speculative_config.num_speculative_tokens)
         if not args.enforce_eager:
             for runner in [worker.runner] + ([drafter.runner] if drafter else []):
+                first, rest = split_shapes(runner.step_shapes()) if background_compile \
+                    else (None, [])
                 runner.precompile(should_stop=lambda: stop_requested_anywhere() or (
-                    tokenizer.done() and tokenizer.exception() is not None))
+                    tokenizer.done() and tokenizer.exception() is not None), shapes=first)
+                if rest:
+                    precompile_in_background(runner, rest)
         return LoadedModel(worker, drafter, tokenizer.result())

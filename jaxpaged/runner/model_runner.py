@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -112,6 +113,7 @@ class ModelRunner:
         self._num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
         self._set_buckets()
         self._executables: dict[tuple, object] = {}
+        self._compile_lock = threading.RLock()
         self.eos_token_ids = eos_token_ids
         self._verify = None     # the speculative sampler (enable_spec_decode)
         self._verify_block_q = 0
@@ -346,7 +348,16 @@ class ModelRunner:
 
     def _compiled(self, key: tuple, program, *args, devices: list | None = None):
         """``program`` compiled for ``args`` (kept under ``key``) on ``devices`` (default:
-        those of the per-step inputs)."""
+        those of the per-step inputs). One compilation at a time (a step that needs a shape
+        the start-up's background compilation has not reached waits for the lock, then
+        compiles it)."""
+        fn = self._executables.get(key)
+        if fn is not None:
+            return fn
+        with self._compile_lock:
+            return self._compiled_locked(key, program, *args, devices=devices)
+
+    def _compiled_locked(self, key: tuple, program, *args, devices: list | None = None):
         fn = self._executables.get(key)
         if fn is None:
             t0 = time.perf_counter()
@@ -418,12 +429,12 @@ class ModelRunner:
         return None if None in peaks or not peaks else max(peaks)
 
     def precompile(self, should_stop: Callable[[], bool] = lambda: False,
-                   progress: bool | None = None) -> float:
+                   progress: bool | None = None, shapes: list[tuple] | None = None) -> float:
         """Compile every step shape a run can meet (:meth:`step_shapes`: each one's forward,
         and the sampler of each row bucket once; logprobs, prompt logprobs and logit
         adjustments of up to ``max_adjust_entries`` entries a row run in the same
-        executables), unless ``should_stop`` turns true between two shapes (the rest then
-        compile lazily); returns the seconds taken.
+        executables), or only ``shapes``, unless ``should_stop`` turns true between two
+        shapes (the rest then compile lazily); returns the seconds taken.
 
         One shape at a time: on the 2-core CPU two compilations on two threads took as long
         as one after the other (measured again with jaxlib 0.12.0.1: 8.5 CPU seconds either
@@ -436,7 +447,8 @@ class ModelRunner:
         cache_dir, before = jax_cache_dir(), self.num_fresh_compilations
         if self._lora is not None:
             self.write_lora_slot(0, None)    # compiles the slot writer (slot 0 stays zeros)
-        for shape in tqdm(self.step_shapes(), desc="Compiling model steps", unit="shape",
+        for shape in tqdm(self.step_shapes() if shapes is None else shapes,
+                          desc="Compiling model steps", unit="shape",
                           disable=None if progress is None else not progress, leave=False):
             if should_stop():
                 break
