@@ -270,10 +270,12 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            # A server answers /health once a short request's steps are compiled; the
-            # other shapes compile in the background (one process only: every process of a
-            # multi-host job runs the same steps in lockstep).
-            self.engine = make_engine(self.args, background_compile=not self._multihost)
+            # A generating server answers /health once a short request's steps are
+            # compiled; the other shapes compile in the background (one process only: every
+            # process of a multi-host job runs the same steps in lockstep; not for pooling,
+            # whose requests are prompt steps of every token bucket from the start).
+            self.engine = make_engine(self.args, background_compile=not self._multihost
+                                      and self.args.pooler is None)
             warm_up(self.engine)
             self.engine.stat_loggers.extend(self._stat_loggers)
             self.engine.record_stats()          # every gauge has a value from the start
