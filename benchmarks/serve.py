@@ -145,8 +145,13 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 def http_client(base_url: str, api_key: str | None = None) -> httpx.AsyncClient:
     """An async client for ``base_url``: no timeout, no connection limit (the caller bounds
     the concurrency)."""
+    # No kept-alive connections: llama-server closes idle ones after a few seconds, and a
+    # request sent on one it just closed failed ("Server disconnected without sending a
+    # response") in the one-user run after the warm-up; a new loopback connection per
+    # request costs well under a millisecond, for either server.
     return httpx.AsyncClient(base_url=base_url, headers=auth_headers(api_key), timeout=None,
-                             limits=httpx.Limits(max_connections=None))
+                             limits=httpx.Limits(max_connections=None,
+                                                 max_keepalive_connections=0))
 
 
 async def sse_payloads(response: httpx.Response) -> AsyncIterator[dict | str]:

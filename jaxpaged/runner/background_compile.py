@@ -47,6 +47,7 @@ def precompile_in_background(runner, shapes: list[tuple]) -> threading.Thread:
         logger.info("background compilation of %d step shapes done in %.1f s", len(shapes),
                     time.perf_counter() - t0)
 
+    logger.info("compiling %d more step shapes in the background", len(shapes))
     thread = threading.Thread(target=run, name="jaxpaged-background-compile", daemon=True)
     thread.start()
     return thread
