@@ -98,6 +98,19 @@ struct PackedArgs {
 
 inline v16 to_float(vi16 v) { return __builtin_convertvector(v, v16); }
 
+// The integers of inputs k and k + 1 (k even) of one vector of 16 features, as floats.
+template <int Bits>
+inline void integers(const uint8_t* q, int64_t k, v16& w0, v16& w1) {
+  if constexpr (Bits == 4) {
+    const vi16 both = widen16<false>(q + k / 2 * kLanes);
+    w0 = to_float(both & 15);
+    w1 = to_float(both >> 4);
+  } else {
+    w0 = to_float(widen16<true>(q + k * kLanes));
+    w1 = to_float(widen16<true>(q + (k + 1) * kLanes));
+  }
+}
+
 // Rows [r0, r0 + RB) x features [16 v0, 16 (v0 + NB)) of y. Per group g the integers meet
 // the activations first, sum_k q[n, k] x[r, k] in `part` (two partial sums, of even and odd
 // k, so that the chains of dependent multiply-adds are short), and the group's scale and
@@ -122,14 +135,7 @@ void block(const PackedArgs& a, const float* xsum, int64_t r0, int64_t v0) {
 #pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) {
         v16 w0, w1;
-        if constexpr (Bits == 4) {
-          const vi16 both = widen16<false>(q[j] + k / 2 * kLanes);
-          w0 = to_float(both & 15);
-          w1 = to_float(both >> 4);
-        } else {
-          w0 = to_float(widen16<true>(q[j] + k * kLanes));
-          w1 = to_float(widen16<true>(q[j] + (k + 1) * kLanes));
-        }
+        integers<Bits>(q[j], k, w0, w1);
 #pragma GCC unroll 4
         for (int r = 0; r < RB; ++r) {
           even[j][r] += w0 * x[r][k];
@@ -183,14 +189,7 @@ void dequantize_panel(const PackedArgs& a, int64_t v0, int64_t v_end, int64_t k0
       const v16 mn = load16(a.min + (v * groups + g) * kLanes);
       for (int64_t k = g * a.group; k < (g + 1) * a.group; k += 2) {
         v16 w0, w1;
-        if constexpr (Bits == 4) {
-          const vi16 both = widen16<false>(q + k / 2 * kLanes);
-          w0 = to_float(both & 15);
-          w1 = to_float(both >> 4);
-        } else {
-          w0 = to_float(widen16<true>(q + k * kLanes));
-          w1 = to_float(widen16<true>(q + (k + 1) * kLanes));
-        }
+        integers<Bits>(q, k, w0, w1);
         store16(column + k * width, w0 * s + mn);
         store16(column + (k + 1) * width, w1 * s + mn);
       }
