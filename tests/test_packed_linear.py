@@ -68,7 +68,7 @@ def test_decode_refuses_what_it_cannot_read():
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17])
 def test_kernel_equals_float64_matmul_of_the_dequantized_weight(type_name, rows):
     """Every register-block shape (1-4 rows, then a remainder; 17 rows: the float panel of
-    12 rows and more), 3, 2 and 1 vectors of
+    8 rows and more), 3, 2 and 1 vectors of
     features (48 = 3 vectors, 40 padded to 3), 4-bit and 8-bit, groups of 32 and 16."""
     rng = np.random.default_rng(rows)
     for n, k in ((48, 256), (40, 512), (64, 256)):

@@ -168,14 +168,15 @@ void vectors(const PackedArgs& a, const float* xsum, int64_t r0, int64_t v, int6
 
 // Many rows (kPanelMinRows or more): the chunk's weights, kPanelDepth inputs at a time,
 // dequantized once, scale * q + min (the exact weights), into a float32 panel
-// [depth][width] (width = the chunk's features; 16 KiB, in L1), then a float register-blocked
+// [depth][width] (width = the chunk's features; 32 KiB, in L1), then a float register-blocked
 // matmul of every RB rows over it, accumulating in y: each panel vector feeds RB
 // multiply-adds, where the integer path above re-widens the weights for every RB rows.
-// (At 8 rows the integer path was faster, 14.3 against 16.8 ms for SmolLM2's 30 layers; at
-// 16 rows the panel, 23.3 against 25.4 ms: Intel Xeon, 2 cores.)
-constexpr int64_t kPanelMinRows = 12;
+// (SmolLM2's 30 layers, Intel Xeon, 2 cores: at 8 rows the panel took 14.0 ms against the
+// integer path's 14.6, at 16 rows 21.5 against 25.4; 128 inputs a panel, 32 KiB, against 64:
+// 21.6 against 23.3 ms at 16 rows.)
+constexpr int64_t kPanelMinRows = 8;
 constexpr int64_t kPanelRows = 6;
-constexpr int64_t kPanelDepth = 64;
+constexpr int64_t kPanelDepth = 128;
 
 template <int Bits>
 void dequantize_panel(const PackedArgs& a, int64_t v0, int64_t v_end, int64_t k0, int64_t k1,
