@@ -209,10 +209,11 @@ def test_fingerprint_covers_the_shape_of_every_argument():
     int32[16]")."""
     import numpy as np
 
-    from jaxpaged.runner.executable_store import fingerprint
+    from jaxpaged.runner.executable_store import fingerprint, model_digest
 
     def name(*args):
-        return fingerprint("graph", [np.zeros((4, 4), np.float32)], [], args, ("step", 16))
+        model = model_digest("graph", [np.zeros((4, 4), np.float32)])
+        return fingerprint(model, [], args, ("step", 16))
 
     ids8, ids16 = np.zeros(8, np.int32), np.zeros(16, np.int32)
     assert name(ids8) == name(np.ones(8, np.int32))     # values do not matter

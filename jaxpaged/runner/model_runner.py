@@ -42,7 +42,7 @@ from jaxpaged.lora.device import LoRASlotWriter, token_slots
 from jaxpaged.runner.buckets import ShapeBuckets, padding_budget_tokens
 from jaxpaged.runner.compile_cache import jax_cache_dir
 from jaxpaged.runner.dummy_step import dummy_inputs, dummy_layout
-from jaxpaged.runner.executable_store import ExecutableStore, fingerprint
+from jaxpaged.runner.executable_store import ExecutableStore, fingerprint, model_digest
 from jaxpaged.runner.input_batch import PreparedStep, StepInputs, attention_metadata, prepare_step
 from jaxpaged.runner.output import ModelRunnerOutput
 from jaxpaged.runner.pending_step import PendingStep, copy_indices
@@ -362,7 +362,7 @@ class ModelRunner:
         if fn is None:
             t0 = time.perf_counter()
             devices = devices or list(self._replicated.mesh.devices.flat)
-            name = fingerprint(self._graphdef, self._state, self._kv_caches, args,
+            name = fingerprint(self._model_digest(), self._kv_caches, args,
                                (key, self._page_size, repr(self._replicated),
                                 [d.id for d in devices], self._cpu_matmuls))
             fn = self._store.load(name, devices)
@@ -371,6 +371,14 @@ class ModelRunner:
             self._executables[key] = fn
             logger.debug("%s ready in %.2fs", key, time.perf_counter() - t0)
         return fn
+
+    def _model_digest(self) -> str:
+        """:func:`model_digest` of the current graph and state (kept while they are the
+        same objects)."""
+        key = (id(self._graphdef), id(self._state))
+        if getattr(self, "_digest", (None,))[0] != key:
+            self._digest = (key, model_digest(self._graphdef, self._state))
+        return self._digest[1]
 
     def run_prefill(self, token_ids: list[int]) -> tuple[np.ndarray, list[KVPages]]:
         """One whole-prompt prefill on a scratch pool, outside the serving path.
