@@ -61,11 +61,13 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if self.path == "/v1/chat/completions":
                 return self.stream_chat(body)
-            self.reply(200, {"content": "", "tokens_predicted": body["n_predict"],
-                             "tokens_evaluated": len(body["prompt"]), "stop_type": "limit"})
         finally:
+            # Before the /completion reply is written: a client that sends its next request
+            # as soon as this one is answered must not find it still counted.
             with LOCK:
                 IN_FLIGHT[0] -= 1
+        self.reply(200, {"content": "", "tokens_predicted": body["n_predict"],
+                         "tokens_evaluated": len(body["prompt"]), "stop_type": "limit"})
 
     def stream_chat(self, body: dict) -> None:
         self.send_response(200)
