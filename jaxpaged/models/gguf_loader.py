@@ -28,12 +28,14 @@ from __future__ import annotations
 import functools
 import os
 import re
+import struct
 
 import numpy as np
 
 from jaxpaged.config import UnsupportedModelError
 from jaxpaged.layers.packed_layout import pack_weight
 from jaxpaged.models.gguf_blocks import PACKABLE_TYPES, decode_blocks
+from jaxpaged.models.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 
 #: GGUF ``general.architecture`` -> the Hugging Face class jaxpaged builds for it.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
@@ -97,9 +99,10 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return (w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
-def open_gguf(path: str):
-    """The file's ``gguf.GGUFReader`` (memory-mapped; the last two files opened are kept, so
-    the config, tokenizer and weights of one start-up parse the metadata once).
+def open_gguf(path: str) -> GGUFFile:
+    """The file's metadata and tensor table (:func:`jaxpaged.models.gguf_file.read_gguf`:
+    memory-mapped; the last two files opened are kept, so the config, tokenizer and weights
+    of one start-up read the header once).
 
     Raises:
         FileNotFoundError: no such file.
@@ -114,51 +117,24 @@ def open_gguf(path: str):
 
 
 @functools.lru_cache(maxsize=2)
-def _open_gguf(path: str, mtime_ns: int, size: int):
+def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
     """:func:`open_gguf` of one version of a file (``mtime_ns`` and ``size`` key the cache)."""
-    import gguf
-
     try:
-        return gguf.GGUFReader(path)
-    except ValueError as e:
-        if "GGMLQuantizationType" in str(e):
+        return read_gguf(path)
+    except GGUFFormatError as e:
+        if "unknown ggml type" in str(e):
             raise UnsupportedModelError(f"{path!r} holds a tensor of unknown ggml type ({e}); "
                                         f"supported: {list(SUPPORTED_TENSOR_TYPES)}") from e
         raise BadGGUFError(f"{path!r} is not a readable GGUF file (truncated or corrupt): "
                            f"{e}") from e
-    except (OSError, IndexError, KeyError, EOFError) as e:
+    except (OSError, ValueError, struct.error, EOFError) as e:
         raise BadGGUFError(f"{path!r} is not a readable GGUF file (truncated or corrupt): "
                            f"{type(e).__name__}: {e}") from e
 
 
-def metadata(reader) -> dict:
+def metadata(reader: GGUFFile) -> dict:
     """The file's key/value metadata as Python values (strings, numbers, lists)."""
-    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-
-
-class _LazyMetadata(dict):
-    """:func:`metadata` converted key by key on access: the config needs a dozen numbers,
-    and converting SmolLM2's whole vocabulary and merges list (~100 000 strings) took 2.8 s
-    of each start-up."""
-
-    def __init__(self, reader):
-        super().__init__()
-        self._fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-
-    def __missing__(self, key):
-        value = self[key] = self._fields[key].contents()
-        return value
-
-    def __contains__(self, key) -> bool:
-        return key in self._fields
-
-    def get(self, key, default=None):
-        return self[key] if key in self._fields else default
-
-    def length(self, key) -> int | None:
-        """Elements of the array field ``key`` (None if absent), without converting them."""
-        field = self._fields.get(key)
-        return None if field is None else len(field.data)
+    return reader.metadata
 
 
 def gguf_config(path: str) -> dict:
@@ -178,7 +154,7 @@ def gguf_config(path: str) -> dict:
             tokenizer's token list) that does not match the embedding's rows.
     """
     reader = open_gguf(path)
-    meta = _LazyMetadata(reader)
+    meta = reader.metadata
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported; supported: "
@@ -209,7 +185,7 @@ def gguf_config(path: str) -> dict:
                                     f"each head (head_dim {head_dim}); not supported")
     rows = int(tensors["token_embd.weight"].shape[-1])    # ggml dims: [hidden, vocab]
     vocab = int(meta.get(f"{arch}.vocab_size", rows))
-    tokens = meta.length("tokenizer.ggml.tokens")
+    tokens = len(meta["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in meta else None
     if vocab != rows or (tokens is not None and tokens != rows):
         raise BadGGUFError(f"{path!r}: the vocabulary ({arch}.vocab_size {vocab}, "
                            f"{'no' if tokens is None else tokens} tokenizer tokens) does not "
