@@ -242,8 +242,8 @@ def test_engines_of_other_row_counts_do_not_share_stored_samplers(tmp_path):
 
 
 def test_server_start_up_compiles_a_short_requests_shapes_first():
-    """``jaxpaged serve`` compiles the decode steps of the smallest sequence bucket and prompt
-    steps of up to 64 tokens before /health, the rest on a background thread, smallest
+    """``jaxpaged serve`` compiles the decode step of the smallest sequence bucket and the
+    prompt step of 64 tokens before /health, the rest on a background thread, smallest
     first (``jaxpaged.runner.background_compile``)."""
     from jaxpaged.runner.background_compile import split_shapes
     from jaxpaged.runner.buckets import ShapeBuckets
@@ -251,8 +251,39 @@ def test_server_start_up_compiles_a_short_requests_shapes_first():
     shapes = ShapeBuckets(max_num_tokens=2048, max_num_seqs=256, max_pages_per_seq=512,
                           page_buckets_by_width=False).step_shapes()
     first, rest = split_shapes(shapes)
-    assert first == [(8, 8, 512, True), (16, 16, 512, False), (32, 32, 512, False),
-                     (64, 64, 512, False)]
+    assert first == [(8, 8, 512, True), (64, 64, 512, False)]
     assert sorted(first + rest) == sorted(shapes) and not set(first) & set(rest)
     assert rest[0] == (16, 16, 512, True) and rest[-1][0] == 2048
     assert [s[0] for s in rest] == sorted(s[0] for s in rest)
+    # pages by width (pallas): the widest page bucket, which holds every narrower one
+    shapes = ShapeBuckets(max_num_tokens=32, max_num_seqs=8, max_pages_per_seq=16,
+                          page_buckets_by_width=True).step_shapes()
+    assert split_shapes(shapes)[0] == [(8, 8, 16, True), (32, 8, 16, False)]
+
+
+def test_a_step_whose_shape_is_still_compiling_runs_in_a_wider_compiled_one():
+    """While the background compilation has not reached a shape, a step of that shape runs
+    in the smallest compiled shape that holds it (no compilation, the same tokens as its
+    own program gives); a step no compiled shape holds compiles its own; once deferral ends
+    every step takes its own shape again."""
+    from jaxpaged.runner.background_compile import split_shapes
+
+    llm = LLM(enforce_eager=True, compilation_cache_dir="", max_num_seqs=16, max_model_len=64,
+              max_num_batched_tokens=32, num_gpu_blocks_override=64)
+    runner = llm.engine.runner
+    first, rest = split_shapes(runner.step_shapes())
+    assert [s[:2] for s in first] == [(8, 8), (32, 16)]
+    runner.precompile(shapes=first)
+    runner.defer_shapes(rest)
+    pages = first[0][2]
+    assert runner.ready_pad_sizes(5, 1, 1, 1, False) == (32, 16, pages)    # not (16, 16)
+    assert runner.ready_pad_sizes(3, 3, 3, 1, True) == (8, 8, pages)       # its own
+    assert runner.ready_pad_sizes(12, 12, 12, 1, True) == (16, 16, pages)  # none holds it
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = runner.num_compilations
+    wide = llm.generate([[1, 403, 407, 261]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert runner.num_compilations == before
+    runner.defer_shapes([])
+    assert runner.ready_pad_sizes(5, 1, 1, 1, False) == (16, 16, pages)
+    own = llm.generate([[1, 403, 407, 261]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert runner.num_compilations > before and own == wide and len(own) == 6

@@ -113,6 +113,10 @@ class ModelRunner:
         self._num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
         self._set_buckets()
         self._executables: dict[tuple, object] = {}
+        #: Step shapes (:func:`_shape_key`) whose forward and sampler are compiled, and
+        #: those a background thread will compile (:meth:`defer_shapes`).
+        self._ready_shapes: set[tuple] = set()
+        self._deferred_shapes: frozenset[tuple] = frozenset()
         self._compile_lock = threading.RLock()
         self.eos_token_ids = eos_token_ids
         self._verify = None     # the speculative sampler (enable_spec_decode)
@@ -124,6 +128,7 @@ class ModelRunner:
         graphdef, self._state = nnx.split(model)
         self._graphdef = graphdef
         self._executables.clear()
+        self._ready_shapes.clear()
 
         num_rows = self._buckets.seq_buckets[-1]
         self._state_leaves, state_def = jax.tree.flatten(self._state)
@@ -171,6 +176,7 @@ class ModelRunner:
         steps, which are specialized to the pool's shape, are dropped."""
         self._kv_caches = kv_caches
         self._executables.clear()
+        self._ready_shapes.clear()
 
     @property
     def backend(self) -> AttentionBackend:
@@ -259,7 +265,7 @@ class ModelRunner:
         """The step's padded host inputs (``jaxpaged.runner.input_batch.prepare_step``)."""
         return prepare_step(scheduler_output, page_size=self._page_size,
                             backend=self._backend, eos_token_ids=self.eos_token_ids,
-                            pad_sizes=self._pad_sizes, prev_rows=self._prev_rows,
+                            pad_sizes=self.ready_pad_sizes, prev_rows=self._prev_rows,
                             bitmask_words=num_words(self._limits.vocab_size),
                             free_bitmask=self._free_bitmask,
                             adjust_capacity=self._limits.max_adjust_entries,
@@ -314,7 +320,33 @@ class ModelRunner:
         # (the forward's logits [B, V] float32, known without asking it: out_info costs ~1 ms)
         logits = jax.ShapeDtypeStruct((inputs.logits_indices.shape[0], self._limits.vocab_size),
                                       np.float32)
-        return forward, self._sampler_for(logits, inputs, verify=bool(layout.verify_block_q))
+        sampler = self._sampler_for(logits, inputs, verify=bool(layout.verify_block_q))
+        self._ready_shapes.add(_shape_key(layout))
+        return forward, sampler
+
+    def defer_shapes(self, shapes: list[tuple]) -> None:
+        """Mark ``shapes`` (``(T, B, P, decode_only, ...)``) as compiling on a background
+        thread: until one of them is compiled, a step of that shape runs in a wider compiled
+        one (:meth:`ready_pad_sizes`); ``[]`` ends this (a background compilation that
+        stopped: steps then compile their own shapes)."""
+        self._deferred_shapes = frozenset(shapes)
+
+    def ready_pad_sizes(self, num_tokens: int, num_seqs: int, num_rows: int, max_pages: int,
+                        decode_only: bool, verify: bool = False) -> tuple[int, int, int]:
+        """:meth:`ShapeBuckets.pad_sizes`; for a shape still waiting for the background
+        compilation (:meth:`defer_shapes`), the smallest compiled shape of the same kind
+        that holds the step (T, B and P each as large or larger), if any, so the step runs
+        padded wider instead of waiting (``jaxpaged.runner.background_compile``).
+        Verification steps keep their own shape."""
+        sizes = self._pad_sizes(num_tokens, num_seqs, num_rows, max_pages, decode_only, verify)
+        key = (*sizes, decode_only)
+        ready = tuple(self._ready_shapes)     # (another thread may add to the set)
+        if verify or key not in self._deferred_shapes or key in ready:
+            return sizes
+        t, b, p = sizes
+        covers = [s[:3] for s in ready if len(s) == 4 and s[3] == decode_only
+                  and s[0] >= t and s[1] >= b and s[2] >= p]
+        return min(covers) if covers else sizes
 
     def _sampler_for(self, logits, inputs: StepInputs, verify: bool = False):
         """The compiled sampler, or with ``verify`` the verifier (its third input: each

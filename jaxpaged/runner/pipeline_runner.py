@@ -201,7 +201,9 @@ class PipelineModelRunner(ModelRunner):
                 hidden = fn.out_info[0]
                 x = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype,
                                          sharding=pp.stages[s + 1].replicated)
-        return stages, self._sampler_for(stages[-1].out_info[0], inputs)
+        sampler = self._sampler_for(stages[-1].out_info[0], inputs)
+        self._ready_shapes.add(_shape_key(layout))
+        return stages, sampler
 
 
 def _placed(state: nnx.State, tp) -> nnx.State:
