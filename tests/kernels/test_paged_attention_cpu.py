@@ -1,6 +1,7 @@
 """The C++ paged attention kernel (``cpu`` backend) against the ``xla`` backend, its oracle."""
 
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxpaged.layers import cpu_build
+from jaxpaged.runner import compile_cache
 from jaxpaged.layers.attention import get_attention_backend, selection
 from jaxpaged.layers.attention.cpu import CpuAttentionBackend, kernel_available, paged_attention_cpu
 from jaxpaged.layers.attention.xla import XlaAttentionBackend, paged_attention_chunked
@@ -156,11 +158,33 @@ def test_missing_compiler_falls_back_to_xla(monkeypatch, caplog, tmp_path):
     assert len(warnings) == 1 and "no-such-g++" in warnings[0].getMessage()
 
 
-def test_failed_self_check_falls_back_to_xla(monkeypatch, caplog):
+def test_failed_self_check_falls_back_to_xla(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv(compile_cache.CACHE_ROOT_ENV, str(tmp_path))   # no pass on record
     monkeypatch.setattr(selection, "self_check", lambda *a, **k: 0.5)
     with caplog.at_level(logging.WARNING, logger=selection.__name__):
         assert get_attention_backend("auto", dtype=jnp.float32).name == "xla"
     assert "differs from the xla reference" in caplog.text
+
+
+def test_a_passed_self_check_is_recorded_and_not_run_again(monkeypatch, caplog, tmp_path):
+    """The first ``auto`` on the CPU runs the self-check and records its pass beside the
+    kernel library; the next one with the same shapes takes the record (the check is not
+    called), other shapes check again, and ``JAXPAGED_DISABLE_COMPILE_CACHE`` ignores it."""
+    monkeypatch.setenv(compile_cache.CACHE_ROOT_ENV, str(tmp_path))
+    pick = lambda heads: get_attention_backend("auto", num_kv_heads=2, num_heads=heads,
+                                               head_dim=64, dtype=jnp.float32).name
+    errors = []
+    real = selection.self_check
+    monkeypatch.setattr(selection, "self_check",
+                        lambda *a, **k: errors.append(real(*a, **k)) or errors[-1])
+    with caplog.at_level(logging.INFO, logger=selection.__name__):
+        assert pick(4) == "cpu" and len(errors) == 2      # the mixed and the decode step
+        assert [n for n in os.listdir(tmp_path / "kernels") if n.startswith("self-check-")]
+        assert pick(4) == "cpu" and len(errors) == 2
+    assert f"self-check on record, max error {max(errors):.3g}" in caplog.text
+    assert pick(8) == "cpu" and len(errors) == 4
+    monkeypatch.setenv(compile_cache.DISABLE_ENV, "1")
+    assert pick(4) == "cpu" and len(errors) == 6
 
 
 _LOAD_AND_RUN = """

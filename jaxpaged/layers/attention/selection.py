@@ -5,8 +5,9 @@ small mixed prefill/decode batch over a pool of the engine's KV cache dtype (fp8
 any exception or mismatch logs a warning and falls back to ``xla``. On the CPU ``auto`` picks
 ``cpu`` (the C++ paged attention kernel, :mod:`jaxpaged.layers.attention.cpu`) when the
 model's dtype is float32 or bfloat16 with a KV pool of that dtype, the kernel builds, and its
-output matches the ``xla`` backend's on the same small mixed batch and on a decode-only one;
-otherwise ``xla``. ``cpu`` asked for by
+output matches the ``xla`` backend's on the same small mixed batch and on a decode-only one
+(a pass is recorded beside the kernel library and not checked again:
+:mod:`jaxpaged.layers.attention.self_check_record`); otherwise ``xla``. ``cpu`` asked for by
 name also falls back to ``xla`` (with a warning) when the kernel cannot be built.
 """
 
@@ -22,6 +23,7 @@ from jaxpaged.constants import ATTENTION_BACKENDS
 from jaxpaged.layers.attention.base import AttentionBackend, BatchLayout
 from jaxpaged.layers.attention.cpu import CpuAttentionBackend, kernel_available, kernel_supports
 from jaxpaged.layers.attention.pallas import PallasAttentionBackend
+from jaxpaged.layers.attention.self_check_record import record_error, recorded_error
 from jaxpaged.layers.attention.xla import XlaAttentionBackend
 from pallas_kernels.kv_quant import quantize_kv
 
@@ -72,9 +74,16 @@ def get_attention_backend(name: str, *, num_kv_heads: int = 8, num_heads: int = 
 
 def _auto_on_cpu(num_kv_heads, num_heads, head_dim, page_size, dtype, kv_cache_dtype):
     """``cpu`` if the kernel reads this pool, builds and passes :func:`self_check` on a mixed
-    step and on a decode-only one."""
+    step and on a decode-only one (or a pass of the same check is on record:
+    :mod:`jaxpaged.layers.attention.self_check_record`)."""
     if not kernel_supports(dtype, kv_cache_dtype) or not kernel_available():
         return XlaAttentionBackend()
+    check = dict(backend="cpu", num_kv_heads=num_kv_heads, num_heads=num_heads,
+                 head_dim=head_dim, page_size=page_size, dtype=jnp.dtype(dtype).name)
+    err = recorded_error(check)
+    if err is not None:
+        logger.info("attention backend: cpu (self-check on record, max error %.3g)", err)
+        return CpuAttentionBackend()
     try:
         err = max(self_check(CpuAttentionBackend(), num_kv_heads, num_heads, head_dim,
                              page_size, dtype, decode_only=decode_only)
@@ -88,6 +97,7 @@ def _auto_on_cpu(num_kv_heads, num_heads, head_dim, page_size, dtype, kv_cache_d
         logger.warning("cpu attention differs from the xla reference by %.3g (> %.0e); "
                        "using xla", err, tolerance)
         return XlaAttentionBackend()
+    record_error(check, err)
     logger.info("attention backend: cpu (self-check max error %.3g)", err)
     return CpuAttentionBackend()
 
