@@ -4,6 +4,7 @@ tokenizer's own Python code runs only with ``trust_remote_code``)."""
 from __future__ import annotations
 
 import os
+import threading
 from typing import TYPE_CHECKING
 
 
@@ -30,6 +31,17 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
             only one that needs ``trust_remote_code``).
         jaxpaged.models.gguf_loader.BadGGUFError: an unreadable GGUF file.
     """
+    with _LOADING:
+        return _load(path, trust_remote_code)
+
+
+#: One tokenizer load at a time: transformers' lazy imports are not thread-safe (two threads
+#: importing it at once failed with "cannot import name 'AutoTokenizer'"), and a server loads
+#: its tokenizer while its engine thread loads its own.
+_LOADING = threading.Lock()
+
+
+def _load(path: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
     if is_gguf(path):
         return gguf_tokenizer(path)
     if not os.path.isdir(path):

@@ -152,8 +152,16 @@ class AsyncEngine:
     # ---- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread (it loads the model); call from the event loop."""
+        """Start the engine thread (it loads the model), unless :meth:`start_loading` did;
+        call from the event loop, which then receives the requests' outputs."""
         self._loop = asyncio.get_running_loop()
+        if self._thread is None:
+            self.start_loading()
+
+    def start_loading(self) -> None:
+        """Start the engine thread now, before the event loop runs (``jaxpaged serve``
+        loads its own tokenizer and starts uvicorn meanwhile); :meth:`start` attaches the
+        loop later. No request can be added before it does."""
         self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
         self._thread.start()
 

@@ -31,6 +31,20 @@ def test_not_ready_answers_503():
     assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
 
 
+def test_an_engine_that_starts_loading_early_serves_once_the_app_runs():
+    """``make_server(start_loading=True)`` (``jaxpaged serve``) loads the engine before the
+    app's event loop runs; the app's lifespan then attaches the loop (no second engine
+    thread) and requests are answered."""
+    engine, app = make_server(engine_args(), ServerConfig([MODEL]), start_loading=True)
+    assert engine.wait_ready(300) and engine.error is None
+    thread = engine._thread
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200 and engine._thread is thread
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Once",
+                                                 "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
 def test_oversized_body_gets_413(http):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * MAX_BODY_BYTES})
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
