@@ -13,7 +13,10 @@ from gguf import GGMLQuantizationType as T
 
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.layers import packed_linear
-from jaxpaged.layers.packed_layout import dequantize, pack_weight
+from jaxpaged.models import llama
+from jaxpaged.layers.cpu_build import packed_int8_dots
+from jaxpaged.layers.packed_layout import (dequantize, integers, pack_weight, reference_product,
+                                           split_activations)
 from jaxpaged.layers.packed_linear import PackedEmbedding, packed_matmul
 from jaxpaged.models.gguf_blocks import PACKABLE_TYPES, decode_blocks
 from jaxpaged.models.gguf_loader import GGUFCheckpoint, keeps_packed
@@ -67,33 +70,63 @@ def test_decode_refuses_what_it_cannot_read():
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17])
 def test_kernel_equals_float64_matmul_of_the_dequantized_weight(type_name, rows):
-    """Every register-block shape (1-4 rows, then a remainder; 17 rows: the float panel of
-    8 rows and more), 3, 2 and 1 vectors of
-    features (48 = 3 vectors, 40 padded to 3), 4-bit and 8-bit, groups of 32 and 16."""
+    """Every register-block shape (float paths: 1-4 rows, then a remainder; 17 rows: the
+    float panel of 8 rows and more; int8 path: 1 row, then 3 at a time and a remainder), 3,
+    2 and 1 vectors of features (48 = 3 vectors, 40 padded to 3), 4-bit and 8-bit, groups of
+    32 and 16. Where the library multiplies in int8 (``packed_int8_dots``) the float64
+    product is of the activations it splits (``reference_product``), and the error against
+    the exact product stays within the bound the split allows: each activation within half
+    its group's step e, so |error| <= sum_k |scale * (q - c)| * e_k / 2."""
     rng = np.random.default_rng(rows)
     for n, k in ((48, 256), (40, 512), (64, 256)):
         data = blocks_of(type_name, n, k, seed=n)
         w = gguf.quants.dequantize(data, getattr(T, type_name)).reshape(n, k)
         q, scale, offset = decode_blocks(data, type_name, k)
         packed = pack_weight(q, scale, offset, PACKABLE_TYPES[type_name][0])
+        # GGUF's half-precision scales stay half; Q6_K's products of two scales need float32.
+        assert packed["block_scale"].dtype == packed["block_min"].dtype == (
+            np.float32 if type_name == "Q6_K" else np.float16)
         x = rng.normal(size=(rows, k)).astype(np.float32)
         got = np.asarray(jax.jit(packed_matmul)(x, *packed.values()))
         assert got.shape == (rows, 48 if n == 40 else n)
-        want = x.astype(np.float64) @ w.astype(np.float64).T
+        want = reference_product(x, packed, k, n, split=packed_int8_dots())
         np.testing.assert_allclose(got[:, :n], want, rtol=0, atol=2e-6 * np.abs(want).max())
         assert not got[:, n:].any()                    # padding features are zero
+        exact = x.astype(np.float64) @ w.astype(np.float64).T
+        if packed_int8_dots():
+            assert np.abs(got[:, :n] - exact).max() > 0     # the split is not the identity
+            assert np.all(np.abs(got[:, :n] - exact) <= split_bound(x, packed, k, n)
+                          + 2e-6 * np.abs(exact).max())
+        else:
+            np.testing.assert_allclose(got[:, :n], exact, rtol=0,
+                                       atol=2e-6 * np.abs(exact).max())
 
 
-def test_packed_embedding_rows_equal_the_dequantized_rows():
-    data = blocks_of("Q8_0", VOCAB, 256)
-    table = gguf.quants.dequantize(data, T.Q8_0).reshape(VOCAB, 256)
-    emb = PackedEmbedding(VOCAB, 256, jnp.float32)
-    for name, value in pack_weight(*decode_blocks(data, "Q8_0", 256), 8).items():
-        getattr(emb, name).set_value(jnp.asarray(value))
-    ids = np.array([0, 5, 17, 95, 5, 64], np.int32)
-    np.testing.assert_array_equal(np.asarray(emb(jnp.asarray(ids))), table[ids])
-    h = np.random.default_rng(0).normal(size=(3, 256)).astype(np.float32)
-    np.testing.assert_allclose(np.asarray(emb.attend(jnp.asarray(h))), h @ table.T, atol=1e-4)
+def split_bound(x, packed, k, n):
+    """[M, n]: sum_k |scale * (q - c)| * e_k / 2, e_k = amax of k's group / (127 * 2^16)."""
+    group = k // packed["block_scale"].shape[1]
+    step = np.abs(x).reshape(len(x), -1, group).max(-1) / (127 * 65536)    # [M, K/G]
+    q = integers(packed["blocks"], k, np).transpose(0, 2, 1).reshape(-1, k)[:n]
+    c = 8 if packed["blocks"].dtype == np.uint8 else 0
+    scale = np.repeat(packed["block_scale"].transpose(0, 2, 1).reshape(-1, k // group)[:n],
+                      group, 1)
+    return (np.repeat(step, group, 1) / 2) @ np.abs(scale * (q - c)).T
+
+
+def test_split_activations_are_24_bit_fixed_point_per_group():
+    """Each group of 8 is e * T with e = amax / (127 * 2^16) (float32) and T an integer: the
+    group's largest value is T = +-127 * 2^16, and every value is within a step (half a
+    step, plus float32's rounding of x / e)."""
+    x = np.array([[1.0, -1.0, 0.5, 0.25, 1 / 3, 0.0, 1e-9, -0.123456789],
+                  [3.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]], np.float32)
+    got = split_activations(x, 8)
+    e = (np.abs(x).max(axis=1, keepdims=True) / np.float32(127 * 65536)).astype(np.float32)
+    ints = got / e.astype(np.float64)
+    np.testing.assert_allclose(ints, np.round(ints), rtol=0, atol=1e-6)
+    assert np.round(ints)[0, 0] == -np.round(ints)[0, 1] == np.round(ints)[1, 0] == 127 * 65536
+    assert np.all(np.abs(got - x) <= e)
+    assert got[0, 6] == 0.0                           # 1e-9 is below half a step
+    assert not split_activations(np.zeros((1, 8), np.float32), 8).any()
 
 
 @pytest.mark.parametrize("reference", [False, True])
@@ -111,6 +144,7 @@ def test_packed_model_logits_equal_the_dequantized_model(tmp_path, monkeypatch, 
     want = full_sequence_logits(path, ids, page_size=8)
     if reference:
         monkeypatch.setattr(packed_linear, "kernel_available", lambda: False)
+        monkeypatch.setattr(llama, "kernel_available", lambda: False)
     got = full_sequence_logits(path, ids, page_size=8, quantization="gguf")
     assert np.abs(want).max() > 0.5
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)

@@ -123,7 +123,7 @@ def _build(cxx: str, path: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _load(cxx: str) -> bool:
+def _load(cxx: str) -> ctypes.CDLL | None:
     try:
         path = library_path(cxx)
         if not os.path.exists(path):
@@ -137,8 +137,8 @@ def _load(cxx: str) -> bool:
         detail = getattr(e, "stderr", "") or ""
         logger.warning("CPU kernels unavailable (%s: %s%s); using the xla backend",
                        type(e).__name__, e, f"\n{detail[-2000:]}" if detail else "")
-        return False
-    return True
+        return None
+    return library
 
 
 def load_cpu_kernels() -> bool:
@@ -146,4 +146,12 @@ def load_cpu_kernels() -> bool:
     :data:`PAGED_ATTENTION_TARGET`, :data:`SMALL_ROWS_MATMUL_TARGET`,
     :data:`PACKED_MATMUL_TARGET` and :data:`LAZY_ZEROS_TARGET` are registered for the CPU.
     Never raises: a failure is logged once (per compiler) and returns False."""
-    return _load(os.environ.get(CXX_ENV) or "g++")
+    return _load(os.environ.get(CXX_ENV) or "g++") is not None
+
+
+def packed_int8_dots() -> bool:
+    """True when the library's packed matmul multiplies in int8 dot products with the
+    activations split into two bytes per group (``csrc/packed_vnni.h``: built for a CPU with
+    AVX-512 VNNI, VBMI and BW), False when it multiplies in float32 or is unavailable."""
+    library = _load(os.environ.get(CXX_ENV) or "g++")
+    return library is not None and bool(library.jaxpaged_packed_int8_dots())

@@ -29,8 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpaged.layers.cpu_build import PACKED_MATMUL_TARGET, load_cpu_kernels
-from jaxpaged.layers.packed_layout import LANES, dequantize, integers, pack_weight
+from jaxpaged.layers.cpu_build import PACKED_MATMUL_TARGET, load_cpu_kernels, packed_int8_dots
+from jaxpaged.layers.packed_layout import (LANES, dequantize, integers, pack_weight,
+                                           reference_product)
 
 _VALID_ROWS: contextvars.ContextVar = contextvars.ContextVar("packed_valid_rows",
                                                               default=None)
@@ -100,7 +101,9 @@ def packed_matmul(x: jax.Array, blocks: jax.Array, block_scale: jax.Array,
 def kernel_available() -> bool:
     """True on a CPU backend where the kernel library builds and the kernel matches
     :func:`dequantize` + float64 matmul on small products of both widths (relative error
-    <= 1e-5); never raises (a build failure is logged once by the build)."""
+    <= 1e-5; of the activations as :func:`split_activations` rounds them where the library
+    multiplies in int8, :func:`jaxpaged.layers.cpu_build.packed_int8_dots`); never raises (a
+    build failure is logged once by the build)."""
     return jax.default_backend() == "cpu" and load_cpu_kernels() and _self_check() <= 1e-5
 
 
@@ -191,8 +194,7 @@ def _self_check_error() -> float:
         offset = rng.uniform(-0.2, 0.2, (n, k // group)).astype(np.float32)
         p = pack_weight(q, scale, offset, bits)
         x = rng.normal(size=(7, k)).astype(np.float32)
-        w = dequantize(p["blocks"], p["block_scale"], p["block_min"], k, n, xp=np)
-        want = x.astype(np.float64) @ w.astype(np.float64).T
+        want = reference_product(x, p, k, n, split=packed_int8_dots())
         got = np.asarray(jax.jit(packed_matmul)(x, *p.values()), np.float64)[:, :n]
         worst = max(worst, float(np.abs(got - want).max() / np.abs(want).max()))
     return worst

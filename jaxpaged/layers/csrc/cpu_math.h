@@ -2,6 +2,8 @@
 // and exp / tanh written branch-free so the loops calling them vectorize (no libm calls).
 #pragma once
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -17,6 +19,47 @@ constexpr int kLanes = 16;
 
 inline v16 load16(const float* p) { return *reinterpret_cast<const v16*>(p); }
 inline void store16(float* p, v16 x) { *reinterpret_cast<v16*>(p) = x; }
+
+// IEEE half -> float (exact; no F16C needed).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  float f;
+  if (exponent == 0) {
+    f = std::ldexp(static_cast<float>(mantissa), -24);    // zero or subnormal
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    u |= sign;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  }
+  const uint32_t u = sign | (exponent == 31 ? 0x7f800000u | (mantissa << 13)
+                                            : ((exponent + 112) << 23) | (mantissa << 13));
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Sixteen float32 values stored as float32 or as float16 (the packed matmul's scales: GGUF's
+// own half-precision scales where they are exact in it, jaxpaged.layers.packed_layout).
+struct Scales {
+  const void* data;
+  bool half;
+
+  v16 at(int64_t i) const {
+    if (!half) return load16(static_cast<const float*>(data) + i);
+    const uint16_t* p = static_cast<const uint16_t*>(data) + i;
+#if defined(__AVX512F__)
+    const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    v16 out;
+    std::memcpy(&out, &v, sizeof out);
+    return out;
+#else
+    v16 out;
+    for (int l = 0; l < kLanes; ++l) out[l] = half_to_float(p[l]);
+    return out;
+#endif
+  }
+};
 
 inline float bf16_to_float(uint16_t x) {
   uint32_t u = static_cast<uint32_t>(x) << 16;

@@ -12,9 +12,12 @@
 // (remaining arguments, three each) blocks, the weight's integers in lanes of 16 output features:
 //   4-bit: uint8 [N/16, K/2, 16], byte [b, j, l] = q[16b + l, 2j] | q[16b + l, 2j + 1] << 4;
 //   8-bit: int8  [N/16, K, 16],   [b, k, l] = q[16b + l, k];
-// scale and min, float32 [N/16, K/G, 16]: the weight is W[n, k] = scale * q + min of n's
-// group k / G (G is K over scale's middle dimension: 32, or 16 for Q6_K). Outputs y_p [M, N_p]
-// (one output [M, N_0] when gated).
+// scale and min, float32 or float16 (both alike) [N/16, K/G, 16]: the weight is
+// W[n, k] = scale * q + min of n's group k / G (G is K over scale's middle dimension: 32, or 16
+// for Q6_K). Outputs y_p [M, N_p] (one output [M, N_0] when gated).
+//
+// On CPUs with AVX-512 VNNI and VBMI, calls of fewer than kPanelMinRows rows multiply the
+// integers by the activations split into three bytes in int8 dot products (packed_vnni.h).
 //
 // For every GGUF block type jaxpaged packs, scale * q is exact in float32 (see
 // packed_linear.py), so fma(scale, q, min) is the weight gguf's own dequantization computes,
@@ -44,6 +47,7 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "packed_vnni.h"
 #include "work_items.h"
 
 namespace ffi = xla::ffi;
@@ -89,8 +93,8 @@ constexpr int kMaxRows = 4;
 struct PackedArgs {
   const float* x;       // [M, K]
   const void* q;        // 4-bit: uint8 [N/16, K/2, 16]; 8-bit: int8 [N/16, K, 16]
-  const float* scale;   // [N/16, K/G, 16]
-  const float* min;     // [N/16, K/G, 16]
+  Scales scale;         // [N/16, K/G, 16], float32 or float16
+  Scales min;           // [N/16, K/G, 16], float32 or float16
   float* y;
   int64_t m, k, n, group, ldy, col0;
   bool four_bit;
@@ -144,8 +148,8 @@ void block(const PackedArgs& a, const float* xsum, int64_t r0, int64_t v0) {
       }
     }
     for (int j = 0; j < NB; ++j) {
-      const v16 s = load16(a.scale + ((v0 + j) * groups + g) * kLanes);
-      const v16 mn = load16(a.min + ((v0 + j) * groups + g) * kLanes);
+      const v16 s = a.scale.at(((v0 + j) * groups + g) * kLanes);
+      const v16 mn = a.min.at(((v0 + j) * groups + g) * kLanes);
       for (int r = 0; r < RB; ++r) {
         acc[j][r] += s * (even[j][r] + odd[j][r]);
         acc[j][r] += mn * xsum[(r0 + r) * groups + g];
@@ -186,8 +190,8 @@ void dequantize_panel(const PackedArgs& a, int64_t v0, int64_t v_end, int64_t k0
     const uint8_t* q = static_cast<const uint8_t*>(a.q) + v * (a.k * Bits / 8) * kLanes;
     float* column = panel + (v - v0) * kLanes - k0 * width;
     for (int64_t g = k0 / a.group; g < k1 / a.group; ++g) {
-      const v16 s = load16(a.scale + (v * groups + g) * kLanes);
-      const v16 mn = load16(a.min + (v * groups + g) * kLanes);
+      const v16 s = a.scale.at((v * groups + g) * kLanes);
+      const v16 mn = a.min.at((v * groups + g) * kLanes);
       for (int64_t k = g * a.group; k < (g + 1) * a.group; k += 2) {
         v16 w0, w1;
         integers<Bits>(q, k, w0, w1);
@@ -272,8 +276,21 @@ void packed_item(const PackedArgs& a, const float* xsum, int64_t v0, int64_t v_e
   }
 }
 
-// Feature vectors [v0, v_end) of weight `a` for every row into its destination.
-void project_chunk(const PackedArgs& a, const float* xsum, int64_t v0, int64_t v_end) {
+// Feature vectors [v0, v_end) of weight `a` for every row into its destination: by int8 dot
+// products where `split` holds the split activations (packed_vnni.h), else in float32.
+void project_chunk(const PackedArgs& a, const float* xsum, const SplitRows* split, int64_t v0,
+                   int64_t v_end) {
+#ifdef JAXPAGED_PACKED_VNNI
+  if (split != nullptr) {
+    const auto* q = static_cast<const uint8_t*>(a.q);
+    if (a.four_bit) {
+      vnni_rows<4>(q, a.scale, a.min, *split, xsum, a.y, a.ldy, a.col0, a.m, v0, v_end);
+    } else {
+      vnni_rows<8>(q, a.scale, a.min, *split, xsum, a.y, a.ldy, a.col0, a.m, v0, v_end);
+    }
+    return;
+  }
+#endif
   if (a.four_bit) {
     packed_item<4>(a, xsum, v0, v_end);
   } else {
@@ -312,6 +329,7 @@ inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 struct Call {
   std::vector<PackedArgs> weights;
   std::vector<std::vector<float>> xsums;   // per weight
+  std::vector<std::shared_ptr<SplitRows>> splits;  // per weight; null: the float paths
   std::vector<int64_t> first_item;         // weight p's items start here (P + 1 entries)
   const float* residual = nullptr;         // [M, N_0]
   bool gated = false;
@@ -325,14 +343,14 @@ void run_item(const Call& c, int64_t i, std::vector<float>& scratch) {
   const PackedArgs& a = c.weights[p];
   const int64_t v0 = (i - c.first_item[p]) * kChunkVectors;
   const int64_t v_end = std::min(a.n / kLanes, v0 + kChunkVectors);
-  project_chunk(a, c.xsums[p].data(), v0, v_end);
+  project_chunk(a, c.xsums[p].data(), c.splits[p].get(), v0, v_end);
   const int64_t f0 = v0 * kLanes, f1 = v_end * kLanes;
   if (c.gated) {
     PackedArgs up = c.weights[1];
     up.y = scratch.data();
     up.ldy = kChunkVectors * kLanes;
     up.col0 = f0;
-    project_chunk(up, c.xsums[1].data(), v0, v_end);
+    project_chunk(up, c.xsums[1].data(), c.splits[1].get(), v0, v_end);
     for (int64_t r = 0; r < a.m; ++r) {
       for (int64_t f = f0; f < f1; ++f) {
         float& y = a.y[r * a.ldy + f];
@@ -344,6 +362,25 @@ void run_item(const Call& c, int64_t i, std::vector<float>& scratch) {
       for (int64_t f = f0; f < f1; ++f) a.y[r * a.ldy + f] += c.residual[r * a.n + f];
     }
   }
+}
+
+// The split activations for a weight of groups of `group` inputs (shared with an earlier
+// weight of the same call that needs the same), or null where the float paths serve: from
+// kPanelMinRows rows on, where the float panel's multiply-adds (one per weight and row)
+// cost less than the three int8 dot products per 4 weights and row plus each group's scaling.
+std::shared_ptr<SplitRows> split_for(const Call& c, const float* x, int64_t m, int64_t k,
+                                     int64_t group, bool four_bit) {
+#ifdef JAXPAGED_PACKED_VNNI
+  if (m >= kPanelMinRows || !vnni_shape(group, four_bit)) return nullptr;
+  for (size_t p = 0; p < c.splits.size(); ++p) {
+    if (c.splits[p] && c.weights[p].group == group && c.weights[p].four_bit == four_bit) {
+      return c.splits[p];
+    }
+  }
+  return std::make_shared<SplitRows>(split_rows(x, m, k, group, four_bit));
+#else
+  return nullptr;
+#endif
 }
 
 ffi::Error PackedProjectionsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
@@ -376,12 +413,18 @@ ffi::Error PackedProjectionsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   c.first_item.push_back(0);
   for (int64_t p = 0; p < num_weights; ++p) {
     auto q = args.get<ffi::AnyBuffer>(3 * p);
-    auto scale = args.get<ffi::Buffer<ffi::F32>>(3 * p + 1);
-    auto min = args.get<ffi::Buffer<ffi::F32>>(3 * p + 2);
+    auto scale = args.get<ffi::AnyBuffer>(3 * p + 1);
+    auto min = args.get<ffi::AnyBuffer>(3 * p + 2);
     auto y = rets.get<ffi::Buffer<ffi::F32>>(c.gated ? 0 : p);
     if (!q.has_value() || !scale.has_value() || !min.has_value() || !y.has_value()) {
-      return ffi::Error::InvalidArgument("weights must be (blocks, f32 scale, f32 min)");
+      return ffi::Error::InvalidArgument("weights must be (blocks, scale, min)");
     }
+    const auto scale_type = scale->element_type();
+    if ((scale_type != ffi::DataType::F32 && scale_type != ffi::DataType::F16) ||
+        min->element_type() != scale_type) {
+      return ffi::Error::InvalidArgument("scale and min must both be float32 or float16");
+    }
+    const bool half = scale_type == ffi::DataType::F16;
     auto qd = q->dimensions(), sd = scale->dimensions(), yd = (*y)->dimensions();
     const bool four_bit = q->element_type() == ffi::DataType::U8;
     if (!four_bit && q->element_type() != ffi::DataType::S8) {
@@ -398,9 +441,11 @@ ffi::Error PackedProjectionsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     }
     float* out = (*y)->typed_data();
     if (p == 0 || !c.gated) std::fill(out + valid * n, out + m * n, 0.0f);
-    c.weights.push_back({input, q->untyped_data(), scale->typed_data(), min->typed_data(), out,
+    c.weights.push_back({input, q->untyped_data(), {scale->untyped_data(), half},
+                         {min->untyped_data(), half}, out,
                          valid, k, n, k / sd[1], n, 0, four_bit});
     c.xsums.push_back(group_sums(input, valid, k, k / sd[1]));
+    c.splits.push_back(split_for(c, input, valid, k, k / sd[1], four_bit));
     const int64_t items = (n / kLanes + kChunkVectors - 1) / kChunkVectors;
     c.first_item.push_back(c.first_item.back() + ((c.gated && p == 1) ? 0 : items));
   }
@@ -418,6 +463,16 @@ ffi::Error PackedProjectionsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 }  // namespace
 }  // namespace jaxpaged_cpu
+
+// 1 when the library multiplies packed weights by split activations in int8 (packed_vnni.h),
+// 0 when it multiplies in float32 (read by jaxpaged.layers.cpu_build.packed_int8_dots).
+extern "C" int jaxpaged_packed_int8_dots() {
+#ifdef JAXPAGED_PACKED_VNNI
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPackedMatmul, jaxpaged_cpu::PackedProjectionsImpl,
                               ffi::Ffi::Bind()

@@ -1,0 +1,231 @@
+// The packed matmul's integer path on CPUs with AVX-512 VNNI and VBMI (Intel Ice Lake and
+// later, AMD Zen 4 and later): the weights' integers meet the activations in int8 dot
+// products (vpdpbusd: 64 multiply-adds of unsigned by signed bytes into 16 int32 lanes),
+// llama.cpp's approach for its CPU backend (ggml-cpu's quantized dot products with per-block
+// scales), here with the activations kept to ~16 bits instead of 8.
+//
+// Activations, split. Row r's group g (the weight's G inputs) has step e = amax / (127 * 2^16)
+// (amax = max |x| over the group), and x / e rounded to an integer T = 2^16 h + 2^8 m + l, the
+// balanced base-256 digits h in [-127, 127] and m, l in [-128, 127]: a 24-bit fixed-point
+// number per group, |x - e T| <= e / 2 = amax / 2^24.6, float32's own precision at amax (a
+// single int8, llama.cpp's Q8_0 activations, errs by amax / 254; two digits measured 80 times
+// float32's error on SmolLM2's logits, 7e-3). Each weight vector meets h, m and l in one
+// vpdpbusd each, and per group the three int32 sums (|.| < 2^21) are scaled once:
+//   y += (scale * e) * (2^16 H + 2^8 M + L) + (min + c scale) * xsum,
+//   H = sum_h - bias * sum(h) (likewise M, L), in float32,
+// (xsum: the group's float sum of x): the integers meet the split activations centred, as
+// q - c, so that the activations' rounding meets weights of the size of W itself, and the
+// offset meets the exact activations. 4-bit q in [0, 15]: bias = c = 8; 8-bit q, stored
+// signed, are read as q + 128 (vpdpbusd multiplies unsigned weights by signed activations):
+// bias 128, c = 0.
+//
+// The weights stay in the layout every path reads (packed_linear.py): 64 bytes of blocks
+// hold 4 rows of 16 features (bytes [j][l]); one vpermb turns them into 16 lanes of 4 bytes
+// (lane l: feature l's bytes j0..j0+3), the dword lanes vpdpbusd sums. For 4 bits each byte
+// holds inputs 2j (low nibble) and 2j + 1 (high), so the low nibbles of a load are inputs
+// k0, k0+2, k0+4, k0+6 and the high ones k0+1, ..., k0+7; the split activations are stored
+// in that order ("quads": 4 activations that meet one dword of weights).
+#pragma once
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define JAXPAGED_PACKED_VNNI 1
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_math.h"
+
+namespace jaxpaged_cpu {
+
+// One call's activations, split per weight group (see the header comment).
+struct SplitRows {
+  int64_t k = 0, group = 0;
+  std::vector<int32_t> quads;  // [M][K / 4][3]: per quad its 4 h, 4 m and 4 l bytes
+  std::vector<float> step;     // [M][K / G]: e
+  std::vector<int32_t> sums;   // [M][K / G][3]: the group's sums of h, m and l
+};
+
+// Whether weights of this shape take the integer path: G a multiple of 8 (4-bit: whole 64-byte
+// loads of 8 inputs) or of 4 (8-bit), and at most 32 (int32 range above).
+inline bool vnni_shape(int64_t group, bool four_bit) {
+  return group <= 32 && group % (four_bit ? 8 : 4) == 0;
+}
+
+// Splits rows [0, m) of x [m, k] for groups of `group` inputs, quads in the order of 4-bit
+// (nibble-paired) or 8-bit (consecutive) weights.
+inline SplitRows split_rows(const float* x, int64_t m, int64_t k, int64_t group,
+                            bool four_bit) {
+  SplitRows s;
+  s.k = k;
+  s.group = group;
+  const int64_t groups = k / group;
+  s.quads.assign(m * (k / 4) * 3, 0);
+  s.step.assign(m * groups, 0.0f);
+  s.sums.assign(m * groups * 3, 0);
+  std::vector<int8_t> digits(3 * k);  // [3][k]: h, m, l
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * k;
+    for (int64_t g = 0; g < groups; ++g) {
+      float amax = 0.0f;
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) amax = std::max(amax, std::fabs(xr[i]));
+      const float e = amax / (127.0f * 65536.0f);
+      const float inv = e > 0.0f ? 1.0f / e : 0.0f;
+      int32_t* sums = s.sums.data() + (r * groups + g) * 3;
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) {
+        int32_t t = static_cast<int32_t>(std::nearbyint(xr[i] * inv));
+        t = std::clamp(t, -127 * 65536, 127 * 65536);
+        for (int d = 2; d >= 0; --d) {         // l, then m, then h: t = 256 t' + digit
+          const int32_t digit = d == 0 ? t : ((t + 128) & 255) - 128;
+          digits[d * k + i] = static_cast<int8_t>(digit);
+          sums[d] += digit;
+          t = (t - digit) / 256;
+        }
+      }
+      s.step[r * groups + g] = e;
+    }
+    int8_t* out = reinterpret_cast<int8_t*>(s.quads.data() + r * (k / 4) * 3);
+    for (int64_t q = 0; q < k / 4; ++q) {
+      for (int b = 0; b < 4; ++b) {
+        // 4 bits: quad 2o is inputs 8o + {0, 2, 4, 6}, quad 2o + 1 is 8o + {1, 3, 5, 7}.
+        const int64_t i = four_bit ? (q / 2) * 8 + (q % 2) + 2 * b : 4 * q + b;
+        for (int d = 0; d < 3; ++d) out[q * 12 + 4 * d + b] = digits[d * k + i];
+      }
+    }
+  }
+  return s;
+}
+
+// vpermb indices: output byte 4 l + j <- input byte 16 j + l (4 rows of 16 lanes -> 16 lanes
+// of 4 bytes).
+inline __m512i lane_transpose() {
+  alignas(64) uint8_t idx[64];
+  for (int o = 0; o < 64; ++o) idx[o] = static_cast<uint8_t>((o % 4) * 16 + o / 4);
+  return _mm512_load_si512(idx);
+}
+
+// Rows [r0, r0 + RB) x feature vectors [v0, v0 + NB) of y = x . W^T, x split in `s`.
+// Bits 4: blocks uint8 [N/16, K/2, 16]; 8: int8 [N/16, K, 16]. y row stride ldy, first
+// column col0 (as PackedArgs).
+template <int Bits, int RB, int NB>
+void vnni_block(const uint8_t* blocks, const Scales& scale, const Scales& min, const SplitRows& s,
+                const float* xsum, float* y, int64_t ldy, int64_t col0, int64_t r0, int64_t v0) {
+  // What the integers read minus their centre: 4-bit q - 8 in [-8, 7]; 8-bit (q + 128) - 128.
+  constexpr int32_t kBias = Bits == 4 ? 8 : 128;
+  const int64_t k = s.k, group = s.group, groups = k / group;
+  const int64_t column = k * Bits / 8 * 16;        // bytes of one feature vector's blocks
+  const __m512i perm = lane_transpose();
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[NB][RB];
+  for (int j = 0; j < NB; ++j)
+    for (int r = 0; r < RB; ++r) acc[j][r] = _mm512_setzero_ps();
+  const int32_t* quads[RB];
+  for (int r = 0; r < RB; ++r) quads[r] = s.quads.data() + (r0 + r) * (k / 4) * 3;
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i sum[NB][RB][3];                   // per digit: h, m, l
+    for (int j = 0; j < NB; ++j)
+      for (int r = 0; r < RB; ++r)
+        for (int d = 0; d < 3; ++d) sum[j][r][d] = _mm512_setzero_si512();
+    if constexpr (Bits == 4) {
+      for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; ++j) {
+          const __m512i raw = _mm512_loadu_si512(blocks + (v0 + j) * column + k0 / 2 * 16);
+          const __m512i w = _mm512_permutexvar_epi8(perm, raw);
+          const __m512i even = _mm512_and_si512(w, nibble);
+          const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+#pragma GCC unroll 8
+          for (int r = 0; r < RB; ++r) {
+            const int32_t* qd = quads[r] + k0 / 4 * 3;   // quads k0/4 (even), k0/4 + 1 (odd)
+#pragma GCC unroll 3
+            for (int d = 0; d < 3; ++d) {
+              sum[j][r][d] = _mm512_dpbusd_epi32(sum[j][r][d], even, _mm512_set1_epi32(qd[d]));
+              sum[j][r][d] = _mm512_dpbusd_epi32(sum[j][r][d], odd, _mm512_set1_epi32(qd[3 + d]));
+            }
+          }
+        }
+      }
+    } else {
+      for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 4) {
+#pragma GCC unroll 4
+        for (int j = 0; j < NB; ++j) {
+          const __m512i raw = _mm512_loadu_si512(blocks + (v0 + j) * column + k0 * 16);
+          const __m512i w = _mm512_xor_si512(_mm512_permutexvar_epi8(perm, raw), flip);
+#pragma GCC unroll 8
+          for (int r = 0; r < RB; ++r) {
+            const int32_t* qd = quads[r] + k0 / 4 * 3;
+#pragma GCC unroll 3
+            for (int d = 0; d < 3; ++d) {
+              sum[j][r][d] = _mm512_dpbusd_epi32(sum[j][r][d], w, _mm512_set1_epi32(qd[d]));
+            }
+          }
+        }
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      const __m512 sc = scale.at(((v0 + j) * groups + g) * 16);
+      // The offset of the centred integers: min + 8 scale for 4 bits (q - 8), min for 8.
+      const __m512 mn = _mm512_fmadd_ps(sc, _mm512_set1_ps(Bits == 4 ? 8.0f : 0.0f),
+                                        min.at(((v0 + j) * groups + g) * 16));
+      for (int r = 0; r < RB; ++r) {
+        const int64_t rg = (r0 + r) * groups + g;
+        const int32_t* digit_sums = s.sums.data() + rg * 3;
+        __m512 d[3];
+        for (int i = 0; i < 3; ++i) {
+          d[i] = _mm512_cvtepi32_ps(
+              _mm512_sub_epi32(sum[j][r][i], _mm512_set1_epi32(kBias * digit_sums[i])));
+        }
+        const __m512 total = _mm512_fmadd_ps(
+            d[0], _mm512_set1_ps(65536.0f), _mm512_fmadd_ps(d[1], _mm512_set1_ps(256.0f), d[2]));
+        const __m512 se = _mm512_mul_ps(sc, _mm512_set1_ps(s.step[rg]));
+        acc[j][r] = _mm512_fmadd_ps(se, total, acc[j][r]);
+        acc[j][r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[rg]), acc[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int r = 0; r < RB; ++r) {
+      _mm512_storeu_ps(y + (r0 + r) * ldy + (v0 + j) * 16 - col0, acc[j][r]);
+    }
+}
+
+// Feature vectors [v, v_end) of rows [r0, r0 + RB): NB vectors a block, halving for the rest.
+template <int Bits, int RB, int NB>
+void vnni_vectors(const uint8_t* blocks, const Scales& scale, const Scales& min,
+                  const SplitRows& s, const float* xsum, float* y, int64_t ldy, int64_t col0,
+                  int64_t r0, int64_t v, int64_t v_end) {
+  for (; v + NB <= v_end; v += NB) {
+    vnni_block<Bits, RB, NB>(blocks, scale, min, s, xsum, y, ldy, col0, r0, v);
+  }
+  if constexpr (NB > 1) {
+    vnni_vectors<Bits, RB, NB / 2>(blocks, scale, min, s, xsum, y, ldy, col0, r0, v, v_end);
+  }
+}
+
+// Every row [0, m) of feature vectors [v0, v_end): 2 rows at a time with 2 vectors a block,
+// a last single row with 4 (accumulators: 4 per vector and row, within 32 registers).
+template <int Bits>
+void vnni_rows(const uint8_t* blocks, const Scales& scale, const Scales& min, const SplitRows& s,
+               const float* xsum, float* y, int64_t ldy, int64_t col0, int64_t m, int64_t v0,
+               int64_t v_end) {
+  int64_t r0 = 0;
+  for (; r0 + 2 <= m; r0 += 2) {
+    vnni_vectors<Bits, 2, 2>(blocks, scale, min, s, xsum, y, ldy, col0, r0, v0, v_end);
+  }
+  if (r0 < m) vnni_vectors<Bits, 1, 4>(blocks, scale, min, s, xsum, y, ldy, col0, r0, v0, v_end);
+}
+
+}  // namespace jaxpaged_cpu
+
+#else
+
+namespace jaxpaged_cpu {
+struct SplitRows {};  // never made: the float paths serve every call
+}  // namespace jaxpaged_cpu
+
+#endif
