@@ -20,7 +20,8 @@ from jaxpaged.layers.packed_layout import (dequantize, integers, pack_weight, re
 from jaxpaged.layers.packed_linear import PackedEmbedding, packed_matmul
 from jaxpaged.models.gguf_blocks import PACKABLE_TYPES, decode_blocks
 from jaxpaged.models.gguf_loader import GGUFCheckpoint, keeps_packed
-from jaxpaged.runner.worker import keeps_gguf_packed
+from jaxpaged.runner import worker
+from jaxpaged.runner.worker import gguf_auto_dtype, keeps_gguf_packed
 from tests.test_gguf_loader import HEADS, KV_HEADS, VOCAB, encode, write_random_llama
 from tests.test_model_logits import full_sequence_logits
 
@@ -165,3 +166,15 @@ def test_which_files_and_setups_stay_packed(tmp_path):
     assert not keeps_gguf_packed(EngineArgs(model=mixed), ModelConfig.from_pretrained(mixed),
                                  1, "cpu")
     assert not keeps_gguf_packed(args, cfg.with_quantization("int8"), 1, "cpu")
+
+
+def test_gguf_auto_dtype_rule(monkeypatch):
+    """--dtype auto for a GGUF: float32 when packed; dequantized, bfloat16 on a GPU and on
+    a CPU with AVX-512 BF16, float32 on other CPUs."""
+    monkeypatch.setattr(worker, "cpu_flags", lambda: "flags : fpu avx512f avx512_bf16 sse")
+    assert gguf_auto_dtype(True, "cpu") == "float32"
+    assert gguf_auto_dtype(False, "cpu") == "bfloat16"
+    assert gguf_auto_dtype(False, "gpu") == gguf_auto_dtype(False, "cuda") == "bfloat16"
+    monkeypatch.setattr(worker, "cpu_flags", lambda: "flags : fpu avx512f avx2")
+    assert gguf_auto_dtype(False, "cpu") == "float32"
+    assert gguf_auto_dtype(True, "cuda") == "float32"
