@@ -27,6 +27,7 @@ from jaxpaged.engine.arg_utils import EngineArgs, cli_error_message
 from jaxpaged.engine.async_engine import AsyncEngine
 from jaxpaged.engine.follower import run_follower
 from jaxpaged.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+from jaxpaged.runner.host_memory import limit_malloc_arenas
 from jaxpaged.server.app import build_app
 from jaxpaged.server.multi_model import load_models_config, make_multi_server
 from jaxpaged.server.serving import ServerConfig
@@ -88,6 +89,9 @@ def run_server(args: argparse.Namespace) -> int:
     """Serve until interrupted; returns the exit status. In a multi-host job only process 0
     serves HTTP; the others run the engine on process 0's commands
     (:func:`jaxpaged.engine.follower.run_follower`) until it stops."""
+    # Two malloc arenas: the engine, background-compilation, tokenizer and event-loop
+    # threads otherwise each grow an arena of their own (jaxpaged.runner.host_memory).
+    limit_malloc_arenas(2)
     try:
         engine_args = EngineArgs.from_cli_args(args)
         check_draft_model(engine_args)

@@ -258,3 +258,24 @@ def test_broken_tokenizer_metadata_is_a_typed_error(tmp_path, merges):
     with pytest.raises(BadGGUFError, match="model.gguf.*tokenizer metadata does not make a "
                                            "tokenizer"):
         gguf_tokenizer(path)
+
+
+def test_the_file_is_unmapped_once_its_weights_are_loaded(tmp_path):
+    """The loader copies every tensor out of the GGUF mapping and then drops the file, so
+    its pages no longer count in the process's resident memory (Linux: /proc/self/maps)."""
+    import gc
+
+    import jax.numpy as jnp
+
+    from jaxpaged.layers.attention.xla import XlaAttentionBackend
+    from jaxpaged.models.loader import load_model
+
+    path = str(tmp_path / "unmapped.gguf")
+    expected = write_random_llama(path)
+    mapped = lambda: sum(path in line for line in open("/proc/self/maps"))
+    model = load_model(path, ModelConfig.from_pretrained(path), dtype=jnp.float32,
+                       backend=XlaAttentionBackend(), load_format="auto", seed=0)
+    gc.collect()
+    assert mapped() == 0
+    np.testing.assert_array_equal(np.asarray(model.model.norm.weight[...]),
+                                  expected["model.norm.weight"])

@@ -1,5 +1,7 @@
 """KV page count: override, byte budget, GPU utilization after profiling, CPU default."""
 
+import logging
+
 import pytest
 
 from jaxpaged.runner import kv_sizing
@@ -21,14 +23,23 @@ def test_override_and_budget_take_precedence():
                                   profile_peak_bytes=never) == 12
 
 
-def test_cpu_default_is_capped_by_what_requests_can_use():
-    assert kv_sizing.num_kv_pages(**ARGS, profile_peak_bytes=lambda: None) == 10 * 4 + 1
+def test_cpu_default_is_capped_by_what_requests_can_use(caplog):
+    with caplog.at_level(logging.INFO, logger=kv_sizing.__name__):
+        assert kv_sizing.num_kv_pages(**ARGS, profile_peak_bytes=lambda: None) == 10 * 4 + 1
+    # the log names the rule that applied: what max_num_seqs requests need (41 pages)
+    assert caplog.messages == ["CPU KV budget: what max_num_seqs=10 requests of 4 pages "
+                               "need (0.0 MiB)"]
 
 
-def test_cpu_default_budget_is_shared_by_host_devices(monkeypatch):
+def test_cpu_default_budget_is_shared_by_host_devices(monkeypatch, caplog):
     monkeypatch.setattr(kv_sizing, "DEFAULT_CPU_KV_CACHE_BYTES", 20_000)
     big = {**ARGS, "max_num_seqs": 1000}
-    assert kv_sizing.num_kv_pages(**big, profile_peak_bytes=lambda: None) == 20
+    with caplog.at_level(logging.INFO, logger=kv_sizing.__name__):
+        assert kv_sizing.num_kv_pages(**big, profile_peak_bytes=lambda: None) == 20
+    # the log names the rule that applied: the default cap
+    assert caplog.messages[0].startswith("CPU KV budget: the 0 GiB default cap "
+                                         "(max_num_seqs=1000 requests of 4 pages would need "
+                                         "0.0 GiB; --kv-cache-memory-bytes sets another)")
     # two devices each hold half of a page (500 bytes each), in the same host memory
     assert kv_sizing.num_kv_pages(**{**big, "bytes_per_page": 500}, num_devices=2,
                                   profile_peak_bytes=lambda: None) == 20

@@ -43,7 +43,7 @@ from jaxpaged.layers.packed_layout import LANES, PACKED_LEAVES
 from jaxpaged.layers.packed_linear import PackedEmbedding, PackedLinear
 from jaxpaged.layers.quantization import (QUANTIZED_DTYPES, QuantizedLinear, per_channel_scale,
                                           quantize_weight)
-from jaxpaged.models.gguf_loader import GGUFCheckpoint, is_gguf
+from jaxpaged.models.gguf_loader import GGUFCheckpoint, forget_gguf_files, is_gguf
 from jaxpaged.models.mixtral import ExpertScales, ExpertWeights
 from jaxpaged.models.registry import model_class
 
@@ -172,6 +172,9 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
                      ] if unexpected else []
         raise MissingWeightsError(f"checkpoint {model_dir!r} does not match the "
                                   f"{config.architecture} config: " + "; ".join(problems))
+    if is_gguf(model_dir):
+        del reader
+        forget_gguf_files()     # every tensor is copied out: unmap the file
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 

@@ -43,6 +43,7 @@ from jaxpaged.runner.buckets import ShapeBuckets, padding_budget_tokens
 from jaxpaged.runner.compile_cache import jax_cache_dir
 from jaxpaged.runner.dummy_step import dummy_inputs, dummy_layout
 from jaxpaged.runner.executable_store import ExecutableStore, fingerprint, model_digest
+from jaxpaged.runner.host_memory import release_freed_memory
 from jaxpaged.runner.input_batch import PreparedStep, StepInputs, attention_metadata, prepare_step
 from jaxpaged.runner.output import ModelRunnerOutput
 from jaxpaged.runner.pending_step import PendingStep, copy_indices
@@ -494,6 +495,7 @@ class ModelRunner:
                 break
             layout = dummy_layout(*shape)
             self._executables_for(layout, self._dummy_inputs(layout))
+        release_freed_memory()          # what XLA's compiler freed (jaxpaged.runner.host_memory)
         seconds = time.perf_counter() - t0
         fresh = self.num_fresh_compilations - before
         logger.info("precompiled %d executables in %.1f s (%d compiled, %d loaded from the "
