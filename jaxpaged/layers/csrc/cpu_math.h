@@ -53,6 +53,13 @@ struct Scales {
     v16 out;
     std::memcpy(&out, &v, sizeof out);
     return out;
+#elif defined(__F16C__)
+    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+    v16 out;
+    std::memcpy(&out, &lo, sizeof lo);
+    std::memcpy(reinterpret_cast<char*>(&out) + sizeof lo, &hi, sizeof hi);
+    return out;
 #else
     v16 out;
     for (int l = 0; l < kLanes; ++l) out[l] = half_to_float(p[l]);
