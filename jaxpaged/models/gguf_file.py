@@ -13,6 +13,7 @@ shapes it (float and integer types by element, block-quantized ones as
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import struct
 from dataclasses import dataclass
@@ -65,10 +66,13 @@ class GGUFFile:
         metadata: every key/value pair (``general.architecture``, ``tokenizer.ggml.tokens``,
             ...) as Python values.
         tensors: the tensor table in file order.
+        metadata_digest: SHA-256 (hex) of the file's bytes up to the end of the metadata: it
+            names what is derived from the metadata alone (the tokenizer's cache entry).
     """
 
     metadata: dict
     tensors: list[GGUFTensor]
+    metadata_digest: str
 
 
 class _Cursor:
@@ -137,6 +141,7 @@ def read_gguf(path: str) -> GGUFFile:
     for _ in range(num_kv):
         key = cur.string()
         metadata[key] = cur.value(cur.take("I"))
+    metadata_digest = hashlib.sha256(buf[:cur.offset]).hexdigest()
     table = []
     for _ in range(num_tensors):
         name = cur.string()
@@ -168,4 +173,4 @@ def read_gguf(path: str) -> GGUFFile:
         view = (raw.view(dtype).reshape(np_dims) if dtype is not None else
                 raw.reshape(gguf.quant_shape_to_byte_shape(np_dims, tensor_type)))
         tensors.append(GGUFTensor(name, tensor_type, dims, view))
-    return GGUFFile(metadata, tensors)
+    return GGUFFile(metadata, tensors, metadata_digest)

@@ -2,16 +2,26 @@
 
 transformers builds a tokenizer from a GGUF's ``tokenizer.*`` metadata
 (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``), but its GGUF file reader imports torch,
-which jaxpaged does not depend on. So the metadata is read here with the ``gguf`` package and
-handed to transformers' own converter (``transformers.integrations.gguf.gguf_tokenizer_mapping``:
-the key mapping ``GGUF_TOKENIZER_MAPPING`` and ``convert_gguf_tokenizer``, which needs no torch);
+which jaxpaged does not depend on. So the metadata is read here
+(:mod:`jaxpaged.models.gguf_file`) and handed to transformers' own converter
+(``transformers.integrations.gguf.gguf_tokenizer_mapping``: the key mapping ``GGUF_TOKENIZER_MAPPING`` and ``convert_gguf_tokenizer``, which needs no torch);
 the result is the ``TokenizersBackend`` that ``from_pretrained`` makes for a Llama GGUF, with the
 same special tokens, BOS/EOS flags and ``chat_template`` (checked against it token for token by
 ``tests/test_gguf_smollm2.py``).
+
+The conversion (and the import of transformers' GGUF mapping that it needs) took 0.7 s of each
+start-up for SmolLM2 on an AMD EPYC Zen 4 core; its result, the ``tokenizer.json`` text and the
+tokenizer's arguments, is kept under ``<cache root>/tokenizers`` named by the file's metadata
+digest (:attr:`jaxpaged.models.gguf_file.GGUFFile.metadata_digest`), and later loads build the
+tokenizer from it (0.1 s; the same ids: ``tests/test_gguf_tokenizer_cache.py``).
+``JAXPAGED_DISABLE_COMPILE_CACHE=1`` turns the cache off, as it does the compile cache.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -19,13 +29,16 @@ if TYPE_CHECKING:
 
 from jaxpaged.models.gguf_loader import BadGGUFError, metadata, open_gguf
 
+logger = logging.getLogger(__name__)
+
 #: transformers' tokenizer arguments named after the token *ids* the GGUF stores.
 _SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
                       "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
 
 
 def gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """The tokenizer of the GGUF file at ``path``, with its ``tokenizer.chat_template``.
+    """The tokenizer of the GGUF file at ``path``, with its ``tokenizer.chat_template``
+    (from the cache when this file's metadata was converted before).
 
     Raises:
         BadGGUFError / UnsupportedModelError: the file cannot be read (:func:`open_gguf`).
@@ -35,11 +48,25 @@ def gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
             the vocabulary, a BPE tokenizer without merges or scores, merges of unknown
             tokens).
     """
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING,
-                                                                        convert_gguf_tokenizer)
+    from tokenizers import Tokenizer
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-    meta = metadata(open_gguf(path))
+    gguf = open_gguf(path)
+    cache = _cache_path(gguf.metadata_digest)
+    parts = _read_cached(cache)
+    if parts is None:
+        parts = _convert(path, metadata(gguf))
+        _write_cached(cache, parts)
+    text, kwargs = parts
+    return TokenizersBackend(tokenizer_object=Tokenizer.from_str(text), **kwargs)
+
+
+def _convert(path: str, meta: dict) -> tuple[str, dict]:
+    """transformers' conversion of the GGUF's tokenizer metadata: (``tokenizer.json`` text,
+    the tokenizer's keyword arguments). Raises as :func:`gguf_tokenizer`."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING,
+                                                                        convert_gguf_tokenizer)
+
     groups = {group: {ours: meta[f"tokenizer.{key}"] for key, ours in keys.items()
                       if f"tokenizer.{key}" in meta}
               for group, keys in GGUF_TOKENIZER_MAPPING.items()}
@@ -57,10 +84,49 @@ def gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
         init_kwargs[arg] = None if token_id is None else vocab["tokens"][token_id]
     try:
         backend, extra = convert_gguf_tokenizer(meta["general.architecture"], vocab)
-        return TokenizersBackend(tokenizer_object=backend, **init_kwargs, **extra)
+        return backend.to_str(), {**init_kwargs, **extra}
     except ValueError as e:     # transformers' converter: a tokenizer model it does not know
         raise FileNotFoundError(f"no usable tokenizer in {path!r}: {e}; pass --tokenizer "
                                 "DIR") from e
     except Exception as e:     # noqa: BLE001 - missing keys, merges naming unknown tokens, ...
         raise BadGGUFError(f"{path!r}: its tokenizer metadata does not make a tokenizer "
                            f"({type(e).__name__}: {e}); pass --tokenizer DIR") from e
+
+
+def _cache_path(digest: str) -> str | None:
+    """The cache entry of a GGUF whose metadata digest is ``digest``; None while the cache
+    is off."""
+    from jaxpaged.runner.compile_cache import DISABLE_ENV, cache_root
+
+    if os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes"):
+        return None
+    return os.path.join(cache_root(), "tokenizers", f"gguf-{digest[:32]}.json")
+
+
+def _read_cached(path: str | None) -> tuple[str, dict] | None:
+    """A cache entry's (``tokenizer.json`` text, keyword arguments), or None (no entry, or one
+    that cannot be read: it is converted again)."""
+    if path is None or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            entry = json.load(f)
+        return entry["tokenizer"], entry["kwargs"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("ignoring the cached tokenizer %s: %s", path, e)
+        return None
+
+
+def _write_cached(path: str | None, parts: tuple[str, dict]) -> None:
+    """Store ``parts`` at ``path`` (atomically); skipped when the cache is off or the
+    arguments are not JSON."""
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"tokenizer": parts[0], "kwargs": parts[1]}, f)
+        os.replace(tmp, path)
+    except (OSError, TypeError, ValueError) as e:
+        logger.warning("the GGUF's tokenizer is not cached (%s)", e)
