@@ -69,15 +69,17 @@ def test_decode_refuses_what_it_cannot_read():
 
 @pytest.mark.skipif(not packed_linear.kernel_available(), reason="no C++ compiler for the kernel")
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17])
-def test_kernel_equals_float64_matmul_of_the_dequantized_weight(type_name, rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 17, 130])
+@pytest.mark.parametrize("int8", [True, False])
+def test_kernel_equals_float64_matmul_of_the_dequantized_weight(type_name, rows, int8):
     """Every register-block shape (float paths: 1-4 rows, then a remainder; 17 rows: the
-    float panel of 8 rows and more; int8 path: 1 row, then 3 at a time and a remainder), 3,
-    2 and 1 vectors of features (48 = 3 vectors, 40 padded to 3), 4-bit and 8-bit, groups of
-    32 and 16. Where the library multiplies in int8 (``packed_int8_dots``) the float64
-    product is of the activations it splits (``reference_product``), and the error against
-    the exact product stays within the bound the split allows: each activation within half
-    its group's step e, so |error| <= sum_k |scale * (q - c)| * e_k / 2."""
+    float panel of 8 rows and more; int8 path: 4 rows at a time, then 2, then 1; 130 rows:
+    the float panel always), 3, 2 and 1 vectors of features (48 = 3 vectors, 40 padded to
+    3), 4-bit and 8-bit, groups of 32 and 16. Where the call multiplies in int8
+    (``packed_int8_dots``, fewer than 128 rows) the float64 product is of the activations it
+    splits (``reference_product``), and the error against the exact product stays within
+    the bound the split allows: each activation within half its group's step e (plus
+    float32's rounding), so |error| <= sum_k |scale * (q - c)| * e_k / 2."""
     rng = np.random.default_rng(rows)
     for n, k in ((48, 256), (40, 512), (64, 256)):
         data = blocks_of(type_name, n, k, seed=n)
@@ -88,13 +90,15 @@ def test_kernel_equals_float64_matmul_of_the_dequantized_weight(type_name, rows)
         assert packed["block_scale"].dtype == packed["block_min"].dtype == (
             np.float32 if type_name == "Q6_K" else np.float16)
         x = rng.normal(size=(rows, k)).astype(np.float32)
-        got = np.asarray(jax.jit(packed_matmul)(x, *packed.values()))
+        got = np.asarray(jax.jit(packed_matmul, static_argnames="int8")(
+            x, *packed.values(), int8=int8))
         assert got.shape == (rows, 48 if n == 40 else n)
-        want = reference_product(x, packed, k, n, split=packed_int8_dots())
+        split = int8 and rows < 128 and packed_int8_dots()
+        want = reference_product(x, packed, k, n, split=split)
         np.testing.assert_allclose(got[:, :n], want, rtol=0, atol=2e-6 * np.abs(want).max())
         assert not got[:, n:].any()                    # padding features are zero
         exact = x.astype(np.float64) @ w.astype(np.float64).T
-        if packed_int8_dots():
+        if split:
             assert np.abs(got[:, :n] - exact).max() > 0     # the split is not the identity
             assert np.all(np.abs(got[:, :n] - exact) <= split_bound(x, packed, k, n)
                           + 2e-6 * np.abs(exact).max())
@@ -134,9 +138,9 @@ def test_split_activations_are_24_bit_fixed_point_per_group():
 def test_packed_model_logits_equal_the_dequantized_model(tmp_path, monkeypatch, reference,
                                                          length):
     """The whole random Llama through the packed layers (the kernel, or with ``reference``
-    the jnp dequantization it replaces) against the same file dequantized on load; 19 tokens
-    take the kernel's float panel, 5 its few-row paths (int8 dot products on CPUs with
-    AVX-512 VNNI), every block type in the fused four calls a layer."""
+    the jnp dequantization it replaces) against the same file dequantized on load, every
+    block type in the fused four calls a layer: 5 and 19 tokens take the kernel's int8 dot
+    products on CPUs with AVX-512 VNNI (its float integer path and float panel elsewhere)."""
     path = str(tmp_path / "packed.gguf")
     write_random_llama(path, tied=False, types=PACKED_TYPES, embedding_type=T.Q4_K)
     assert keeps_packed(path)

@@ -52,7 +52,8 @@ def valid_rows(count: jax.Array | None):
 
 def packed_projections(x: jax.Array, weights, *, rows: jax.Array | None = None,
                        norm: jax.Array | None = None, eps: float = 0.0,
-                       residual: jax.Array | None = None, gated: bool = False) -> list:
+                       residual: jax.Array | None = None, gated: bool = False,
+                       int8: bool = True) -> list:
     """``x . W_p^T`` for several packed weights in one call of the C++ kernel (registered:
     :func:`kernel_available`), with a decoder layer's neighbouring operations folded in.
 
@@ -66,6 +67,9 @@ def packed_projections(x: jax.Array, weights, *, rows: jax.Array | None = None,
             transformers' ``LlamaRMSNorm`` in float32), or None.
         residual: [..., N_0'] float32 added to the only weight's product, or None.
         gated: two weights (a SwiGLU gate and up): one output ``silu(x . W_0^T) * (x . W_1^T)``.
+        int8: let calls of fewer than 128 rows multiply in int8 dot products with the
+            activations split into three bytes where the library can
+            (:func:`jaxpaged.layers.cpu_build.packed_int8_dots`); False: the float paths.
 
     Returns:
         The outputs, [..., N_p'] float32 each (one when ``gated``); the caller drops padding
@@ -81,7 +85,8 @@ def packed_projections(x: jax.Array, weights, *, rows: jax.Array | None = None,
             empty if norm is None else norm.astype(jnp.float32),
             empty if residual is None else residual.reshape(m, -1).astype(jnp.float32)]
     ys = jax.ffi.ffi_call(PACKED_MATMUL_TARGET, outs)(
-        *args, *(a for w in weights for a in w), eps=np.float32(eps), gated=np.int32(gated))
+        *args, *(a for w in weights for a in w), eps=np.float32(eps), gated=np.int32(gated),
+        int8=np.int32(int8))
     return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
 
 
@@ -91,10 +96,11 @@ def project_packed(x: jax.Array, weights, **options) -> list:
 
 
 def packed_matmul(x: jax.Array, blocks: jax.Array, block_scale: jax.Array,
-                  block_min: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+                  block_min: jax.Array, rows: jax.Array | None = None,
+                  int8: bool = True) -> jax.Array:
     """``x . W^T`` ([..., K] float32 -> [..., N'] float32) for one packed weight
     (:func:`packed_projections` without the folded operations)."""
-    return packed_projections(x, [(blocks, block_scale, block_min)], rows=rows)[0]
+    return packed_projections(x, [(blocks, block_scale, block_min)], rows=rows, int8=int8)[0]
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,8 +16,9 @@
 // W[n, k] = scale * q + min of n's group k / G (G is K over scale's middle dimension: 32, or 16
 // for Q6_K). Outputs y_p [M, N_p] (one output [M, N_0] when gated).
 //
-// On CPUs with AVX-512 VNNI and VBMI, calls of fewer than kPanelMinRows rows multiply the
-// integers by the activations split into three bytes in int8 dot products (packed_vnni.h).
+// On CPUs with AVX-512 VNNI and VBMI, calls of fewer than kInt8MaxRows rows multiply the
+// integers by the activations split into three bytes in int8 dot products (packed_vnni.h),
+// unless the attribute int8 is 0 (then the float paths serve, as on other CPUs).
 //
 // For every GGUF block type jaxpaged packs, scale * q is exact in float32 (see
 // packed_linear.py), so fma(scale, q, min) is the weight gguf's own dequantization computes,
@@ -364,14 +365,18 @@ void run_item(const Call& c, int64_t i, std::vector<float>& scratch) {
   }
 }
 
+// Calls of fewer rows than this take the int8 path where the CPU has it. One core of an AMD
+// EPYC (Zen 4), SmolLM2's 30 layers and LM head, float panel against int8: 44.3 against 30.6
+// ms at 8 rows, 68.7 / 53.8 at 16, 207 / 195 at 64, 388-391 / 392-395 at 128 (where the
+// panel's one multiply-add per weight and row catches up with three dot products per 4).
+constexpr int64_t kInt8MaxRows = 128;
+
 // The split activations for a weight of groups of `group` inputs (shared with an earlier
-// weight of the same call that needs the same), or null where the float paths serve: from
-// kPanelMinRows rows on, where the float panel's multiply-adds (one per weight and row)
-// cost less than the three int8 dot products per 4 weights and row plus each group's scaling.
+// weight of the same call that needs the same), or null where the float paths serve.
 std::shared_ptr<SplitRows> split_for(const Call& c, const float* x, int64_t m, int64_t k,
                                      int64_t group, bool four_bit) {
 #ifdef JAXPAGED_PACKED_VNNI
-  if (m >= kPanelMinRows || !vnni_shape(group, four_bit)) return nullptr;
+  if (m >= kInt8MaxRows || !vnni_shape(group, four_bit)) return nullptr;
   for (size_t p = 0; p < c.splits.size(); ++p) {
     if (c.splits[p] && c.weights[p].group == group && c.weights[p].four_bit == four_bit) {
       return c.splits[p];
@@ -386,7 +391,8 @@ std::shared_ptr<SplitRows> split_for(const Call& c, const float* x, int64_t m, i
 ffi::Error PackedProjectionsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                  ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> norm,
                                  ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs args,
-                                 ffi::RemainingRets rets, float eps, int32_t gated) {
+                                 ffi::RemainingRets rets, float eps, int32_t gated,
+                                 int32_t int8) {
   auto xd = x.dimensions();
   if (xd.size() != 2 || rows.element_count() != 1 || args.size() == 0 ||
       args.size() % 3 != 0) {
@@ -445,7 +451,7 @@ ffi::Error PackedProjectionsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                          {min->untyped_data(), half}, out,
                          valid, k, n, k / sd[1], n, 0, four_bit});
     c.xsums.push_back(group_sums(input, valid, k, k / sd[1]));
-    c.splits.push_back(split_for(c, input, valid, k, k / sd[1], four_bit));
+    c.splits.push_back(int8 ? split_for(c, input, valid, k, k / sd[1], four_bit) : nullptr);
     const int64_t items = (n / kLanes + kChunkVectors - 1) / kChunkVectors;
     c.first_item.push_back(c.first_item.back() + ((c.gated && p == 1) ? 0 : items));
   }
@@ -484,4 +490,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPackedMatmul, jaxpaged_cpu::PackedProjecti
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<float>("eps")
-                                  .Attr<int32_t>("gated"));
+                                  .Attr<int32_t>("gated")
+                                  .Attr<int32_t>("int8"));
