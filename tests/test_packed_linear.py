@@ -17,7 +17,8 @@ from jaxpaged.models import llama
 from jaxpaged.layers.cpu_build import packed_int8_dots
 from jaxpaged.layers.packed_layout import (dequantize, integers, pack_weight, reference_product,
                                            split_activations)
-from jaxpaged.layers.packed_linear import PackedEmbedding, packed_matmul
+from jaxpaged.layers.packed_linear import PackedEmbedding, packed_matmul, packed_projections
+from jaxpaged.layers.rotary import apply_rope, rope_inv_freq
 from jaxpaged.models.gguf_blocks import PACKABLE_TYPES, decode_blocks
 from jaxpaged.models.gguf_loader import GGUFCheckpoint, keeps_packed
 from jaxpaged.runner import worker
@@ -185,3 +186,28 @@ def test_gguf_auto_dtype_rule(monkeypatch):
     monkeypatch.setattr(worker, "cpu_flags", lambda: "flags : fpu avx512f avx2")
     assert gguf_auto_dtype(False, "cpu") == "float32"
     assert gguf_auto_dtype(True, "cuda") == "float32"
+
+
+@pytest.mark.skipif(not packed_linear.kernel_available(), reason="no C++ compiler for the kernel")
+def test_kernel_rope_equals_apply_rope_of_its_outputs():
+    """rope=(positions, inv_freq) rotates the first two outputs (q: 3 heads of 16, k: 1
+    head) as jaxpaged.layers.rotary.apply_rope does, only the computed rows, the third
+    output (v) untouched."""
+    rng = np.random.default_rng(7)
+    weights = [pack_weight(rng.integers(0, 16, (n, 64)), rng.uniform(0.01, 0.1, (n, 2)),
+                           rng.uniform(-0.2, 0.2, (n, 2)), 4) for n in (48, 16, 16)]
+    params = [tuple(jnp.asarray(p[name]) for name in ("blocks", "block_scale", "block_min"))
+              for p in weights]
+    x = jnp.asarray(rng.normal(size=(5, 64)).astype(np.float32))
+    positions = jnp.asarray([0, 3, 17, 1000, 9], jnp.int32)
+    inv_freq = rope_inv_freq(16, 10000.0)
+    rows = jnp.asarray(4, jnp.int32)
+    plain = packed_projections(x, params, rows=rows)
+    q, k, v = packed_projections(x, params, rows=rows, rope=(positions, inv_freq))
+    for got, want, heads in ((q, plain[0], 3), (k, plain[1], 1)):
+        rotated = apply_rope(want.reshape(5, heads, 16), positions, inv_freq).reshape(5, -1)
+        np.testing.assert_allclose(np.asarray(got)[:4], np.asarray(rotated)[:4], rtol=0,
+                                   atol=1e-5 * float(np.abs(np.asarray(want)).max()))
+        assert not np.asarray(got)[4:].any()
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(plain[2]))
+    assert not np.allclose(np.asarray(q), np.asarray(plain[0]))

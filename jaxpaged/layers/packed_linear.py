@@ -53,7 +53,7 @@ def valid_rows(count: jax.Array | None):
 def packed_projections(x: jax.Array, weights, *, rows: jax.Array | None = None,
                        norm: jax.Array | None = None, eps: float = 0.0,
                        residual: jax.Array | None = None, gated: bool = False,
-                       int8: bool = True) -> list:
+                       int8: bool = True, rope: tuple | None = None) -> list:
     """``x . W_p^T`` for several packed weights in one call of the C++ kernel (registered:
     :func:`kernel_available`), with a decoder layer's neighbouring operations folded in.
 
@@ -70,6 +70,10 @@ def packed_projections(x: jax.Array, weights, *, rows: jax.Array | None = None,
         int8: let calls of fewer than 128 rows multiply in int8 dot products with the
             activations split into three bytes where the library can
             (:func:`jaxpaged.layers.cpu_build.packed_int8_dots`); False: the float paths.
+        rope: ``(positions [M] int32, inv_freq [D/2])``: the first two outputs (a layer's q
+            and k, whole heads of D features) come back rotated by RoPE as
+            :func:`jaxpaged.layers.rotary.apply_rope` rotates them (one XLA operation less
+            per rotated tensor and half), or None.
 
     Returns:
         The outputs, [..., N_p'] float32 each (one when ``gated``); the caller drops padding
@@ -81,12 +85,14 @@ def packed_projections(x: jax.Array, weights, *, rows: jax.Array | None = None,
     widths = [w[0].shape[0] * LANES for w in weights]
     outs = [jax.ShapeDtypeStruct((m, n), jnp.float32) for n in widths[:1 if gated else None]]
     empty = jnp.zeros((0,), jnp.float32)
+    positions, inv_freq = rope if rope is not None else (jnp.zeros((0,), jnp.int32), empty)
     args = [flat, jnp.asarray(m if rows is None else rows, jnp.int32),
             empty if norm is None else norm.astype(jnp.float32),
-            empty if residual is None else residual.reshape(m, -1).astype(jnp.float32)]
+            empty if residual is None else residual.reshape(m, -1).astype(jnp.float32),
+            jnp.asarray(positions, jnp.int32).reshape(-1), jnp.asarray(inv_freq, jnp.float32)]
     ys = jax.ffi.ffi_call(PACKED_MATMUL_TARGET, outs)(
         *args, *(a for w in weights for a in w), eps=np.float32(eps), gated=np.int32(gated),
-        int8=np.int32(int8))
+        int8=np.int32(int8), rope_outputs=np.int32(0 if rope is None else 2))
     return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
 
 

@@ -68,18 +68,20 @@ class LlamaAttention(nnx.Module):
                                     kv_pages, metadata)
         return self.o_proj(out), kv_pages
 
-    def attend(self, q, k, v, positions, kv_pages: KVPages, metadata):
+    def attend(self, q, k, v, positions, kv_pages: KVPages, metadata, rotated: bool = False):
         """The projections' outputs q [T, heads * D], k and v [T, kv_heads * D] (any width
-        padding past them dropped) through q/k norms, RoPE and the paged attention ->
-        ([T, heads * D] before ``o_proj``, updated kv_pages)."""
+        padding past them dropped) through q/k norms, RoPE (unless ``rotated``: q and k
+        come rotated already) and the paged attention -> ([T, heads * D] before ``o_proj``,
+        updated kv_pages)."""
         t = q.shape[0]
         q = q[:, :self.num_heads * self.head_dim].reshape(t, self.num_heads, self.head_dim)
         k = k[:, :self.num_kv_heads * self.head_dim].reshape(t, self.num_kv_heads, self.head_dim)
         v = v[:, :self.num_kv_heads * self.head_dim].reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, self.inv_freq)
-        k = apply_rope(k, positions, self.inv_freq)
+        if not rotated:
+            q = apply_rope(q, positions, self.inv_freq)
+            k = apply_rope(k, positions, self.inv_freq)
         out, kv_pages = self.backend.forward(q, k, v, kv_pages, metadata, scale=self.scale,
                                              sliding_window=self.sliding_window,
                                              soft_cap=self.soft_cap)
@@ -129,17 +131,20 @@ class LlamaDecoderLayer(nnx.Module):
 
     def packed_call(self, x, positions, kv_pages, metadata):
         """:meth:`__call__` for packed projections (:func:`fused_packed_layer`) in four
-        kernel calls: norm and q, k, v; o and the residual; norm, gate and up and SiLU;
-        down and the residual."""
+        kernel calls: norm and q, k, v (and RoPE of q and k); o and the residual; norm, gate
+        and up and SiLU; down and the residual."""
         attn, mlp = self.self_attn, self.mlp
         params = lambda layer: (layer.blocks[...], layer.block_scale[...], layer.block_min[...])
         eps = self.input_layernorm.eps
+        # RoPE rides on the q/k/v call unless a bias or a q/k norm must come before it.
+        rotate = attn.q_norm is None and all(p.bias is None for p in (attn.q_proj, attn.k_proj))
         q, k, v = project_packed(x, [params(attn.q_proj), params(attn.k_proj),
                                      params(attn.v_proj)],
-                                 norm=self.input_layernorm.weight[...], eps=eps)
+                                 norm=self.input_layernorm.weight[...], eps=eps,
+                                 rope=(positions, attn.inv_freq) if rotate else None)
         q, k, v = (y if p.bias is None else y[:, :p.dout] + p.bias[...]
                    for y, p in ((q, attn.q_proj), (k, attn.k_proj), (v, attn.v_proj)))
-        out, kv_pages = attn.attend(q, k, v, positions, kv_pages, metadata)
+        out, kv_pages = attn.attend(q, k, v, positions, kv_pages, metadata, rotated=rotate)
         (x,) = project_packed(out, [params(attn.o_proj)], residual=x)
         (h,) = project_packed(x, [params(mlp.gate_proj), params(mlp.up_proj)], gated=True,
                               norm=self.post_attention_layernorm.weight[...],

@@ -5,10 +5,13 @@
 //   norm      x is first RMS-normalized, x * rsqrt(mean(x^2) + eps) * norm (transformers'
 //             LlamaRMSNorm in float32), when `norm` has K elements (none when it is empty);
 //   residual  y_0 += residual, when `residual` is [M, N_0] (P = 1);
-//   gated     one output silu(y_0) * y_1 (a SwiGLU feed-forward's gate and up, P = 2).
+//   gated     one output silu(y_0) * y_1 (a SwiGLU feed-forward's gate and up, P = 2);
+//   rope      the first rope_outputs outputs (a layer's q and k) rotated by RoPE at
+//             `positions` [M] int32 with frequencies `inv_freq` [D/2] float32, per head of D.
 //
 // Inputs: x [M, K] float32 rows, of which the first `rows` ([] int32, clamped to [0, M]) are
-// computed and the rest written as zeros (a bucketed step's padding); then per weight
+// computed and the rest written as zeros (a bucketed step's padding); norm, residual,
+// positions and inv_freq (each empty where its operation is not wanted); then per weight
 // (remaining arguments, three each) blocks, the weight's integers in lanes of 16 output features:
 //   4-bit: uint8 [N/16, K/2, 16], byte [b, j, l] = q[16b + l, 2j] | q[16b + l, 2j + 1] << 4;
 //   8-bit: int8  [N/16, K, 16],   [b, k, l] = q[16b + l, k];
@@ -388,11 +391,37 @@ std::shared_ptr<SplitRows> split_for(const Call& c, const float* x, int64_t m, i
 #endif
 }
 
+// Rotary position embedding of rows [0, m) of y [m, n], in place: each whole head of D = 2
+// half features (features [hD, (h + 1) D)) rotated as transformers' rotate-half Llama does,
+// y1' = y1 cos - y2 sin, y2' = y2 cos + y1 sin, with angle float(position) * inv_freq[i] for
+// the pair (i, i + D/2) (float32, as jaxpaged.layers.rotary.apply_rope).
+void rotate(float* y, int64_t m, int64_t n, const int32_t* positions, const float* inv_freq,
+            int64_t half) {
+  std::vector<float> cos(half), sin(half);
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float angle = static_cast<float>(positions[r]) * inv_freq[i];
+      cos[i] = std::cos(angle);
+      sin[i] = std::sin(angle);
+    }
+    for (int64_t h = 0; h + 2 * half <= n; h += 2 * half) {
+      float* a = y + r * n + h;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = a[i], x2 = a[i + half];
+        a[i] = x1 * cos[i] - x2 * sin[i];
+        a[i + half] = x2 * cos[i] + x1 * sin[i];
+      }
+    }
+  }
+}
+
 ffi::Error PackedProjectionsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                  ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> norm,
-                                 ffi::Buffer<ffi::F32> residual, ffi::RemainingArgs args,
+                                 ffi::Buffer<ffi::F32> residual,
+                                 ffi::Buffer<ffi::S32> positions,
+                                 ffi::Buffer<ffi::F32> inv_freq, ffi::RemainingArgs args,
                                  ffi::RemainingRets rets, float eps, int32_t gated,
-                                 int32_t int8) {
+                                 int32_t int8, int32_t rope_outputs) {
   auto xd = x.dimensions();
   if (xd.size() != 2 || rows.element_count() != 1 || args.size() == 0 ||
       args.size() % 3 != 0) {
@@ -405,6 +434,10 @@ ffi::Error PackedProjectionsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       (gated && num_weights != 2) ||
       (residual.element_count() != 0 && (num_weights != 1 || gated))) {
     return ffi::Error::InvalidArgument("inconsistent norm, residual, gated and outputs");
+  }
+  if (rope_outputs < 0 || rope_outputs > (gated ? 0 : num_weights) ||
+      (rope_outputs > 0 && (positions.element_count() != m || inv_freq.element_count() == 0))) {
+    return ffi::Error::InvalidArgument("rope: positions [M] and inv_freq [D/2] for its outputs");
   }
   const int64_t valid = std::clamp<int64_t>(rows.typed_data()[0], 0, m);
   auto shared = std::make_shared<Call>();
@@ -464,6 +497,10 @@ ffi::Error PackedProjectionsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return [shared, scratch = std::vector<float>(valid * kChunkVectors * kLanes)](
                int64_t i) mutable { run_item(*shared, i, scratch); };
   });
+  for (int32_t p = 0; p < rope_outputs; ++p) {
+    rotate(c.weights[p].y, valid, c.weights[p].n, positions.typed_data(), inv_freq.typed_data(),
+           inv_freq.element_count());
+  }
   return ffi::Error::Success();
 }
 
@@ -487,8 +524,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPackedMatmul, jaxpaged_cpu::PackedProjecti
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<float>("eps")
                                   .Attr<int32_t>("gated")
-                                  .Attr<int32_t>("int8"));
+                                  .Attr<int32_t>("int8")
+                                  .Attr<int32_t>("rope_outputs"));
