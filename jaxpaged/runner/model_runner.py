@@ -341,8 +341,10 @@ class ModelRunner:
         Verification steps keep their own shape."""
         sizes = self._pad_sizes(num_tokens, num_seqs, num_rows, max_pages, decode_only, verify)
         key = (*sizes, decode_only)
+        if verify or key not in self._deferred_shapes:
+            return sizes
         ready = tuple(self._ready_shapes)     # (another thread may add to the set)
-        if verify or key not in self._deferred_shapes or key in ready:
+        if key in ready:
             return sizes
         t, b, p = sizes
         covers = [s[:3] for s in ready if len(s) == 4 and s[3] == decode_only
