@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 CXX_ENV = "JAXPAGED_CXX"
 #: The XLA FFI target of the paged attention kernel.
 PAGED_ATTENTION_TARGET = "jaxpaged_paged_attention"
+#: The XLA FFI target of the KV write followed by the paged attention kernel.
+PAGED_ATTENTION_WRITE_TARGET = "jaxpaged_paged_attention_write"
 #: The XLA FFI target of the small-rows float32 matmul.
 SMALL_ROWS_MATMUL_TARGET = "jaxpaged_small_rows_matmul"
 #: The XLA FFI target of the matmul with packed 4/8-bit weights (GGUF projections).
@@ -54,6 +56,7 @@ _SOURCES = ("paged_attention_cpu.cc", "small_rows_matmul.cc", "packed_matmul.cc"
             "lazy_zeros.cc")
 # FFI target -> the handler symbol the library exports.
 _TARGETS = {PAGED_ATTENTION_TARGET: "JaxpagedPagedAttention",
+            PAGED_ATTENTION_WRITE_TARGET: "JaxpagedPagedAttentionWrite",
             SMALL_ROWS_MATMUL_TARGET: "JaxpagedSmallRowsMatmul",
             PACKED_MATMUL_TARGET: "JaxpagedPackedMatmul",
             LAZY_ZEROS_TARGET: "JaxpagedLazyZeros"}

@@ -10,10 +10,10 @@ table itself, reads each K/V page once per block with the softmax fused and skip
 queries (:mod:`jaxpaged.layers.cpu_build` builds and registers it). It reads the
 queries and writes the outputs in token order, so ``forward`` gathers nothing into blocks
 and scatters nothing back (on W1's 2048-token prefill step those two copies were about as
-long as the kernel itself, ``docs/benchmarks.md``). The KV write
-stays on the ``xla`` path (an in-place scatter), and so do pools the kernel does not read (an
-fp8 pool, or one whose dtype differs from the queries'); the ``xla`` backend remains the
-numerical oracle.
+long as the kernel itself, ``docs/benchmarks.md``). The KV write happens in the same call,
+into the pool in place (aliased outputs), for unit K/V scales; pools the kernel does not read
+(an fp8 pool, or one whose dtype differs from the queries') stay on the ``xla`` path (an
+in-place scatter, then chunked attention); the ``xla`` backend remains the numerical oracle.
 
 Reference: the online softmax of Milakov & Gimelshein (2018) over PagedAttention's page table
 (Kwon et al., SOSP 2023), decodes structured as vLLM's paged attention v1 kernel and query
@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.layers.cpu_build import PAGED_ATTENTION_TARGET, load_cpu_kernels
+from jaxpaged.layers.cpu_build import (PAGED_ATTENTION_TARGET, PAGED_ATTENTION_WRITE_TARGET,
+                                      load_cpu_kernels)
 from jaxpaged.layers.attention.xla import XlaAttentionBackend, paged_attention_chunked
 
 #: Query and pool dtypes the kernel reads (the pool in the queries' dtype).
@@ -66,10 +67,42 @@ def paged_attention_cpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         token's row; zeros in the rows of tokens no block query names.
     """
     call = jax.ffi.ffi_call(PAGED_ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, k_pages, v_pages, page_table.astype(jnp.int32),
-                block_tokens.astype(jnp.int32), block_seq.astype(jnp.int32),
-                block_positions.astype(jnp.int32),
-                scale=np.float32(scale * k_scale), soft_cap=np.float32(soft_cap or 0.0),
+    return call(q, k_pages, v_pages,
+                *_int32(page_table, block_tokens, block_seq, block_positions),
+                **_attributes(scale, sliding_window, soft_cap, k_scale, v_scale))
+
+
+def write_and_attend_cpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k: jax.Array,
+                         v: jax.Array, slot_mapping: jax.Array, page_table: jax.Array,
+                         block_tokens: jax.Array, block_seq: jax.Array,
+                         block_positions: jax.Array, *, scale: float,
+                         sliding_window: int | None = None, soft_cap: float | None = None
+                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The step's new rows k, v [T, KVH, D] (the pools' dtype, stored as they are) into
+    their ``slot_mapping`` [T] slots, then :func:`paged_attention_cpu` (unit K/V scales), in
+    one kernel call that updates the pools in place (aliased outputs; under donation no
+    copy): one XLA scatter less per pool and layer than ``write_kv`` before the kernel.
+
+    Returns:
+        ([T, H, D] attention output, the updated k_pages, v_pages).
+    """
+    call = jax.ffi.ffi_call(
+        PAGED_ATTENTION_WRITE_TARGET,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+         jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
+        input_output_aliases={1: 1, 2: 2})
+    return call(q, k_pages, v_pages,
+                *_int32(page_table, block_tokens, block_seq, block_positions),
+                k.astype(k_pages.dtype), v.astype(v_pages.dtype), slot_mapping.astype(jnp.int32),
+                **_attributes(scale, sliding_window, soft_cap, 1.0, 1.0))
+
+
+def _int32(*arrays):
+    return [a.astype(jnp.int32) for a in arrays]
+
+
+def _attributes(scale, sliding_window, soft_cap, k_scale, v_scale) -> dict:
+    return dict(scale=np.float32(scale * k_scale), soft_cap=np.float32(soft_cap or 0.0),
                 sliding_window=np.int32(sliding_window or 0), v_scale=np.float32(v_scale))
 
 
@@ -85,11 +118,18 @@ class CpuAttentionBackend(XlaAttentionBackend):
 
     def forward(self, q, k, v, kv_pages, metadata, *, scale, sliding_window=None,
                 soft_cap=None):
-        """The KV write, then the kernel on the tokens in place (no gather into blocks);
-        a pool the kernel does not read: the ``xla`` backend's forward."""
+        """The KV write, then the kernel on the tokens in place (no gather into blocks), in
+        one call (:func:`write_and_attend_cpu`) for unit K/V scales; a pool the kernel does
+        not read: the ``xla`` backend's forward."""
         if not kernel_supports(q.dtype, kv_pages[0].dtype):
             return super().forward(q, k, v, kv_pages, metadata, scale=scale,
                                    sliding_window=sliding_window, soft_cap=soft_cap)
+        if self.k_scale == 1.0 and self.v_scale == 1.0:
+            out, *kv_pages = write_and_attend_cpu(
+                q, *kv_pages, k, v, metadata["slot_mapping"], metadata["page_table"],
+                metadata["block_tokens"], metadata["block_seq"], metadata["block_positions"],
+                scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+            return out, tuple(kv_pages)
         kv_pages = self.write_kv(kv_pages, k, v, metadata["slot_mapping"])
         out = paged_attention_cpu(q, *kv_pages, metadata["page_table"], metadata["block_tokens"],
                                   metadata["block_seq"], metadata["block_positions"],

@@ -27,6 +27,7 @@
 // for bfloat16 the softmax weights are rounded to bfloat16 before the value product (as the
 // xla backend's bf16 dots and the Pallas kernels do). The output is acc / l * v_scale.
 
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -177,8 +178,70 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// The step's new K/V rows into their slots, then PagedAttentionImpl over the pool: k_out and
+// v_out are the pools (XLA aliases them to k_pages and v_pages, so they hold the pool's rows
+// when the call starts and the write happens in place). k_new, v_new: [T, KVH, D] in the
+// pool's dtype; slots: [T] int32 flat slots (page * page_size + row; padding tokens name the
+// null page's; a slot outside the pool is skipped). One XLA scatter less per pool and layer.
+ffi::Error PagedAttentionWriteImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                                   ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_table,
+                                   ffi::Buffer<ffi::S32> block_tokens,
+                                   ffi::Buffer<ffi::S32> block_seq,
+                                   ffi::Buffer<ffi::S32> block_pos, ffi::AnyBuffer k_new,
+                                   ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> slots,
+                                   ffi::Result<ffi::AnyBuffer> out,
+                                   ffi::Result<ffi::AnyBuffer> k_out,
+                                   ffi::Result<ffi::AnyBuffer> v_out, float scale,
+                                   float soft_cap, int32_t sliding_window, float v_scale) {
+  auto kd = k_pages.dimensions(), nd = k_new.dimensions();
+  if (kd.size() != 4 || nd.size() != 3 || nd[1] != kd[2] || nd[2] != kd[3] ||
+      static_cast<int64_t>(slots.element_count()) != nd[0] ||
+      !std::equal(nd.begin(), nd.end(), v_new.dimensions().begin(), v_new.dimensions().end()) ||
+      k_new.element_type() != k_pages.element_type() ||
+      v_new.element_type() != k_pages.element_type() ||
+      k_out->size_bytes() != k_pages.size_bytes() || v_out->size_bytes() != v_pages.size_bytes()) {
+    return ffi::Error::InvalidArgument("expected k_new, v_new [T, KVH, D] in the pool's dtype, "
+                                       "slots [T] and the pools as outputs");
+  }
+  const int64_t slots_in_pool = kd[0] * kd[1];
+  const size_t row = k_new.size_bytes() / std::max<int64_t>(nd[0], 1);
+  auto* kp = static_cast<char*>(k_out->untyped_data());
+  auto* vp = static_cast<char*>(v_out->untyped_data());
+  const auto* kn = static_cast<const char*>(k_new.untyped_data());
+  const auto* vn = static_cast<const char*>(v_new.untyped_data());
+  const int32_t* slot = slots.typed_data();
+  for (int64_t t = 0; t < nd[0]; ++t) {
+    if (slot[t] < 0 || slot[t] >= slots_in_pool) continue;
+    std::memcpy(kp + slot[t] * row, kn + t * row, row);
+    std::memcpy(vp + slot[t] * row, vn + t * row, row);
+  }
+  return PagedAttentionImpl(pool, q, *k_out, *v_out, page_table, block_tokens, block_seq,
+                            block_pos, out, scale, soft_cap, sliding_window, v_scale);
+}
+
 }  // namespace
 }  // namespace jaxpaged_cpu
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttentionWrite, jaxpaged_cpu::PagedAttentionWriteImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int32_t>("sliding_window")
+                                  .Attr<float>("v_scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, jaxpaged_cpu::PagedAttentionImpl,
                               ffi::Ffi::Bind()
