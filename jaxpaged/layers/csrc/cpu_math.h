@@ -20,6 +20,16 @@ constexpr int kLanes = 16;
 inline v16 load16(const float* p) { return *reinterpret_cast<const v16*>(p); }
 inline void store16(float* p, v16 x) { *reinterpret_cast<v16*>(p) = x; }
 
+// Two 32-byte halves (AVX2 registers: 8 floats or 8 int32) as one 16-lane vector V.
+template <typename V, typename Half>
+inline V join_halves(const Half& lo, const Half& hi) {
+  static_assert(sizeof(V) == 2 * sizeof(Half), "two halves make one vector");
+  V v;
+  std::memcpy(&v, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
+  return v;
+}
+
 // IEEE half -> float (exact; no F16C needed).
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
@@ -54,12 +64,9 @@ struct Scales {
     std::memcpy(&out, &v, sizeof out);
     return out;
 #elif defined(__F16C__)
-    const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-    v16 out;
-    std::memcpy(&out, &lo, sizeof lo);
-    std::memcpy(reinterpret_cast<char*>(&out) + sizeof lo, &hi, sizeof hi);
-    return out;
+    return join_halves<v16>(
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
 #else
     v16 out;
     for (int l = 0; l < kLanes; ++l) out[l] = half_to_float(p[l]);

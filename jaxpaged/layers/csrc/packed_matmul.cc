@@ -76,10 +76,7 @@ inline vi16 widen16(const uint8_t* p) {
   const __m256i lo = Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
   const __m128i high = _mm_unpackhi_epi64(b, b);
   const __m256i hi = Signed ? _mm256_cvtepi8_epi32(high) : _mm256_cvtepu8_epi32(high);
-  vi16 v;
-  std::memcpy(&v, &lo, sizeof lo);
-  std::memcpy(reinterpret_cast<char*>(&v) + sizeof lo, &hi, sizeof hi);
-  return v;
+  return join_halves<vi16>(lo, hi);
 #else
   vi16 v;
   for (int i = 0; i < kLanes; ++i) {
