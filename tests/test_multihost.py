@@ -191,6 +191,14 @@ def test_tp_not_a_multiple_of_the_processes_is_a_clear_error():
                            "devices)\n")
 
 
+#: Two-process ``serve`` jobs: on the 2-core AMD EPYC (Zen 4) VMs of 2026-12-06 both processes
+#: wait forever in the warm-up step's first cross-process collective (Gloo never reports its
+#: peers connected; py-spy: both engines in ``multihost.to_host``), at 98edeb5 as well as now,
+#: while the same job as ``jaxpaged generate`` (tp 2 and tp 4) passes. Until that is found
+#: they run with the nightly target (``-m slow``), not in the default suite.
+SERVE_JOB = pytest.mark.slow
+
+
 def serve_job(job, http_port: int):
     return job("serve", 2, [["--process-id", str(i), "--port", str(http_port), "--enforce-eager",
                              "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
@@ -208,6 +216,7 @@ def stream_events(url: str, body: dict, events: list[str] | None = None) -> list
     return events
 
 
+@SERVE_JOB
 def test_two_process_server_answers_like_one_process(job):
     """Process 0 serves HTTP; process 1 follows its commands; a greedy completion equals
     LLM.generate on one device, streamed or not; SIGINT to process 0 stops both."""
@@ -230,6 +239,7 @@ def test_two_process_server_answers_like_one_process(job):
     assert j.wait(60) == [0, 0]
 
 
+@SERVE_JOB
 @pytest.mark.parametrize("sig, expected, message", [
     (signal.SIGTERM, [0, 0], "the server is shutting down"),
     (signal.SIGKILL, [1, -9], "the engine failed"),
@@ -259,6 +269,7 @@ def test_server_stops_when_the_other_process_is_stopped_or_killed(job, sig, expe
             "jaxpaged: error: the multi-host job failed: ")
 
 
+@SERVE_JOB
 @pytest.mark.parametrize("target", [0, 1])
 def test_a_stop_while_the_server_starts_stops_every_process(job, target):
     """SIGTERM during the precompile: every process cuts it short, meets at the first step,
