@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+from jaxpaged.atomic_file import write_text_atomically
 from jaxpaged.models.gguf_loader import BadGGUFError, metadata, open_gguf
 
 logger = logging.getLogger(__name__)
@@ -123,10 +124,6 @@ def _write_cached(path: str | None, parts: tuple[str, dict]) -> None:
     if path is None:
         return
     try:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"tokenizer": parts[0], "kwargs": parts[1]}, f)
-        os.replace(tmp, path)
+        write_text_atomically(path, json.dumps({"tokenizer": parts[0], "kwargs": parts[1]}))
     except (OSError, TypeError, ValueError) as e:
         logger.warning("the GGUF's tokenizer is not cached (%s)", e)

@@ -19,6 +19,8 @@ import hashlib
 import logging
 import os
 
+from jaxpaged.atomic_file import write_text_atomically
+
 logger = logging.getLogger(__name__)
 
 #: Folders (under ``jaxpaged/layers``) whose sources a check's outcome depends on.
@@ -78,10 +80,6 @@ def record_error(check: dict, err: float) -> None:
     if path is None:
         return
     try:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(repr(err))
-        os.replace(tmp, path)
+        write_text_atomically(path, repr(err))
     except OSError as e:
         logger.debug("self-check not recorded: %s", e)
