@@ -183,12 +183,11 @@ def test_compare_small(tmp_path, flags, ours, others):
     assert json.loads((tmp_path / "compare-small.json").read_text())["rows"][0]["backend"] == ours
     if "--startup" in flags:
         # The bundled model at 64 sequences and 2048 tokens: forward {decode 8, 64; mixed 16,
-        # 2048}, samplers and greedy programs {8, 64}, compiled cold, all loaded warm, none
-        # during the run.
+        # 2048}, samplers {8, 64}, compiled cold, all loaded warm, none during the run.
         startup = result["startup"]
-        assert (startup["cold"]["num_compiled"], startup["cold"]["num_step_shapes"]) == (8, 8)
+        assert (startup["cold"]["num_compiled"], startup["cold"]["num_step_shapes"]) == (6, 6)
         assert (startup["warm"]["num_compiled"], startup["warm"]["num_loaded_from_cache"]) \
-            == (0, 8)
+            == (0, 6)
         assert startup["num_compilations_during_run"] == 0
         # The start-up's temporary cache is deleted, and JAX no longer points into it.
         cache = jax_cache_dir()

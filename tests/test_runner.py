@@ -52,21 +52,23 @@ def test_precompile_then_a_w1_like_run_compiles_nothing():
     llm = LLM(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=128, block_size=16)
     runner = llm.engine.runner
     # forward: decode B {8, 16}, mixed T {16, 128} (the bundled model is small enough for
-    # the ladder to skip 32 and 64), P 8 (the xla backend's one bucket); the sampler and
-    # the greedy program: rows {8, 16}
-    assert runner.num_compilations == 8
+    # the ladder to skip 32 and 64), P 8 (the xla backend's one bucket); the sampler: rows
+    # {8, 16}
+    assert runner.num_compilations == 6
     rng = np.random.default_rng(0)
     prompts = [[1] + rng.integers(3, 512, size=int(n) - 1).tolist()
                for n in rng.integers(8, 65, size=24)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
                         use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
-    assert llm.engine.stats().num_compilations == 8
+    assert llm.engine.stats().num_compilations == 6
 
 
-def test_plain_greedy_steps_take_the_greedy_program_with_the_samplers_tokens():
-    """A step of greedy rows without logprobs, adjustments or grammar runs the greedy
-    program, which picks ``sample``'s tokens; any of those features selects ``sample``."""
+def test_plain_greedy_steps_take_the_forwards_tokens_which_are_the_samplers():
+    """A step of greedy rows without logprobs, adjustments or grammar takes the forward
+    program's argmax tokens and runs no sampler; those tokens are ``sample``'s (the C++
+    argmax of the real rows on the CPU, XLA's elsewhere); any of those features selects
+    ``sample``."""
     import dataclasses
 
     import jax
@@ -74,7 +76,7 @@ def test_plain_greedy_steps_take_the_greedy_program_with_the_samplers_tokens():
     import numpy as np
 
     from jaxpaged.runner.dummy_step import dummy_layout
-    from jaxpaged.runner.step_programs import is_plain_greedy, sample_inputs
+    from jaxpaged.runner.step_programs import greedy_step_rows, is_plain_greedy, sample_inputs
     from jaxpaged.sampling.logits_adjust import LogitsAdjustment
 
     runner = LLM(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=128,
@@ -83,20 +85,25 @@ def test_plain_greedy_steps_take_the_greedy_program_with_the_samplers_tokens():
     inputs = runner._dummy_inputs(layout)
     free = runner._free_bitmask(8)
     assert not is_plain_greedy(inputs, free)    # a host mask: the start-up runs `sample`
-    inputs = dataclasses.replace(inputs, token_bitmask=free)
+    inputs = dataclasses.replace(inputs, token_bitmask=free, num_rows=np.asarray(8, np.int32))
     assert is_plain_greedy(inputs, free)
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(8, 512)), jnp.float32)
     logits = logits.at[3, 7].set(logits[3].max()).at[3, 9].set(logits[3].max())  # a tie
     prev = jnp.full(16, -1, jnp.int32)
     info = jax.ShapeDtypeStruct(logits.shape, logits.dtype)
-    greedy_out, greedy_prev = runner._sampler_for(info, inputs)(logits, sample_inputs(inputs),
-                                                                prev)
-    sample = runner._compiled(("sample", 8, inputs.adjust.ids.shape[1],
-                               inputs.adjust.allowed_ids.shape[1]), None)
+    sample = runner._sampler_for(info, inputs)
     full_out, full_prev = sample(logits, sample_inputs(inputs), prev)
-    np.testing.assert_array_equal(greedy_out.token_ids, full_out.token_ids)
-    np.testing.assert_array_equal(greedy_prev, full_prev)
-    assert greedy_out.logprobs is None and int(greedy_out.token_ids[3]) == 7
+    for cpu_argmax in (False, True):
+        ids, greedy_prev = jax.jit(greedy_step_rows, static_argnums=3)(
+            logits, np.int32(8), prev, cpu_argmax)
+        np.testing.assert_array_equal(ids, full_out.token_ids)
+        np.testing.assert_array_equal(greedy_prev, full_prev)
+        assert int(ids[3]) == 7
+
+    sampled = []
+    runner._sampler_for = lambda *a, **k: lambda *args: sampled.append(1) or sample(*args)
+    greedy_out, _, _ = runner._launch(layout, inputs)
+    assert sampled == [] and greedy_out.logprobs is None
     ids = np.array(inputs.adjust.ids)
     ids[0, 0] = 5                                   # one logit bias entry
     for other in (dataclasses.replace(inputs, with_logprobs=np.asarray(True)),
@@ -106,7 +113,10 @@ def test_plain_greedy_steps_take_the_greedy_program_with_the_samplers_tokens():
                   dataclasses.replace(inputs, sampling=dataclasses.replace(
                       inputs.sampling, greedy=np.arange(8) != 2))):
         assert not is_plain_greedy(other, free)
-        assert runner._sampler_for(info, other) is sample
+    out, _, _ = runner._launch(layout, dataclasses.replace(inputs, with_logprobs=np.asarray(True)))
+    assert sampled == [1] and out.logprobs is not None
+    # the same dummy step, its rows greedy: the sampler's tokens are the forward's
+    np.testing.assert_array_equal(out.token_ids, greedy_out.token_ids)
 
 
 @pytest.mark.slow

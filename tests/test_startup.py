@@ -44,26 +44,24 @@ def test_engine_fills_the_cache_and_a_second_engine_reuses_it(tmp_path):
     try:
         _, cold = start_engine(EngineArgs(compilation_cache_dir=cache, **LIMITS))
         # forward: decode B 8, mixed T 16 and 32 (B 8); for the row bucket 8 one sampler
-        # and one greedy program
-        assert (cold["num_step_shapes"], cold["num_compiled"]) == (5, 5)
-        assert compile_cache.num_step_entries(cache) == 5
+        assert (cold["num_step_shapes"], cold["num_compiled"]) == (4, 4)
+        assert compile_cache.num_step_entries(cache) == 4
         llm, warm = start_engine(EngineArgs(compilation_cache_dir=cache, **LIMITS))
         greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         eager = LLM(enforce_eager=True, compilation_cache_dir="", **LIMITS)
         prompts = [[1, 403, 407], [1] + list(range(300, 320))]
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] \
             == [o.outputs[0].token_ids for o in eager.generate(prompts, greedy, use_tqdm=False)]
-        assert llm.engine.stats().num_compilations == 5
-        assert (warm["num_compiled"], warm["num_loaded_from_cache"]) == (0, 5)
+        assert llm.engine.stats().num_compilations == 4
+        assert (warm["num_compiled"], warm["num_loaded_from_cache"]) == (0, 4)
         assert warm["compile_cache_dir"] == cache
         # ... whole, from the executable store: nothing was lowered or compiled again.
-        assert len(os.listdir(os.path.join(cache, "steps"))) == 5
+        assert len(os.listdir(os.path.join(cache, "steps"))) == 4
         start_engine(EngineArgs(compilation_cache_dir=cache, dtype="bfloat16", **LIMITS))
-        # Three new forward programs; the sampler and the greedy program, on float32 logits
-        # either way, are the same programs, which JAX's cache serves (and the store keeps
-        # only fresh compilations).
-        assert compile_cache.num_step_entries(cache) == 8
-        assert len(os.listdir(os.path.join(cache, "steps"))) == 8
+        # Three new forward programs; the sampler, on float32 logits either way, is the same
+        # program, which JAX's cache serves (and the store keeps only fresh compilations).
+        assert compile_cache.num_step_entries(cache) == 7
+        assert len(os.listdir(os.path.join(cache, "steps"))) == 7
     finally:    # back to the suite's cache for the tests that follow
         compile_cache.configure_compilation_cache(compile_cache.resolve_cache_dir(None))
     assert jax.config.jax_compilation_cache_dir == compile_cache.resolve_cache_dir(None)
@@ -76,7 +74,7 @@ def test_no_request_feature_compiles_after_start_up():
     engine = llm.engine
     compiled = engine.stats().num_compilations
     assert len(engine.runner.step_shapes()) == 3
-    assert compiled == 5        # the three forward shapes, the sampler and greedy of rows 8
+    assert compiled == 4        # the three forward shapes and the sampler of rows 8
     prompt = [1, 403, 407, 261, 322]
     greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
     cases = {

@@ -5,7 +5,9 @@ The library holds the paged attention kernel (``csrc/paged_attention_cpu.cc``, u
 (``csrc/small_rows_matmul.cc``, used by :mod:`jaxpaged.layers.cpu_matmul`) and the matmul
 with packed 4/8-bit weights (``csrc/packed_matmul.cc``, used by
 :mod:`jaxpaged.layers.packed_linear`) and the lazily committed zeros of the KV pool
-(``csrc/lazy_zeros.cc``, used by :func:`jaxpaged.layers.attention.base.allocate_kv_pool`).
+(``csrc/lazy_zeros.cc``, used by :func:`jaxpaged.layers.attention.base.allocate_kv_pool`)
+and the argmax of a greedy step's real rows (``csrc/argmax_rows.cc``, used by
+:mod:`jaxpaged.sampling.cpu_argmax`).
 On first use the ``.cc`` sources (with the headers beside them) are compiled with the C++
 compiler (``$JAXPAGED_CXX``, default ``g++``) against the XLA FFI headers jaxlib ships
 (``jax.ffi.include_dir()``) into one library in ``$JAXPAGED_CACHE_ROOT/kernels``
@@ -50,16 +52,19 @@ SMALL_ROWS_MATMUL_TARGET = "jaxpaged_small_rows_matmul"
 PACKED_MATMUL_TARGET = "jaxpaged_packed_matmul"
 #: The XLA FFI target of a zero-filled buffer committed only as it is written (the KV pool).
 LAZY_ZEROS_TARGET = "jaxpaged_lazy_zeros"
+#: The XLA FFI target of the argmax of a step's real logit rows (greedy tokens).
+ARGMAX_ROWS_TARGET = "jaxpaged_argmax_rows"
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = ("paged_attention_cpu.cc", "small_rows_matmul.cc", "packed_matmul.cc",
-            "lazy_zeros.cc")
+            "lazy_zeros.cc", "argmax_rows.cc")
 # FFI target -> the handler symbol the library exports.
 _TARGETS = {PAGED_ATTENTION_TARGET: "JaxpagedPagedAttention",
             PAGED_ATTENTION_WRITE_TARGET: "JaxpagedPagedAttentionWrite",
             SMALL_ROWS_MATMUL_TARGET: "JaxpagedSmallRowsMatmul",
             PACKED_MATMUL_TARGET: "JaxpagedPackedMatmul",
-            LAZY_ZEROS_TARGET: "JaxpagedLazyZeros"}
+            LAZY_ZEROS_TARGET: "JaxpagedLazyZeros",
+            ARGMAX_ROWS_TARGET: "JaxpagedArgmaxRows"}
 # OpenMP only for its `simd` pragmas (no runtime): threads come from XLA:CPU's pool.
 _COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-fPIC")
 _LINK_FLAGS = ("-shared",)
@@ -147,8 +152,8 @@ def _load(cxx: str) -> ctypes.CDLL | None:
 def load_cpu_kernels() -> bool:
     """Build (or find in the cache) and register the CPU kernels; True when the FFI targets
     :data:`PAGED_ATTENTION_TARGET`, :data:`SMALL_ROWS_MATMUL_TARGET`,
-    :data:`PACKED_MATMUL_TARGET` and :data:`LAZY_ZEROS_TARGET` are registered for the CPU.
-    Never raises: a failure is logged once (per compiler) and returns False."""
+    :data:`PACKED_MATMUL_TARGET`, :data:`LAZY_ZEROS_TARGET` and :data:`ARGMAX_ROWS_TARGET`
+    are registered for the CPU. Never raises: a failure is logged once (per compiler) and returns False."""
     return _load(os.environ.get(CXX_ENV) or "g++") is not None
 
 

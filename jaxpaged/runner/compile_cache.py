@@ -88,13 +88,12 @@ def configure_compilation_cache(path: str | None) -> None:
 
 def num_step_entries(path: str | None) -> int:
     """Compiled model-step programs stored under ``path`` (JAX names them
-    ``jit_forward-<key>-cache``, ``jit_sample_rows-<key>-cache`` and
-    ``jit_greedy_rows-<key>-cache``,
+    ``jit_forward-<key>-cache`` and ``jit_sample_rows-<key>-cache``,
     ``jaxpaged.runner.step_programs``); 0 for None or a missing directory. Entries added
     across a start-up = programs compiled afresh, the rest were loaded."""
     if path is None or not os.path.isdir(path):
         return 0
-    return sum(name.startswith(("jit_forward-", "jit_sample_rows-", "jit_greedy_rows-"))
+    return sum(name.startswith(("jit_forward-", "jit_sample_rows-"))
                for name in os.listdir(path))
 
 

@@ -49,6 +49,8 @@ from jaxpaged.runner.output import ModelRunnerOutput
 from jaxpaged.runner.pending_step import PendingStep, copy_indices
 from jaxpaged.runner.step_programs import (build_programs, build_verify_program,
                                            forward_inputs, is_plain_greedy, sample_inputs)
+from jaxpaged.sampling import cpu_argmax
+from jaxpaged.sampling.sampler import SamplerOutput
 from jaxpaged.structured_output.manager import all_allowed, num_words
 
 logger = logging.getLogger(__name__)
@@ -111,6 +113,7 @@ class ModelRunner:
         self._limits = limits
         self._replicated = replicated
         self._cpu_matmuls = cpu_matmul.wanted(backend.name, replicated.mesh.size)
+        self._cpu_argmax = cpu_argmax.wanted(backend.name, replicated.mesh.size)
         self._num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model)))
         self._set_buckets()
         self._executables: dict[tuple, object] = {}
@@ -136,7 +139,7 @@ class ModelRunner:
         self._programs = build_programs(
             graphdef, [a.sharding for a in self._state_leaves],
             jax.tree.map(lambda a: a.sharding, self._kv_caches), self._replicated,
-            self._cpu_matmuls, state_def)
+            self._cpu_matmuls, state_def, self._cpu_argmax)
         self._prev_tokens = jax.device_put(np.zeros(num_rows, np.int32), self._replicated)
         self._prev_rows: Callable[[], dict[str, int]] = dict
         self._free_bitmasks: dict[int, jax.Array] = {}
@@ -279,12 +282,14 @@ class ModelRunner:
         (SamplerOutput with prompt logprobs, pooled rows, the verifier's accepted [B] bool
         or None), all device arrays possibly not ready yet."""
         forward, sampler = self._executables_for(layout, inputs)
-        logits, prompt, pooled, self._kv_caches = forward(
+        logits, prompt, pooled, greedy, greedy_prev, self._kv_caches = forward(
             self._state_leaves, self._kv_caches, self._forward_inputs(inputs, scheduler_output),
             self._prev_tokens)
         accepted = None
         if layout.verify_block_q:
             out, accepted = sampler(logits, sample_inputs(inputs), draft_ids)
+        elif is_plain_greedy(inputs, self._free_bitmasks.get(logits.shape[0])):
+            out, self._prev_tokens = SamplerOutput(greedy), greedy_prev
         else:
             out, self._prev_tokens = sampler(logits, sample_inputs(inputs), self._prev_tokens)
         return dataclasses.replace(out, prompt_logprobs=prompt), pooled, accepted
@@ -354,23 +359,15 @@ class ModelRunner:
     def _sampler_for(self, logits, inputs: StepInputs, verify: bool = False):
         """The compiled sampler, or with ``verify`` the verifier (its third input: each
         row's proposal), for ``logits`` (the forward's logits' shape and dtype, [B, V]) and
-        ``inputs``' adjustment capacity; for a plain greedy step (``is_plain_greedy``)
-        the greedy program, called the same way. A row bucket's sampler and greedy program
-        compile together, so precompiling a shape readies both."""
+        ``inputs``' adjustment capacity (compiled for a plain greedy step too, which does not
+        call it: precompiling a shape readies its sampler)."""
         logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype, sharding=self._replicated)
-        sampler = self._compiled(
+        return self._compiled(
             ("verify" if verify else "sample", logits.shape[0], inputs.adjust.ids.shape[1],
              inputs.adjust.allowed_ids.shape[1]),
             self._verify if verify else self._programs.sample,
             logits, sample_inputs(inputs),
             np.full(logits.shape[0], -1, np.int32) if verify else self._prev_tokens)
-        if verify:
-            return sampler
-        greedy = self._compiled(("greedy", logits.shape[0]), self._programs.greedy, logits,
-                                self._prev_tokens)
-        if not is_plain_greedy(inputs, self._free_bitmasks.get(logits.shape[0])):
-            return sampler
-        return lambda logits, _, prev_tokens: greedy(logits, prev_tokens)
 
     def _free_bitmask(self, rows: int) -> jax.Array:
         """The all-allowed grammar bitmask of ``rows`` rows, on the device (made once per row
@@ -399,7 +396,8 @@ class ModelRunner:
             devices = devices or list(self._replicated.mesh.devices.flat)
             name = fingerprint(self._model_digest(), self._kv_caches, args,
                                (key, self._page_size, repr(self._replicated),
-                                [d.id for d in devices], self._cpu_matmuls))
+                                [d.id for d in devices], self._cpu_matmuls,
+                                self._cpu_argmax))
             fn = self._store.load(name, devices)
             if fn is None:
                 fn = self._store.compile(name, lambda: program.lower(*args))

@@ -5,16 +5,20 @@ the host does not wait in between):
 
 - ``forward``, one executable per ``(T, B, P, decode_only)`` bucket: the model over the
   step's tokens (the KV pool donated and updated in place), the logits of each sampling row
-  ``[B, V]`` and, when asked, every token's prompt log-probabilities;
+  ``[B, V]`` and, when asked, every token's prompt log-probabilities; and each real row's
+  argmax with the next ``prev_tokens`` made of them: the tokens of a step whose rows are all
+  greedy, with no logprobs, logit adjustments or grammar masks (the runner decides on the
+  host, :func:`is_plain_greedy`), which then runs nothing else. On the CPU the argmax reads
+  the real rows only (:mod:`jaxpaged.sampling.cpu_argmax`). A separate greedy program cost a
+  second dispatch and ~0.3 ms of padded-row argmax a step, ~1 ms of SmolLM2's ~9.5 ms per
+  token at one user (AMD EPYC Zen 4, 2 cores);
 - ``sample``, one executable per row bucket ``B`` (and adjustment capacity): the sampler
-  and the sampled tokens' log-probabilities over those logits;
-- ``greedy``, one executable per row bucket: what ``sample`` reduces to for a step whose
-  rows are all greedy, with no logprobs, logit adjustments or grammar masks (the runner
-  picks it on the host): the argmax alone. ``sample`` sizes its XLA temp buffer for the
-  branches it skips (76 MB for W1's 64 rows: the sort and the random draws); above glibc's
-  32 MB mmap ceiling that buffer is mapped afresh every call and faulted in again, ~860 k
-  minor faults and ~1.9 s of system CPU in one W1 run (Intel Xeon, 2 cores), against
-  72-130 k and 0.4-0.6 s with ``greedy`` (8 MB), and W1 1-4% faster.
+  and the sampled tokens' log-probabilities over those logits, for every other step.
+  ``sample`` sizes its XLA temp buffer for the branches it skips (76 MB for W1's 64 rows:
+  the sort and the random draws); above glibc's 32 MB mmap ceiling that buffer is mapped
+  afresh every call and faulted in again, ~860 k minor faults and ~1.9 s of system CPU in
+  one W1 run (Intel Xeon, 2 cores), against 72-130 k and 0.4-0.6 s without it: a greedy
+  step does not call it.
 
 Splitting them lets every forward bucket of the same row count share one compiled sampler:
 on the 2-core CPU the sampler (sort, top-k, the random draws, penalties, logprobs) is about
@@ -39,6 +43,7 @@ from jaxpaged.layers.lora import lora_token_slots
 from jaxpaged.layers.packed_linear import valid_rows
 from jaxpaged.runner.input_batch import StepInputs
 from jaxpaged.runner.pooling import pool_rows
+from jaxpaged.sampling.cpu_argmax import argmax_rows
 from jaxpaged.sampling.logits_adjust import has_entries
 from jaxpaged.sampling.sampler import SamplerOutput, argmax_first, sample, token_logprobs, when
 
@@ -88,20 +93,24 @@ def sample_step_rows(logits: jax.Array, inputs: dict,
     return out, prev_tokens.at[:out.token_ids.shape[0]].set(out.token_ids)
 
 
-def greedy_step_rows(logits: jax.Array, prev_tokens: jax.Array
-                     ) -> tuple[SamplerOutput, jax.Array]:
-    """The greedy program's body: ``sample``'s tokens for all-greedy rows without logprobs,
-    adjustments or grammar masks (the same :func:`argmax_first`), and the next
-    ``prev_tokens``."""
-    tokens = argmax_first(logits)
-    return SamplerOutput(tokens), prev_tokens.at[:tokens.shape[0]].set(tokens)
+def greedy_step_rows(logits: jax.Array, num_rows: jax.Array, prev_tokens: jax.Array,
+                     cpu_argmax: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The forward program's greedy tokens: each real row's argmax of ``logits`` [B, V]
+    (``num_rows`` [] int32 real rows; ``sample``'s tokens for all-greedy rows without
+    logprobs, adjustments or grammar masks, :func:`argmax_first`; by the C++ kernel over the
+    real rows alone with ``cpu_argmax``), and the next ``prev_tokens`` [R] with its first
+    ``min(B, R)`` rows set to them (a verification step's B may exceed R; it samples with
+    the verifier). Returns ([B] int32, [R] int32)."""
+    tokens = argmax_rows(logits, num_rows) if cpu_argmax else argmax_first(logits)
+    n = min(tokens.shape[0], prev_tokens.shape[0])
+    return tokens, prev_tokens.at[:n].set(tokens[:n])
 
 
 def is_plain_greedy(inputs: StepInputs, free_bitmask) -> bool:
-    """Whether ``sample`` reduces to the greedy program for ``inputs`` (host arrays): every
-    row greedy (padding rows are), no logprobs, no logit adjustment, and the grammar mask
-    the shared all-allowed ``free_bitmask`` (a step's own mask, even an all-allowed one,
-    keeps ``sample``; so do the start-up's dummy inputs)."""
+    """Whether ``sample`` reduces to the forward's greedy tokens for ``inputs`` (host
+    arrays): every row greedy (padding rows are), no logprobs, no logit adjustment, and the
+    grammar mask the shared all-allowed ``free_bitmask`` (a step's own mask, even an
+    all-allowed one, keeps ``sample``; so do the start-up's dummy inputs)."""
     return bool(np.all(inputs.sampling.greedy)) and not bool(inputs.with_logprobs) \
         and not bool(has_entries(inputs.adjust)) and inputs.token_bitmask is free_bitmask
 
@@ -119,14 +128,13 @@ class StepPrograms:
         forward: ``(state, kv_caches, forward_inputs, prev_tokens) -> (logits [B, V]
             float32, prompt TokenLogprobs of [T] rows (zeros unless asked), pooled [2, B, H]
             float32 hidden rows for pooling requests (zeros unless the step has one;
-            ``jaxpaged.runner.pooling``), kv_caches)``;
+            ``jaxpaged.runner.pooling``), greedy ids [B] int32, the next prev_tokens [R]
+            int32 if the step is greedy, kv_caches)`` (:func:`greedy_step_rows`);
             ``prev_tokens`` [R] int32 are the previous step's sampled ids (R the largest
             row bucket), read for the tokens the host does not know yet.
         sample: ``(logits, sample_inputs, prev_tokens) -> (SamplerOutput without prompt
             logprobs, prev_tokens [R] with its first rows set to the sampled ids)``, the
             second the next step's ``prev_tokens``.
-        greedy: ``(logits, prev_tokens) -> (SamplerOutput of the argmax ids, prev_tokens)``,
-            ``sample`` for a step the host finds plain greedy (:func:`greedy_step_rows`).
         copy_pages: ``(kv_caches, src [n], dst [n]) -> kv_caches`` with whole pages copied.
         prefill: ``(state, kv_caches, input_ids, positions, attn_metadata) -> (logits [T, V],
             kv_caches)``, a whole-prompt prefill outside the serving path.
@@ -134,7 +142,6 @@ class StepPrograms:
 
     forward: jax.stages.Wrapped
     sample: jax.stages.Wrapped
-    greedy: jax.stages.Wrapped
     copy_pages: jax.stages.Wrapped
     prefill: jax.stages.Wrapped
 
@@ -157,11 +164,12 @@ def build_verify_program(replicated: jax.sharding.Sharding) -> jax.stages.Wrappe
 
 def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
                    replicated: jax.sharding.Sharding, cpu_matmuls: bool = False,
-                   state_def=None) -> StepPrograms:
+                   state_def=None, cpu_argmax: bool = False) -> StepPrograms:
     """Jit the runner's programs for a model split into ``graphdef`` and a state of
     ``state_sharding``, a KV pool of ``kv_sharding``, and per-step inputs and outputs
     ``replicated``; with ``cpu_matmuls`` the forward's few-row float32 projections use the C++
-    kernel (:mod:`jaxpaged.layers.cpu_matmul`). With ``state_def`` (the state's treedef) the
+    kernel (:mod:`jaxpaged.layers.cpu_matmul`), and with ``cpu_argmax`` its greedy tokens the
+    C++ argmax (:func:`greedy_step_rows`). With ``state_def`` (the state's treedef) the
     forward and prefill programs take the state as its flat list of leaves (and
     ``state_sharding`` is their list): calling a program with SmolLM2's 694 NNX variables cost
     ~0.8 ms of host time a step to flatten them, against ~0.15 ms for the list."""
@@ -180,16 +188,15 @@ def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
                 valid_rows(inputs["attn_metadata"]["query_start_loc"][-1]):
             hidden, kv_caches = model(input_ids, inputs["positions"], kv_caches,
                                       inputs["attn_metadata"])
-        return *forward_outputs(model, hidden, inputs), kv_caches
+        logits, prompt, pooled = forward_outputs(model, hidden, inputs)
+        greedy = greedy_step_rows(logits, inputs["num_rows"], prev_tokens, cpu_argmax)
+        return logits, prompt, pooled, *greedy, kv_caches
 
     # Closures of this runner, not the module-level functions themselves: JAX's in-process
     # caches key on the function, and an executable shared with another runner may be one
     # that JAX's persistent cache served, which the executable store must not serialize.
     def sample_rows(logits, inputs, prev_tokens):    # (its name names the cache entries:
         return sample_step_rows(logits, inputs, prev_tokens)   # compile_cache.num_step_entries)
-
-    def greedy_rows(logits, prev_tokens):
-        return greedy_step_rows(logits, prev_tokens)
 
     def copy_pages(kv_caches, src, dst):
         return copy_kv_pages(kv_caches, src, dst)
@@ -203,9 +210,8 @@ def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
     return StepPrograms(
         forward=jax.jit(forward, donate_argnums=(1,),
                         in_shardings=(state_sharding, kv_sharding, rep, rep),
-                        out_shardings=(rep, rep, rep, kv_sharding)),
+                        out_shardings=(rep, rep, rep, rep, rep, kv_sharding)),
         sample=jax.jit(sample_rows, in_shardings=(rep, rep, rep), out_shardings=(rep, rep)),
-        greedy=jax.jit(greedy_rows, in_shardings=(rep, rep), out_shardings=(rep, rep)),
         copy_pages=jax.jit(copy_pages, donate_argnums=(0,),
                            in_shardings=(kv_sharding, rep, rep), out_shardings=kv_sharding),
         # A scratch pool of any page count has the serving pool's per-array shardings.
