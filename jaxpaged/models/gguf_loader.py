@@ -33,9 +33,10 @@ import struct
 import numpy as np
 
 from jaxpaged.config import UnsupportedModelError
-from jaxpaged.layers.packed_layout import pack_weight
+from jaxpaged.layers.packed_layout import PACKED_LEAVES, pack_weight
 from jaxpaged.models.gguf_blocks import PACKABLE_TYPES, decode_blocks
 from jaxpaged.models.gguf_file import GGUFFile, GGUFFormatError, read_gguf
+from jaxpaged.models.gguf_packed_cache import PackedWeightCache
 
 #: GGUF ``general.architecture`` -> the Hugging Face class jaxpaged builds for it.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
@@ -224,13 +225,18 @@ class GGUFCheckpoint:
     Args:
         path: the ``.gguf`` file.
         num_heads, num_kv_heads: the model's query and KV heads (the Q/K permutation's).
+        packed_cache_dir: where :meth:`get_packed` keeps the laid-out weights for the next
+            load (:class:`jaxpaged.models.gguf_packed_cache.PackedWeightCache`); None: not
+            kept.
 
     Raises:
         BadGGUFError / UnsupportedModelError: as :func:`open_gguf`.
     """
 
-    def __init__(self, path: str, num_heads: int, num_kv_heads: int):
+    def __init__(self, path: str, num_heads: int, num_kv_heads: int,
+                 packed_cache_dir: str | None = None):
         self._path = path
+        self._packed_cache = PackedWeightCache(packed_cache_dir, path)
         self._tensors = {}
         self._unmapped = []
         for t in open_gguf(path).tensors:
@@ -260,10 +266,14 @@ class GGUFCheckpoint:
         t = self._tensor(name, PACKABLE_TYPES, ", which is not kept packed")
         if t is None:
             return None
-        cols = int(t.shape[0])                  # ggml lists dimensions fastest first
-        parts = decode_blocks(np.asarray(t.data), t.tensor_type.name, cols)
-        q, scale, offset = (self._hf_rows(name, a) for a in parts)
-        return pack_weight(q, scale, offset, PACKABLE_TYPES[t.tensor_type.name][0])
+        packed = self._packed_cache.get(name, PACKED_LEAVES)
+        if packed is None:
+            cols = int(t.shape[0])                  # ggml lists dimensions fastest first
+            parts = decode_blocks(np.asarray(t.data), t.tensor_type.name, cols)
+            q, scale, offset = (self._hf_rows(name, a) for a in parts)
+            packed = pack_weight(q, scale, offset, PACKABLE_TYPES[t.tensor_type.name][0])
+            self._packed_cache.put(name, packed)
+        return packed
 
     def _tensor(self, name: str, allowed, refusal: str):
         """The file's tensor ``name`` (marked read), or None if it lacks it.

@@ -68,7 +68,8 @@ class MissingWeightsError(ValueError):
 
 def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: AttentionBackend,
                load_format: str = "auto", seed: int = 0,
-               tp: TensorParallel | None = None) -> nnx.Module:
+               tp: TensorParallel | None = None,
+               packed_cache_dir: str | None = None) -> nnx.Module:
     """Build the model for ``config`` and fill its parameters.
 
     Args:
@@ -85,6 +86,8 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
             weights (normal, std 0.02; norms at 1) from ``seed``, as vLLM's ``--load-format dummy``.
         tp: the tensor-parallel mesh and rules (default: one device); the model is built
             with ``tp.physical_config(config)`` (KV heads replicated when needed).
+        packed_cache_dir: where a GGUF's packed weights are kept for the next load
+            (:mod:`jaxpaged.models.gguf_packed_cache`); None: not kept.
 
     Raises:
         UnsupportedModelError: no model class for the architecture; an 8-bit tensor where a
@@ -109,7 +112,8 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
         return nnx.merge(graphdef, _dummy_state(cls, config, backend, dtype, seed, tp,
                                                 abstract_state))
     flat = nnx.to_flat_state(abstract_state)
-    reader = (GGUFCheckpoint(model_dir, config.num_heads, config.num_kv_heads)
+    reader = (GGUFCheckpoint(model_dir, config.num_heads, config.num_kv_heads,
+                             packed_cache_dir)
               if is_gguf(model_dir) else _SafetensorsReader(model_dir))
     quantized_modules = {p for p, node in nnx.iter_graph(abstract)
                          if isinstance(node, (QuantizedLinear, AWQLinear))}

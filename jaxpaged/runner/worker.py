@@ -165,7 +165,8 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
         cfg = dataclasses.replace(cfg, quantization="gguf")
         logger.info("GGUF projections and embedding kept packed as stored (CPU, one device)")
     model = load_model(args.model, cfg, dtype=dtype, backend=backend,
-                       load_format=args.load_format, seed=args.seed, tp=pipeline or tp)
+                       load_format=args.load_format, seed=args.seed, tp=pipeline or tp,
+                       packed_cache_dir=cache_dir and os.path.join(cache_dir, "gguf-packed"))
     if tp.expert_parallel:
         use_expert_parallelism(model, tp.mesh)
     lora_config = LoRAConfig.from_engine_args(args)
