@@ -76,6 +76,22 @@ def test_chat_prompt_logits_match_transformers(gguf_path, quantization):
     assert np.abs(logits[-1] - ref_last).max() < 1e-3
 
 
+def test_served_packed_weights_take_one_step_argument_per_kind(gguf_path, answers):
+    """The engine runs the file packed, each kind of a layer's packed array stacked over the
+    30 layers (``jaxpaged.layers.layer_stack``): the decode step takes 27 arrays, not 694,
+    holding the same bytes, and answers the first question as transformers does."""
+    llm = LLM(model=gguf_path, enforce_eager=True, max_model_len=128, max_num_seqs=8)
+    runner = llm.engine.runner
+    # 7 projections x 3 and 2 norms stacked; the embedding's 3 arrays and the final norm
+    assert len(runner._state_leaves) == 27
+    assert round(runner.weight_bytes / 2**20, 1) == 93.8
+    ref = answers[0]
+    want = agreeing_prefix(ref)[:12]
+    (out,) = llm.generate([ref["prompt_ids"]], SamplingParams(temperature=0, max_tokens=12),
+                          use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == want
+
+
 @pytest.mark.slow
 def test_greedy_chat_answers_match_transformers(gguf_path, answers):
     llm = LLM(model=gguf_path, enforce_eager=True, max_model_len=256, max_num_seqs=8)

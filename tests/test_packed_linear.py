@@ -4,6 +4,8 @@ weights, and a packed model's logits equal the dequantized model's."""
 
 from __future__ import annotations
 
+import contextlib
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -211,3 +213,42 @@ def test_kernel_rope_equals_apply_rope_of_its_outputs():
         assert not np.asarray(got)[4:].any()
     np.testing.assert_array_equal(np.asarray(v), np.asarray(plain[2]))
     assert not np.allclose(np.asarray(q), np.asarray(plain[0]))
+
+
+@pytest.mark.skipif(not packed_linear.kernel_available(), reason="no C++ compiler for the kernel")
+def test_weights_stacked_over_layers_give_the_same_logits(tmp_path):
+    """Each kind of packed array stacked over the layers (``jaxpaged.layers.layer_stack``)
+    is read in place by the kernel: logits equal the per-layer arrays' bit for bit; a file
+    whose layers mix block types stacks only the kinds of one shape and dtype (its norms
+    here, and o_proj's int8 blocks), and one call then mixes stacked and per-layer weights."""
+    ids = np.random.default_rng(3).integers(3, VOCAB, 11).astype(np.int32)
+    stacked = []
+
+    def stack(model, cfg, num_tokens):
+        stacked.append(model.model.stack_packed_weights())
+        return contextlib.nullcontext()
+
+    for name, types in (("same", [PACKED_TYPES[0]] * 2), ("mixed", PACKED_TYPES)):
+        path = str(tmp_path / f"{name}.gguf")
+        write_random_llama(path, tied=False, types=types, embedding_type=T.Q8_0)
+        want = full_sequence_logits(path, ids, page_size=8, quantization="gguf")
+        got = full_sequence_logits(path, ids, page_size=8, quantization="gguf", prepare=stack)
+        np.testing.assert_array_equal(got, want)
+    assert stacked == [23, 3]     # 7 projections x 3 arrays and 2 norms; 2 norms and 1
+
+
+@pytest.mark.skipif(not packed_linear.kernel_available(), reason="no C++ compiler for the kernel")
+def test_one_call_takes_one_layer():
+    from jaxpaged.layers.layer_stack import LayerSlice
+
+    rng = np.random.default_rng(1)
+    p = pack_weight(rng.integers(0, 16, (16, 64)), rng.uniform(0.01, 0.1, (16, 2)),
+                    rng.uniform(-0.2, 0.2, (16, 2)), 4)
+    stacks = [jnp.stack([jnp.asarray(p[n])] * 3) for n in ("blocks", "block_scale", "block_min")]
+    x = jnp.asarray(rng.normal(size=(2, 64)), jnp.float32)
+    (want,) = packed_projections(x, [tuple(jnp.asarray(p[n]) for n in p)])
+    (got,) = packed_projections(x, [tuple(LayerSlice(s, 2) for s in stacks)])
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="one layer"):
+        packed_projections(x, [(LayerSlice(stacks[0], 0), LayerSlice(stacks[1], 1),
+                                LayerSlice(stacks[2], 1))])

@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpaged.layers.cpu_build import PACKED_MATMUL_TARGET, load_cpu_kernels, packed_int8_dots
+from jaxpaged.layers.layer_stack import LayerSlice, unstack
 from jaxpaged.layers.packed_layout import (LANES, dequantize, integers, pack_weight,
                                            reference_product)
 
@@ -60,7 +61,9 @@ def packed_projections(x: jax.Array, weights, *, rows: jax.Array | None = None,
     Args:
         x: [..., K] float32.
         weights: (blocks, block_scale, block_min) per weight; weight p has N_p' = 16 *
-            blocks.shape[0] features.
+            blocks.shape[0] features. Any of them (and ``norm``) may be a
+            :class:`~jaxpaged.layers.layer_stack.LayerSlice` (all of one layer): the kernel
+            reads its row of the stacked array in place.
         rows: [] int32, how many leading rows of ``x`` (flattened) to compute; the others
             come back as zeros (None: all).
         norm: [K] float32 weight of an RMSNorm applied to ``x`` first (with ``eps``;
@@ -86,13 +89,20 @@ def packed_projections(x: jax.Array, weights, *, rows: jax.Array | None = None,
     outs = [jax.ShapeDtypeStruct((m, n), jnp.float32) for n in widths[:1 if gated else None]]
     empty = jnp.zeros((0,), jnp.float32)
     positions, inv_freq = rope if rope is not None else (jnp.zeros((0,), jnp.int32), empty)
+    layers = {a.index for a in (norm, *(a for w in weights for a in w))
+              if isinstance(a, LayerSlice)}
+    if len(layers) > 1:
+        raise ValueError(f"one call's weights come from one layer, not {sorted(layers)}")
+    whole = lambda a: a.stack if isinstance(a, LayerSlice) else a     # the kernel indexes it
     args = [flat, jnp.asarray(m if rows is None else rows, jnp.int32),
-            empty if norm is None else norm.astype(jnp.float32),
+            empty if norm is None else whole(norm).astype(jnp.float32),
             empty if residual is None else residual.reshape(m, -1).astype(jnp.float32),
             jnp.asarray(positions, jnp.int32).reshape(-1), jnp.asarray(inv_freq, jnp.float32)]
     ys = jax.ffi.ffi_call(PACKED_MATMUL_TARGET, outs)(
-        *args, *(a for w in weights for a in w), eps=np.float32(eps), gated=np.int32(gated),
-        int8=np.int32(int8), rope_outputs=np.int32(0 if rope is None else 2))
+        *args, *(whole(a) for w in weights for a in w), eps=np.float32(eps),
+        gated=np.int32(gated), int8=np.int32(int8),
+        rope_outputs=np.int32(0 if rope is None else 2),
+        layer=np.int32(layers.pop() if layers else -1))
     return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]
 
 
@@ -123,7 +133,7 @@ def _project(x: jax.Array, params, din: int, dout: int) -> jax.Array:
     """x [..., din] -> [..., dout] float32 through a packed weight (kernel or reference)."""
     if kernel_available():
         return project_packed(x, [params])[0][..., :dout]
-    w = dequantize(*params, din, dout, xp=jnp)
+    w = dequantize(*(unstack(p) for p in params), din, dout, xp=jnp)
     return jax.lax.dot_general(x.astype(jnp.float32), w, (((x.ndim - 1,), (1,)), ((), ())))
 
 

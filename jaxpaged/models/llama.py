@@ -22,8 +22,9 @@ from flax import nnx
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.layers.attention import AttentionBackend, KVPages
+from jaxpaged.layers.layer_stack import stack_layer_weights
 from jaxpaged.layers.linear import linear
-from jaxpaged.layers.packed_layout import LANES
+from jaxpaged.layers.packed_layout import LANES, PACKED_LEAVES
 from jaxpaged.layers.packed_linear import (PackedEmbedding, PackedLinear, kernel_available,
                                            project_packed)
 from jaxpaged.layers.normalization import RMSNorm
@@ -198,6 +199,17 @@ class LlamaModel(nnx.Module):
         x = embed(self.embed_tokens, self.embed_scale, input_ids)
         x, new_caches = run_layers(self.layers, x, positions, kv_caches, metadata)
         return self.norm(x), new_caches
+
+    def stack_packed_weights(self) -> int:
+        """Hold the decoder layers' packed projections and norms as arrays stacked over the
+        layers (:func:`jaxpaged.layers.layer_stack.stack_layer_weights`), when every layer
+        runs the fused packed calls (:func:`fused_packed_layer`), which read the stacks in
+        place; returns how many kinds were stacked (0: none)."""
+        if not all(fused_packed_layer(layer) for layer in self.layers):
+            return 0
+        norms = {("input_layernorm", "weight"), ("post_attention_layernorm", "weight")}
+        return stack_layer_weights(
+            self.layers, lambda path: path[-1] in PACKED_LEAVES or tuple(path) in norms)
 
 
 def embed(embed_tokens: nnx.Embed | PackedEmbedding, scale: float | None, input_ids):

@@ -129,20 +129,33 @@ class ModelRunner:
 
     def _load(self, model: nnx.Module) -> None:
         """Split ``model`` into graph and state and build the jitted functions over them."""
+        for _, node in nnx.iter_graph(model):    # (layer_stack: fewer step arguments)
+            if hasattr(node, "stack_packed_weights"):
+                node.stack_packed_weights()
         graphdef, self._state = nnx.split(model)
         self._graphdef = graphdef
         self._executables.clear()
         self._ready_shapes.clear()
 
         num_rows = self._buckets.seq_buckets[-1]
-        self._state_leaves, state_def = jax.tree.flatten(self._state)
+        state_def, self._leaf_index = self._flatten_state()
         self._programs = build_programs(
             graphdef, [a.sharding for a in self._state_leaves],
             jax.tree.map(lambda a: a.sharding, self._kv_caches), self._replicated,
-            self._cpu_matmuls, state_def, self._cpu_argmax)
+            self._cpu_matmuls, state_def, self._cpu_argmax, self._leaf_index)
         self._prev_tokens = jax.device_put(np.zeros(num_rows, np.int32), self._replicated)
         self._prev_rows: Callable[[], dict[str, int]] = dict
         self._free_bitmasks: dict[int, jax.Array] = {}
+
+    def _flatten_state(self) -> tuple:
+        """Set :attr:`_state_leaves` to the state's distinct arrays, in order of first
+        appearance; returns the state's treedef and each leaf's index among them."""
+        leaves, state_def = jax.tree.flatten(self._state)
+        first: dict[int, int] = {}
+        leaf_index = tuple(first.setdefault(id(a), len(first)) for a in leaves)
+        distinct = {id(a): a for a in leaves}
+        self._state_leaves = [distinct[i] for i in first]
+        return state_def, leaf_index
 
     def _set_buckets(self, verify_block_q: int = 0) -> None:
         limits = self._limits
@@ -195,7 +208,7 @@ class ModelRunner:
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters (each array counted once, however it is sharded):
         what ``--quantization`` shrinks."""
-        return sum(x.nbytes for x in jax.tree.leaves(self._state))
+        return sum(x.nbytes for x in self._state_leaves)
 
     @property
     def num_compilations(self) -> int:
@@ -315,7 +328,8 @@ class ModelRunner:
         write = self._compiled(("lora_write",), lora.program(self._state), arrays,
                                np.int32(slot), new)
         lora.set_arrays(self._state, write(arrays, np.int32(slot), new))
-        self._state_leaves = jax.tree.leaves(self._state)
+        if self._flatten_state()[1] != self._leaf_index:    # (the programs index the list)
+            raise RuntimeError("a LoRA write changed which state arrays are shared")
 
     def _executables_for(self, layout: BatchLayout, inputs: StepInputs) -> tuple:
         """The compiled forward and sample programs for ``inputs``' shapes (compiled now,

@@ -164,7 +164,8 @@ def build_verify_program(replicated: jax.sharding.Sharding) -> jax.stages.Wrappe
 
 def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
                    replicated: jax.sharding.Sharding, cpu_matmuls: bool = False,
-                   state_def=None, cpu_argmax: bool = False) -> StepPrograms:
+                   state_def=None, cpu_argmax: bool = False,
+                   leaf_index: tuple[int, ...] | None = None) -> StepPrograms:
     """Jit the runner's programs for a model split into ``graphdef`` and a state of
     ``state_sharding``, a KV pool of ``kv_sharding``, and per-step inputs and outputs
     ``replicated``; with ``cpu_matmuls`` the forward's few-row float32 projections use the C++
@@ -172,11 +173,16 @@ def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
     C++ argmax (:func:`greedy_step_rows`). With ``state_def`` (the state's treedef) the
     forward and prefill programs take the state as its flat list of leaves (and
     ``state_sharding`` is their list): calling a program with SmolLM2's 694 NNX variables cost
-    ~0.8 ms of host time a step to flatten them, against ~0.15 ms for the list."""
+    ~0.8 ms of host time a step to flatten them, against ~0.15 ms for the list. With
+    ``leaf_index`` too, the list holds each distinct array once and leaf ``i`` of the state
+    is ``state[leaf_index[i]]`` (weights stacked over the layers appear once per layer,
+    :mod:`jaxpaged.layers.layer_stack`)."""
 
     def merged(state):
-        return nnx.merge(graphdef, state if state_def is None else
-                         jax.tree.unflatten(state_def, state))
+        if state_def is None:
+            return nnx.merge(graphdef, state)
+        leaves = state if leaf_index is None else [state[i] for i in leaf_index]
+        return nnx.merge(graphdef, jax.tree.unflatten(state_def, leaves))
 
     def forward(state, kv_caches: list[KVPages], inputs: dict, prev_tokens: jax.Array):
         input_ids = inputs["input_ids"]

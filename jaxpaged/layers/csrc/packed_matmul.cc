@@ -17,7 +17,10 @@
 //   8-bit: int8  [N/16, K, 16],   [b, k, l] = q[16b + l, k];
 // scale and min, float32 or float16 (both alike) [N/16, K/G, 16]: the weight is
 // W[n, k] = scale * q + min of n's group k / G (G is K over scale's middle dimension: 32, or 16
-// for Q6_K). Outputs y_p [M, N_p] (one output [M, N_0] when gated).
+// for Q6_K). Outputs y_p [M, N_p] (one output [M, N_0] when gated). Any of the three arrays
+// of a weight, and the norm, may instead be stacked over the decoder's layers ([L, ...]):
+// the call reads its row `layer` (attribute) in place (jaxpaged.layers.layer_stack: a step
+// with one argument per stack instead of one per layer).
 //
 // On CPUs with AVX-512 VNNI and VBMI, calls of fewer than kInt8MaxRows rows multiply the
 // integers by the activations split into three bytes in int8 dot products (packed_vnni.h),
@@ -412,13 +415,29 @@ void rotate(float* y, int64_t m, int64_t n, const int32_t* positions, const floa
   }
 }
 
+// One layer's part of a packed array: the array itself (`dims` its own), or for one stacked
+// over the decoder's layers ([L, ...dims]) its row `layer` (data null: no such row).
+struct Layer {
+  const void* data;
+  std::vector<int64_t> dims;
+};
+
+Layer layer_of(const ffi::AnyBuffer& a, int32_t layer) {
+  auto d = a.dimensions();
+  if (d.size() != 4) return {a.untyped_data(), std::vector<int64_t>(d.begin(), d.end())};
+  if (layer < 0 || layer >= d[0]) return {nullptr, {}};
+  std::vector<int64_t> dims(d.begin() + 1, d.end());
+  const int64_t bytes = a.size_bytes() / d[0];
+  return {static_cast<const char*>(a.untyped_data()) + layer * bytes, dims};
+}
+
 ffi::Error PackedProjectionsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                  ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::F32> norm,
                                  ffi::Buffer<ffi::F32> residual,
                                  ffi::Buffer<ffi::S32> positions,
                                  ffi::Buffer<ffi::F32> inv_freq, ffi::RemainingArgs args,
                                  ffi::RemainingRets rets, float eps, int32_t gated,
-                                 int32_t int8, int32_t rope_outputs) {
+                                 int32_t int8, int32_t rope_outputs, int32_t layer) {
   auto xd = x.dimensions();
   if (xd.size() != 2 || rows.element_count() != 1 || args.size() == 0 ||
       args.size() % 3 != 0) {
@@ -426,7 +445,17 @@ ffi::Error PackedProjectionsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
         "expected x [M, K], rows [], norm, residual, then blocks, scale, min per weight");
   }
   const int64_t m = xd[0], k = xd[1], num_weights = args.size() / 3;
-  if ((norm.element_count() != 0 && norm.element_count() != k) ||
+  // A norm [L, K] stacked over the decoder's layers: this call's is row `layer`.
+  const float* norm_weight = norm.typed_data();
+  int64_t norm_size = norm.element_count();
+  if (norm.dimensions().size() == 2 && norm_size != 0) {
+    if (layer < 0 || layer >= norm.dimensions()[0]) {
+      return ffi::Error::InvalidArgument("a stacked norm needs its layer");
+    }
+    norm_size = norm.dimensions()[1];
+    norm_weight += layer * norm_size;
+  }
+  if ((norm_size != 0 && norm_size != k) ||
       rets.size() != (gated ? 1 : static_cast<size_t>(num_weights)) ||
       (gated && num_weights != 2) ||
       (residual.element_count() != 0 && (num_weights != 1 || gated))) {
@@ -441,8 +470,8 @@ ffi::Error PackedProjectionsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   Call& c = *shared;
   const float* input = x.typed_data();
   std::vector<float> normalized;
-  if (norm.element_count() == k && valid > 0) {
-    normalized = rms_normalized(input, valid, k, norm.typed_data(), eps);
+  if (norm_size == k && valid > 0) {
+    normalized = rms_normalized(input, valid, k, norm_weight, eps);
     input = normalized.data();
   }
   c.gated = gated != 0;
@@ -461,24 +490,27 @@ ffi::Error PackedProjectionsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       return ffi::Error::InvalidArgument("scale and min must both be float32 or float16");
     }
     const bool half = scale_type == ffi::DataType::F16;
-    auto qd = q->dimensions(), sd = scale->dimensions(), yd = (*y)->dimensions();
+    // A weight stacked over the decoder's layers ([L, ...] each of the three): row `layer`.
+    Layer lq = layer_of(*q, layer), ls = layer_of(*scale, layer), lm = layer_of(*min, layer);
+    const auto& qd = lq.dims;
+    const auto& sd = ls.dims;
+    auto yd = (*y)->dimensions();
     const bool four_bit = q->element_type() == ffi::DataType::U8;
     if (!four_bit && q->element_type() != ffi::DataType::S8) {
       return ffi::Error::InvalidArgument("blocks must be uint8 (4-bit) or int8 (8-bit)");
     }
     const int64_t n = qd.size() == 3 ? qd[0] * kLanes : -1;
-    if (qd.size() != 3 || sd.size() != 3 || yd.size() != 2 || yd[0] != m || yd[1] != n ||
+    if (!lq.data || !ls.data || !lm.data || qd.size() != 3 || sd.size() != 3 ||
+        yd.size() != 2 || yd[0] != m || yd[1] != n ||
         qd[2] != kLanes || sd[2] != kLanes || sd[0] != qd[0] || sd[1] == 0 ||
-        k % sd[1] != 0 || qd[1] != (four_bit ? k / 2 : k) ||
-        !std::equal(sd.begin(), sd.end(), min->dimensions().begin()) ||
+        k % sd[1] != 0 || qd[1] != (four_bit ? k / 2 : k) || sd != lm.dims ||
         (four_bit && (k / sd[1]) % 2 != 0) ||
         (residual.element_count() != 0 && residual.element_count() != m * n)) {
       return ffi::Error::InvalidArgument("inconsistent packed matmul shapes");
     }
     float* out = (*y)->typed_data();
     if (p == 0 || !c.gated) std::fill(out + valid * n, out + m * n, 0.0f);
-    c.weights.push_back({input, q->untyped_data(), {scale->untyped_data(), half},
-                         {min->untyped_data(), half}, out,
+    c.weights.push_back({input, lq.data, {ls.data, half}, {lm.data, half}, out,
                          valid, k, n, k / sd[1], n, 0, four_bit});
     c.xsums.push_back(group_sums(input, valid, k, k / sd[1]));
     c.splits.push_back(int8 ? split_for(c, input, valid, k, k / sd[1], four_bit) : nullptr);
@@ -528,4 +560,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPackedMatmul, jaxpaged_cpu::PackedProjecti
                                   .Attr<float>("eps")
                                   .Attr<int32_t>("gated")
                                   .Attr<int32_t>("int8")
-                                  .Attr<int32_t>("rope_outputs"));
+                                  .Attr<int32_t>("rope_outputs")
+                                  .Attr<int32_t>("layer"));
