@@ -100,6 +100,13 @@ inline SplitRows split_rows(const float* x, int64_t m, int64_t k, int64_t group,
   return s;
 }
 
+// acc += w (unsigned bytes) . the 4 signed bytes at p, broadcast to every lane: vpdpbusd with
+// an embedded-broadcast memory operand (GCC 12 otherwise emits a vpbroadcastd per call).
+inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int32_t* p) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*p));
+  return acc;
+}
+
 // vpermb indices: output byte 4 l + j <- input byte 16 j + l (4 rows of 16 lanes -> 16 lanes
 // of 4 bytes).
 inline __m512i lane_transpose() {
@@ -144,8 +151,8 @@ void vnni_block(const uint8_t* blocks, const Scales& scale, const Scales& min, c
             const int32_t* qd = quads[r] + k0 / 4 * 3;   // quads k0/4 (even), k0/4 + 1 (odd)
 #pragma GCC unroll 3
             for (int d = 0; d < 3; ++d) {
-              sum[j][r][d] = _mm512_dpbusd_epi32(sum[j][r][d], even, _mm512_set1_epi32(qd[d]));
-              sum[j][r][d] = _mm512_dpbusd_epi32(sum[j][r][d], odd, _mm512_set1_epi32(qd[3 + d]));
+              sum[j][r][d] = dpbusd_broadcast(sum[j][r][d], even, qd + d);
+              sum[j][r][d] = dpbusd_broadcast(sum[j][r][d], odd, qd + 3 + d);
             }
           }
         }
@@ -161,7 +168,7 @@ void vnni_block(const uint8_t* blocks, const Scales& scale, const Scales& min, c
             const int32_t* qd = quads[r] + k0 / 4 * 3;
 #pragma GCC unroll 3
             for (int d = 0; d < 3; ++d) {
-              sum[j][r][d] = _mm512_dpbusd_epi32(sum[j][r][d], w, _mm512_set1_epi32(qd[d]));
+              sum[j][r][d] = dpbusd_broadcast(sum[j][r][d], w, qd + d);
             }
           }
         }
