@@ -208,7 +208,8 @@ class ModelRunner:
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters (each array counted once, however it is sharded):
         what ``--quantization`` shrinks."""
-        return sum(x.nbytes for x in self._state_leaves)
+        distinct = {id(x): x for x in jax.tree.leaves(self._state)}   # (stacks: once)
+        return sum(x.nbytes for x in distinct.values())
 
     @property
     def num_compilations(self) -> int:
