@@ -15,8 +15,6 @@ import functools
 import json
 import re
 
-import llguidance
-
 from jaxpaged.sampling_params import SamplingParamsError, StructuredOutputsParams
 
 #: Keys of a JSON schema that hold maps of sub-schemas, and those that hold sub-schemas.
@@ -84,6 +82,7 @@ def serialize(params: StructuredOutputsParams) -> str:
 
 @functools.lru_cache(maxsize=256)
 def _serialize(key: str) -> str:
+    llguidance = _llguidance()
     kind, spec, no_whitespace, close_objects, whitespace = json.loads(key)
     options = {"whitespace_flexible": not no_whitespace}
     if whitespace is not None:
@@ -115,7 +114,22 @@ def validate(params: StructuredOutputsParams) -> None:
 
 @functools.lru_cache(maxsize=256)
 def _validation_error(key: str) -> str:
-    return llguidance.LLMatcher.validate_grammar(_serialize(key), None)
+    return _llguidance().LLMatcher.validate_grammar(_serialize(key), None)
+
+
+def _llguidance():
+    """The llguidance module, imported when a request first asks for a grammar (not with
+    jaxpaged: plain generation runs without it).
+
+    Raises:
+        SamplingParamsError: llguidance is not installed (``structured_outputs``).
+    """
+    try:
+        import llguidance
+    except ImportError as e:
+        raise SamplingParamsError("structured_outputs", f"needs the llguidance package, "
+                                  f"which cannot be imported here ({e})") from None
+    return llguidance
 
 
 #: How the output may begin a reasoning block (:func:`after_reasoning`).

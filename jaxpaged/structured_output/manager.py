@@ -23,13 +23,15 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from typing import TYPE_CHECKING
 
-import llguidance
-import llguidance.numpy
 import numpy as np
 
 from jaxpaged.sampling_params import SamplingParamsError, StructuredOutputsParams
 from jaxpaged.structured_output.grammar import cache_key, serialize
+
+if TYPE_CHECKING:   # llguidance is imported when a request asks for a grammar
+    import llguidance
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +147,8 @@ class StructuredOutputManager:
             return self._ll_tokenizer
 
     def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        import llguidance
+
         matcher = llguidance.LLMatcher(self._ll(), serialize(params), log_level=0)
         if matcher.is_error():      # validated before; a tokenizer-specific failure
             logger.warning("structured output: grammar failed to compile: %s",
@@ -177,6 +181,8 @@ class StructuredOutputManager:
 
 @functools.lru_cache(maxsize=1)
 def _mask_executor() -> llguidance.LLExecutor:
+    import llguidance
+
     return llguidance.LLExecutor()
 
 
@@ -205,6 +211,8 @@ def grammar_bitmask(rows: list[tuple[StructuredOutputRequest, int]], padded: int
         first.setdefault(id(s), r)
     matchers = [(s.matcher, r) for s, r in rows if first[id(s)] == r and s.failed is None]
     if matchers:
+        import llguidance.numpy
+
         llguidance.numpy.fill_next_token_bitmask_par(_mask_executor(), matchers, mask)
     for s, r in rows:
         if s.failed is not None:
