@@ -112,7 +112,8 @@ def _decode_kernel(q_ref, seq_ref, pos_ref, kv_tokens_ref, page_table_ref, k_ref
     o_ref = out_refs[0]
     plt.store(o_ref.at[pl.ds(out_row, rows), :], out.astype(o_ref.dtype), mask=mask[:, None])
     if num_slots > 1:
-        lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log(jnp.where(l == 0.0, 1.0, l)))
+        # (base 2, as m: attention_tiles)
+        lse = jnp.where(l == 0.0, -jnp.inf, m + jnp.log2(jnp.where(l == 0.0, 1.0, l)))
         plt.store(out_refs[1].at[pl.ds(out_row, rows)], lse, mask=mask)
 
 
@@ -127,7 +128,7 @@ def _merge_kernel(o_ref, lse_ref, out_ref, *, group, rows, num_slots):
         o = plt.load(o_ref.at[pl.ds(row, rows), :], mask=mask[:, None], other=0.0)
         m_new = jnp.maximum(m, lse)
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha, w = jnp.exp(m - m_safe), jnp.exp(lse - m_safe)
+        alpha, w = jnp.exp2(m - m_safe), jnp.exp2(lse - m_safe)
         return alpha[:, None] * acc + w[:, None] * o, m_new, alpha * den + w
 
     init = (jnp.zeros((rows, o_ref.shape[1]), jnp.float32),
@@ -144,7 +145,7 @@ def merge_splits(o: jax.Array, lse: jax.Array, *, num_programs: int, group: int,
 
     Args:
         o: [num_programs * num_slots * group + R, D] float32 normalised partial outputs;
-        lse: [same rows] float32 their log-sum-exp (-inf for an empty split); row
+        lse: [same rows] float32 their log-sum-exp in base 2 (-inf for an empty split); row
             ``(n * num_slots + s) * group + g`` is program ``n``'s split ``s``, head ``g``.
 
     Returns:

@@ -103,10 +103,11 @@ def _kernel(q_ref, row_pos_ref, block_seq_ref, page_table_ref, k_ref, v_ref, *ou
 
 
 def _merge_splits(o, m, l):
-    """Merge split partials: o [..., splits, R, D] (each normalised), m and l [..., splits, R]."""
+    """Merge split partials: o [..., splits, R, D] (each normalised), m (base-2 row maxima,
+    ``pallas_kernels.attention_tiles``) and l [..., splits, R]."""
     m_max = jnp.max(m, axis=-2, keepdims=True)
     m_max = jnp.where(m_max == -jnp.inf, 0.0, m_max)
-    w = l * jnp.exp(m - m_max)                                    # [..., splits, R]
+    w = l * jnp.exp2(m - m_max)                                   # [..., splits, R]
     total = jnp.sum(w, axis=-2)
     merged = jnp.sum(w[..., None] * o, axis=-3)
     return merged / jnp.where(total == 0.0, 1.0, total)[..., None]

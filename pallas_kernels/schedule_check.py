@@ -122,6 +122,10 @@ class ScheduleFacts:
         stack: stack frame per thread in bytes (cuobjdump's STACK; register spills go there).
         shared: shared memory per program in bytes.
         num_warps: warps per program.
+        loop_instructions: SASS instructions of the KV loop's body (the kernel's longest
+            backward branch; cuobjdump), one tile an iteration.
+        tile_kv_bytes: bytes of K and V one iteration loads (tile keys x head_dim x 2 x
+            the pool's item size).
     """
 
     tile_buffers: int
@@ -130,6 +134,14 @@ class ScheduleFacts:
     stack: int
     shared: int
     num_warps: int
+    loop_instructions: int = 0
+    tile_kv_bytes: int = 0
+
+    @property
+    def instructions_per_kv_kib(self) -> float:
+        """Loop instructions a KiB of K and V costs (per program: what decides whether a
+        memory-bound kernel can issue fast enough to keep up with HBM)."""
+        return self.loop_instructions * 1024 / max(self.tile_kv_bytes, 1)
 
     @property
     def programs_per_sm(self) -> int:
@@ -149,27 +161,47 @@ class ScheduleFacts:
         """One line for logs and notes."""
         return (f"buffers={self.tile_buffers} async_wait nums={list(self.async_waits)} "
                 f"registers={self.registers} stack={self.stack} B shared={self.shared} B "
-                f"programs/SM={self.programs_per_sm}")
+                f"programs/SM={self.programs_per_sm} loop={self.loop_instructions} "
+                f"instructions ({self.instructions_per_kv_kib:.0f} per KiB of K/V)")
 
 
-def _cubin_resources(cubin: bytes) -> tuple[int, int]:
-    """(registers, stack bytes) per thread from cuobjdump (Triton's bundled copy, else one on
-    PATH)."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """cuobjdump ``flag``'s output for ``cubin`` (Triton's bundled copy, else one on PATH)."""
     from triton.backends.nvidia import compiler as nvidia
     tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        out = subprocess.run([tool if os.path.exists(tool) else "cuobjdump",
-                              "--dump-resource-usage", path],
-                             capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool if os.path.exists(tool) else "cuobjdump", flag, path],
+                              capture_output=True, text=True, check=True).stdout
+
+
+def _cubin_resources(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) per thread from cuobjdump."""
+    out = _cuobjdump(cubin, "--dump-resource-usage")
     return int(re.search(r"REG:(\d+)", out).group(1)), int(re.search(r"STACK:(\d+)", out).group(1))
 
 
-def schedule_facts(compiled, *, tile_keys: int, head_dim: int) -> ScheduleFacts:
+def loop_instructions(sass: str) -> int:
+    """SASS instructions from the target of the kernel's longest backward branch to the
+    branch (its main loop; 0 without one), in cuobjdump ``-sass`` text."""
+    at = {int(a, 16): text for a, text in
+          re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, flags=re.M)}
+    loops = [(int(target, 16), address) for address, text in at.items()
+             for target in re.findall(r"\bBRA\s+0x([0-9a-f]+)", text)
+             if int(target, 16) < address]
+    if not loops:
+        return 0
+    low, high = max(loops, key=lambda span: span[1] - span[0])
+    return sum(low <= a <= high for a in at)
+
+
+def schedule_facts(compiled, *, tile_keys: int, head_dim: int,
+                   kv_itemsize: int = 2) -> ScheduleFacts:
     """Read :class:`ScheduleFacts` off a :func:`compile_for_hopper` result whose KV tiles
-    are ``tile_keys x head_dim`` (K and V; the transposed K buffer counts too)."""
+    are ``tile_keys x head_dim`` (K and V; the transposed K buffer counts too) of
+    ``kv_itemsize``-byte elements."""
     ttgir = compiled.asm["ttgir"]
     shapes = {(tile_keys, head_dim), (head_dim, tile_keys)}
     buffers = [int(n) for n, a, b in re.findall(r"!ttg\.memdesc<(\d+)x(\d+)x(\d+)x", ttgir)
@@ -182,7 +214,10 @@ def schedule_facts(compiled, *, tile_keys: int, head_dim: int) -> ScheduleFacts:
     return ScheduleFacts(tile_buffers=max(buffers, default=1 if single else 0),
                          async_waits=waits, registers=registers, stack=stack,
                          shared=int(compiled.metadata.shared),
-                         num_warps=int(compiled.metadata.num_warps))
+                         num_warps=int(compiled.metadata.num_warps),
+                         loop_instructions=loop_instructions(
+                             _cuobjdump(compiled.asm["cubin"], "-sass")),
+                         tile_kv_bytes=2 * tile_keys * head_dim * kv_itemsize)
 
 
 # ---- the paged-attention kernels at Llama-3-8B shapes ----------------------------------------
@@ -238,7 +273,8 @@ def kernel_facts(kernel: str, mode: str, kv_dtype=None) -> ScheduleFacts:
         raise ValueError(f"unknown kernel {kernel!r} or mode {mode!r}")
     attention = capture_ttir(fn, *args)[0]                  # the first launch; v2 decode's
     compiled = compile_for_hopper(attention.ttir, num_warps=warps, num_stages=stages)
-    return schedule_facts(compiled, tile_keys=tile, head_dim=d)
+    return schedule_facts(compiled, tile_keys=tile, head_dim=d,
+                          kv_itemsize=jnp.dtype(pool.dtype).itemsize)
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.paged_attention import PROGRAMS_PER_SM
-from pallas_kernels.schedule_check import kernel_facts
+from pallas_kernels.schedule_check import kernel_facts, loop_instructions
 
 if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.skip("upstream triton (the test extra) is installed on linux x86_64 only",
@@ -56,3 +56,22 @@ def test_v1_fails_the_same_check(mode):
     print("v1", mode, facts.describe())
     assert all(n == 0 for n in facts.async_waits)
     assert not passes(facts, PROGRAMS_PER_SM)
+
+
+def test_loop_instructions_reads_the_longest_backward_branch():
+    sass = "\n".join(f"        /*{a:04x}*/                   {op} ;" for a, op in [
+        (0x00, "MOV R1, c[0x0][0x28]"), (0x10, "@!P0 BRA 0x60"), (0x20, "FADD R2, R2, R3"),
+        (0x30, "MUFU.EX2 R4, R2"), (0x40, "@P0 BRA 0x20"), (0x50, "BRA 0x10"),
+        (0x60, "EXIT")])
+    assert loop_instructions(sass) == 5         # 0x10 .. 0x50, the longest loop
+    assert loop_instructions("        /*0000*/                   EXIT ;") == 0
+
+
+@pytest.mark.parametrize("mode,limit", [("decode", 300), ("prefill", 600)])
+def test_v2_loops_stay_within_their_instruction_budgets(mode, limit):
+    """Issue 41: with scores in base 2 and ``exp2`` (``pallas_kernels.attention_tiles``) the
+    bf16 KV loops compiled for sm_90 are 280 (decode, 32-key tiles) and 561 (prefill)
+    instructions; with ``exp`` they were 326 and 836. A loop growing past the budget fails."""
+    facts = kernel_facts("v2", mode)
+    print("v2", mode, facts.describe())
+    assert 0 < facts.loop_instructions <= limit
