@@ -24,9 +24,10 @@ import functools
 import hashlib
 import logging
 import os
-import tempfile
 
 import numpy as np
+
+from jaxpaged.atomic_file import digest_files, write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +41,7 @@ def _code_digest() -> str:
     from jaxpaged.layers import packed_layout
     from jaxpaged.models import gguf_blocks, gguf_loader
 
-    digest = hashlib.sha256()
-    for module in (gguf_blocks, gguf_loader, packed_layout):
-        with open(module.__file__, "rb") as f:
-            digest.update(f.read())
-    return digest.hexdigest()[:16]
+    return digest_files(m.__file__ for m in (gguf_blocks, gguf_loader, packed_layout))[:16]
 
 
 class PackedWeightCache:
@@ -86,16 +83,9 @@ class PackedWeightCache:
         if self._folder is None:
             return
         try:
-            os.makedirs(self._folder, mode=0o700, exist_ok=True)
             for leaf, array in arrays.items():
-                fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=self._folder)
-                try:
-                    with os.fdopen(fd, "wb") as f:
-                        np.save(f, array, allow_pickle=False)
-                    os.replace(tmp, self._path(name, leaf))
-                finally:
-                    if os.path.exists(tmp):
-                        os.remove(tmp)
+                write_atomically(self._path(name, leaf),
+                                 lambda f, a=array: np.save(f, a, allow_pickle=False))
         except OSError as e:
             logger.warning("cannot keep packed GGUF weights in %s (%s); repacking on every "
                            "load", self._folder, e)

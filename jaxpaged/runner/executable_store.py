@@ -36,6 +36,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxpaged.atomic_file import digest_files, write_atomically
+
 logger = logging.getLogger(__name__)
 
 _PACKAGES = ("jaxpaged", "pallas_kernels")
@@ -61,18 +63,15 @@ def persistent_cache_hits() -> int:
 def _source_digest() -> str:
     """SHA-256 of every ``.py``, ``.cc`` and ``.h`` file of the packages that build the
     step."""
-    digest = hashlib.sha256()
-    for name in _PACKAGES:
-        module = __import__(name)
-        root = os.path.dirname(os.path.realpath(module.__file__))
+    def sources(root):
         for folder, dirs, files in sorted(os.walk(root)):
             dirs.sort()
-            for f in sorted(files):
-                if f.endswith((".py", ".cc", ".h")):      # .cc, .h: the CPU kernels
-                    digest.update(f.encode())
-                    with open(os.path.join(folder, f), "rb") as fh:
-                        digest.update(fh.read())
-    return digest.hexdigest()
+            yield from (os.path.join(folder, f) for f in sorted(files)
+                        if f.endswith((".py", ".cc", ".h")))      # .cc, .h: the CPU kernels
+
+    return digest_files(path for name in _PACKAGES
+                        for path in sources(os.path.dirname(os.path.realpath(
+                            __import__(name).__file__))))
 
 
 def _avals(tree) -> list:
@@ -159,10 +158,7 @@ class ExecutableStore:
             return
         from jax.experimental import serialize_executable
         try:
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            tmp = f"{self._path(name)}.{os.getpid()}.tmp"
-            with open(tmp, "wb") as f:
-                pickle.dump(serialize_executable.serialize(compiled), f)
-            os.replace(tmp, self._path(name))
+            write_atomically(self._path(name), lambda f: pickle.dump(
+                serialize_executable.serialize(compiled), f))
         except Exception as e:  # noqa: BLE001 - a step that cannot be stored still runs
             logger.warning("could not store step %s: %s", name, e)

@@ -19,7 +19,7 @@ import hashlib
 import logging
 import os
 
-from jaxpaged.atomic_file import write_text_atomically
+from jaxpaged.atomic_file import digest_files, write_text_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -31,15 +31,9 @@ _SOURCE_FOLDERS = ("attention", "csrc")
 def _source_digest() -> str:
     """SHA-256 of the attention backends' Python files and the CPU kernels' C++ sources."""
     layers = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-    digest = hashlib.sha256()
-    for folder in _SOURCE_FOLDERS:
-        root = os.path.join(layers, folder)
-        for name in sorted(os.listdir(root)):
-            if name.endswith((".py", ".cc", ".h")):
-                digest.update(name.encode())
-                with open(os.path.join(root, name), "rb") as f:
-                    digest.update(f.read())
-    return digest.hexdigest()
+    return digest_files(os.path.join(layers, folder, name) for folder in _SOURCE_FOLDERS
+                        for name in sorted(os.listdir(os.path.join(layers, folder)))
+                        if name.endswith((".py", ".cc", ".h")))
 
 
 def record_path(check: dict) -> str | None:
