@@ -153,7 +153,8 @@ def load_cpu_kernels() -> bool:
     """Build (or find in the cache) and register the CPU kernels; True when the FFI targets
     :data:`PAGED_ATTENTION_TARGET`, :data:`SMALL_ROWS_MATMUL_TARGET`,
     :data:`PACKED_MATMUL_TARGET`, :data:`LAZY_ZEROS_TARGET` and :data:`ARGMAX_ROWS_TARGET`
-    are registered for the CPU. Never raises: a failure is logged once (per compiler) and returns False."""
+    are registered for the CPU. Never raises: a failure is logged once (per compiler) and
+    returns False."""
     return _load(os.environ.get(CXX_ENV) or "g++") is not None
 
 

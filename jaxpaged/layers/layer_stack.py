@@ -13,12 +13,13 @@ array; the packed kernel reads the row in place
 (:func:`jaxpaged.layers.packed_linear.packed_projections` passes the stack and the layer).
 A :class:`LayerSlice` is a pytree node whose one child is the stack, so a flattened state
 names each stack once per layer; the runner passes each distinct array once
-(``jaxpaged.runner.step_programs``): 694 arguments become 25.
+(:func:`distinct_leaves`, ``jaxpaged.runner.step_programs``): 694 arguments become 27.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,19 +46,11 @@ class LayerSlice:
     def dtype(self):
         return self.stack.dtype
 
-    @property
-    def nbytes(self) -> int:
-        return self.stack.nbytes // self.stack.shape[0]
-
     def __getitem__(self, key):
         """``x[...]`` is the slice itself (the way modules read their parameters)."""
         if key is Ellipsis:
             return self
         return self.stack[self.index][key]
-
-    def __array__(self, dtype=None, copy=None):
-        import numpy as np
-        return np.asarray(self.stack[self.index], dtype=dtype)
 
     def tree_flatten(self):
         return (self.stack,), self.index
@@ -73,6 +66,17 @@ class LayerSlice:
 def unstack(value):
     """The array ``value`` stands for: a :class:`LayerSlice`'s row (a copy), else itself."""
     return value.stack[value.index] if isinstance(value, LayerSlice) else value
+
+
+def distinct_leaves(tree) -> tuple[list, Any, tuple[int, ...]]:
+    """``tree``'s leaves with each array once, in order of first appearance (a stack stands
+    for every layer's :class:`LayerSlice`), its treedef, and each leaf's index among them:
+    leaf ``i`` is ``distinct[index[i]]``."""
+    leaves, treedef = jax.tree.flatten(tree)
+    first: dict[int, int] = {}
+    index = tuple(first.setdefault(id(a), len(first)) for a in leaves)
+    by_id = {id(a): a for a in leaves}
+    return [by_id[i] for i in first], treedef, index
 
 
 def stack_layer_weights(layers: Sequence[nnx.Module],

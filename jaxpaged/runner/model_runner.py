@@ -38,6 +38,7 @@ from jaxpaged.runner.kv_scales import KVScales, set_kv_scales
 from jaxpaged.engine.scheduler_output import SchedulerOutput
 from jaxpaged.layers import cpu_matmul
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, allocate_kv_pool
+from jaxpaged.layers.layer_stack import distinct_leaves
 from jaxpaged.lora.device import LoRASlotWriter, token_slots
 from jaxpaged.runner.buckets import ShapeBuckets, padding_budget_tokens
 from jaxpaged.runner.compile_cache import jax_cache_dir
@@ -138,7 +139,7 @@ class ModelRunner:
         self._ready_shapes.clear()
 
         num_rows = self._buckets.seq_buckets[-1]
-        state_def, self._leaf_index = self._flatten_state()
+        self._state_leaves, state_def, self._leaf_index = distinct_leaves(self._state)
         self._programs = build_programs(
             graphdef, [a.sharding for a in self._state_leaves],
             jax.tree.map(lambda a: a.sharding, self._kv_caches), self._replicated,
@@ -146,16 +147,6 @@ class ModelRunner:
         self._prev_tokens = jax.device_put(np.zeros(num_rows, np.int32), self._replicated)
         self._prev_rows: Callable[[], dict[str, int]] = dict
         self._free_bitmasks: dict[int, jax.Array] = {}
-
-    def _flatten_state(self) -> tuple:
-        """Set :attr:`_state_leaves` to the state's distinct arrays, in order of first
-        appearance; returns the state's treedef and each leaf's index among them."""
-        leaves, state_def = jax.tree.flatten(self._state)
-        first: dict[int, int] = {}
-        leaf_index = tuple(first.setdefault(id(a), len(first)) for a in leaves)
-        distinct = {id(a): a for a in leaves}
-        self._state_leaves = [distinct[i] for i in first]
-        return state_def, leaf_index
 
     def _set_buckets(self, verify_block_q: int = 0) -> None:
         limits = self._limits
@@ -208,8 +199,7 @@ class ModelRunner:
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters (each array counted once, however it is sharded):
         what ``--quantization`` shrinks."""
-        distinct = {id(x): x for x in jax.tree.leaves(self._state)}   # (stacks: once)
-        return sum(x.nbytes for x in distinct.values())
+        return sum(x.nbytes for x in distinct_leaves(self._state)[0])     # (stacks: once)
 
     @property
     def num_compilations(self) -> int:
@@ -329,7 +319,8 @@ class ModelRunner:
         write = self._compiled(("lora_write",), lora.program(self._state), arrays,
                                np.int32(slot), new)
         lora.set_arrays(self._state, write(arrays, np.int32(slot), new))
-        if self._flatten_state()[1] != self._leaf_index:    # (the programs index the list)
+        self._state_leaves, _, index = distinct_leaves(self._state)
+        if index != self._leaf_index:            # (the compiled programs index the list)
             raise RuntimeError("a LoRA write changed which state arrays are shared")
 
     def _executables_for(self, layout: BatchLayout, inputs: StepInputs) -> tuple:
