@@ -29,7 +29,7 @@ def np_reference(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     """vLLM's order: temperature, min-p, top-k, top-p; returns the sampling distribution."""
     x = logits.astype(np.float64) / temperature
     p = np_softmax(x)
-    keep = np.ones(V, bool)
+    keep = np.ones(len(x), bool)
     if min_p > 0:
         keep &= p >= min_p * p.max()
     if top_k > 0:
@@ -40,7 +40,7 @@ def np_reference(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
         order = np.argsort(-q, kind="stable")
         cum = np.cumsum(q[order])
         k = int(np.searchsorted(cum, top_p) + 1)       # smallest prefix with mass >= top_p
-        mask = np.zeros(V, bool)
+        mask = np.zeros(len(x), bool)
         mask[order[:k]] = True
         q = np.where(mask, q, 0.0)
     return q / q.sum()
@@ -57,6 +57,53 @@ def test_processed_distribution_matches_numpy(case):
     got = np.exp(got - got.max())
     got /= got.sum()
     np.testing.assert_allclose(got, np_reference(LOGITS, **case), atol=1e-6)
+
+
+# A 4000-token row (values spread as a small LM's): where each case's cut is found
+# (sampler.CANDIDATES = 128, DEEP_CANDIDATES = 1024 largest logits, else the sorted row).
+WIDE = (np.random.default_rng(5).standard_normal(4000) * 2.5).astype(np.float32)
+WIDE_CASES = [
+    (dict(top_p=0.5), "candidates"), (dict(temperature=0.7, top_k=40, top_p=0.95), "candidates"),
+    (dict(min_p=0.1), "candidates"), (dict(top_p=0.9), "deep"),
+    (dict(top_k=300, top_p=0.99), "deep"), (dict(min_p=0.02), "deep"), (dict(min_p=0.01, temperature=2.0), "sorted"),
+    (dict(top_p=0.999, temperature=3.0), "sorted"), (dict(top_k=2000), "sorted"),
+    (dict(temperature=1.0), "no filter")]
+
+
+def wide_depth(case):
+    """How deep the case's cut lies in WIDE: its kept count, as numpy finds it."""
+    return int((np_reference(WIDE, **case) > 0).sum())
+
+
+@pytest.mark.parametrize("case,where", WIDE_CASES)
+def test_wide_vocabulary_cuts_match_numpy(case, where):
+    kept = wide_depth(case)
+    depth = {"candidates": (1, 127), "deep": (129, 1023), "sorted": (1025, 3999),
+             "no filter": (4000, 4000)}[where]
+    assert depth[0] <= kept <= depth[1]
+    got = np.asarray(processed_logits(jnp.asarray(WIDE[None]), meta(**case)))[0]
+    assert (got > -np.inf).sum() == kept
+    got = np.exp(got - got.max())
+    np.testing.assert_allclose(got / got.sum(), np_reference(WIDE, **case), atol=1e-6)
+
+
+def test_wide_rows_cut_alone_whatever_the_batch():
+    """Rows cut at every depth in one step (and a greedy row) each keep what they keep alone,
+    and draw the token they draw alone."""
+    cases = [c for c, _ in WIDE_CASES] + [dict(temperature=0.0)]
+    rows = [(c.get("temperature", 1.0), c.get("top_k", 0), c.get("top_p", 1.0),
+             c.get("min_p", 0.0), c.get("temperature", 1.0) < 1e-5, 11 + i, 3)
+            for i, c in enumerate(cases)]
+    batch = jnp.asarray(np.tile(WIDE, (len(rows), 1)))
+    together = np.asarray(processed_logits(batch, SamplingMetadata.from_host(rows, len(rows))))
+    tokens = np.asarray(sample(batch, SamplingMetadata.from_host(rows, len(rows))).token_ids)
+    for i, r in enumerate(rows):
+        one = SamplingMetadata.from_host([r], 1)
+        alone = np.asarray(processed_logits(batch[:1], one))[0]
+        if not r[4]:
+            np.testing.assert_array_equal(together[i], alone)
+        assert tokens[i] == np.asarray(sample(batch[:1], one).token_ids)[0]
+    assert tokens[-1] == WIDE.argmax()
 
 
 @pytest.mark.parametrize("case", [dict(temperature=0.8), dict(top_k=4, top_p=0.9)])
