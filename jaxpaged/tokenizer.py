@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 
@@ -26,19 +27,37 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
             ``--trust-remote-code``). Off, such a tokenizer is refused; transformers is never
             left to ask on standard input.
 
+    A tokenizer still in use is handed out again, not loaded twice: ``jaxpaged serve``'s
+    HTTP layer and its engine (each loading on its own thread at start-up) share one. Its
+    state is not changed after loading (no truncation or padding is set), and the fast
+    tokenizer's encode and decode may run on two threads at once.
+
     Raises:
         FileNotFoundError: ``path`` is not a directory or holds no loadable tokenizer (or
             only one that needs ``trust_remote_code``).
         jaxpaged.models.gguf_loader.BadGGUFError: an unreadable GGUF file.
     """
+    key = (os.path.realpath(path), _mtime(path), trust_remote_code)
     with _LOADING:
-        return _load(path, trust_remote_code)
+        tokenizer = _LOADED.get(key)
+        if tokenizer is None:
+            tokenizer = _LOADED[key] = _load(path, trust_remote_code)
+        return tokenizer
+
+
+def _mtime(path: str) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
 
 
 #: One tokenizer load at a time: transformers' lazy imports are not thread-safe (two threads
-#: importing it at once failed with "cannot import name 'AutoTokenizer'"), and a server loads
-#: its tokenizer while its engine thread loads its own.
+#: importing it at once failed with "cannot import name 'AutoTokenizer'"), and a server asks
+#: for its tokenizer while its engine thread loads it.
 _LOADING = threading.Lock()
+#: Tokenizers loaded and still referenced, by (real path, modification time, remote code).
+_LOADED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _load(path: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
