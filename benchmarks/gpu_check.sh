@@ -2,15 +2,20 @@
 # The GPU check, sized for a 15-minute GPU slot that includes the machine's start: at most
 # 6 minutes in all and at most 8 files in $OUT. Run on a lent NVIDIA GPU (the `device` tool):
 #   OUT=$OUT bash benchmarks/gpu_check.sh
+# --dry-run runs every step on the CPU (JAX_PLATFORMS=cpu) in a form that takes seconds: the
+# A/B's cases shrunk (--smoke), the tests collected, not run, and the throughput rows on the
+# bundled model; it proves each step's imports and arguments where the GPU image's Python
+# would run them (tests/test_benchmarks.py runs it with the packages that image lacks hidden).
 # Steps, each time-boxed (the T_* seconds below, plus KILL_AFTER if a step ignores its TERM;
 # tests/test_benchmarks.py checks that boxes, kill delays and 3 s of bookkeeping a step sum to
 # <= 360 s) and each leaving its result in $OUT before the next one starts:
 #   probe     jax / flax versions, the devices, the Pallas kernel variants this checkout has;
-#   ab        kernel A/B, old (v1) vs new (v2) and the xla backend, decode batch 64 and 33
-#             at context 4096 and batch 1 at 8192, bf16 and fp8 pools, then prefill and mixed
-#             while the step's budget lasts (benchmarks/kernels/paged_attention.py -> ab.json);
-#   tests     a kernel-test subset compiled for the GPU against the jnp references
-#             (-> kernel_tests.xml);
+#   ab        kernel A/B, old (v1) vs new (v2) and the xla backend, most telling first: bf16
+#             decode batch 64 at context 4096, prefill 1x4096, fp8 decode 64x4096, batch 1 at
+#             8192 (bf16, fp8), mixed, then batch 33, while the step's budget lasts
+#             (benchmarks/kernels/paged_attention.py -> ab.json, rewritten after every case);
+#   tests     a kernel-test subset compiled for the GPU against the jnp references, stopped
+#             by SIGINT at its box so that pytest still writes its report (-> kernel_tests.xml);
 #   tp_pallas, tp_xla   offline throughput of the Llama-3-8B-shaped model
 #             (configs/models/llama3-8b-shape, dummy bf16 weights) on --attention-backend
 #             pallas, then xla: 32 prompts of 64 tokens, 64 output tokens, buckets kept to one
@@ -23,11 +28,18 @@
 # pytest); nothing is installed. Record what it prints in docs/benchmarks.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+DRY_RUN=0
+if [ "${1:-}" = "--dry-run" ]; then
+    DRY_RUN=1
+    export JAX_PLATFORMS=cpu
+fi
 OUT="${OUT:-/tmp/gpu_check}"
 LOGS="$(mktemp -d /tmp/gpu_check_logs.XXXXXX)"
-trap 'rm -rf "$LOGS"' EXIT
+DRY_CACHE="$(mktemp -d /tmp/gpu_check_cache.XXXXXX)"     # the dry run's compile cache
+trap 'rm -rf "$LOGS" "$DRY_CACHE"' EXIT
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
+# (a PYTHONPATH already set stays after the checkout: wheels carried to the GPU image)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 
 T_PROBE=15
 T_AB=120
@@ -36,14 +48,15 @@ T_TP_PALLAS=70
 T_TP_XLA=70
 KILL_AFTER=2    # seconds from a step's TERM to its KILL
 
-# run_step NAME SECONDS COMMAND...: run COMMAND under `timeout SECONDS`, its output to
-# $LOGS/NAME.log (and the terminal), then record rc and seconds, re-pack the logs into $OUT and
-# rewrite $OUT/summary.txt, so a later step cut off or a lost machine keeps this one's result.
+# run_step NAME SECONDS COMMAND...: run COMMAND under `timeout SECONDS` (its signal $SIGNAL,
+# TERM unless set), its output to $LOGS/NAME.log (and the terminal), then record rc and
+# seconds, re-pack the logs into $OUT and rewrite $OUT/summary.txt, so a later step cut off or
+# a lost machine keeps this one's result.
 run_step() {
     local name="$1" seconds="$2" start=$SECONDS rc
     shift 2
     echo "=== $name (time box ${seconds}s)"
-    timeout -k "$KILL_AFTER" "$seconds" "$@" 2>&1 | tee "$LOGS/$name.log"
+    timeout -s "${SIGNAL:-TERM}" -k "$KILL_AFTER" "$seconds" "$@" 2>&1 | tee "$LOGS/$name.log"
     rc=${PIPESTATUS[0]}
     echo "$name rc=$rc seconds=$((SECONDS - start)) box=$seconds" >> "$LOGS/steps.txt"
     tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
@@ -57,19 +70,24 @@ print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())
 print('kernels', ' '.join(available_kernels()))"
 KERNELS="$(sed -n 's/^kernels //p' "$LOGS/probe.log")"
 
+SMOKE=()
+[ "$DRY_RUN" = 1 ] && SMOKE=(--smoke)
 run_step ab "$T_AB" python3 benchmarks/kernels/paged_attention.py --kernel ${KERNELS:-v1 v2} \
-    --cases decode:64x4096 decode:64x4096:fp8 decode:33x4096 decode:33x4096:fp8 \
-    decode:1x8192 decode:1x8192:fp8 prefill:1x4096 mixed:64x4096 \
+    --cases decode:64x4096 prefill:1x4096 decode:64x4096:fp8 decode:1x8192 decode:1x8192:fp8 \
+    mixed:64x4096 decode:33x4096 decode:33x4096:fp8 "${SMOKE[@]}" \
     --row-time-limit 2 --trials 5 --time-budget $((T_AB - 25)) --output-json "$OUT/ab.json"
 
-# 35 tests: GQA 1-8 and head_dim 8/64/128 over random ragged batches (bf16), decode-only,
-# split-K, the fp8 pool through the kernel and through forward (both backends), the KV write
+# 50 tests: GQA 1-8 and head_dim 8/64/128 over random ragged batches (bf16), decode-only,
+# split-K (v1 and v2), the fp8 pool through the kernel and through forward (both backends),
+# the KV write
 SUBSET="(ragged_batch_matches_reference and bfloat16) or decode_only_batch or split_k_matches"
 SUBSET+=" or (fp8_pool_matches_reference and pallas-auto-splits and bfloat16)"
 SUBSET+=" or backend_forward_on_fp8_pool or rows_land_in_their_slots"
-run_step tests "$T_TESTS" python3 -m pytest -q -p no:cacheprovider -rf -k "$SUBSET" \
-    tests/kernels/test_paged_attention.py tests/kernels/test_kv_write.py \
-    --junitxml "$OUT/kernel_tests.xml"
+COLLECT=()
+[ "$DRY_RUN" = 1 ] && COLLECT=(--collect-only)
+SIGNAL=INT run_step tests "$T_TESTS" python3 -m pytest -q -p no:cacheprovider -rf -k "$SUBSET" \
+    tests/kernels/test_paged_attention.py tests/kernels/test_paged_attention_v2.py \
+    tests/kernels/test_kv_write.py "${COLLECT[@]}" --junitxml "$OUT/kernel_tests.xml"
 
 THROUGHPUT=(python3 -m jaxpaged.benchmarks.throughput --model configs/models/llama3-8b-shape
     --tokenizer configs/tokenizers/llama2 --load-format dummy --dtype bfloat16
@@ -77,6 +95,13 @@ THROUGHPUT=(python3 -m jaxpaged.benchmarks.throughput --model configs/models/lla
     --num-gpu-blocks-override 1024 --compilation-cache-dir /tmp/jaxpaged_compilation_cache
     --dataset-name random --num-prompts 32 --random-input-len 64 --random-range-ratio 0
     --random-output-len 64)
+if [ "$DRY_RUN" = 1 ]; then     # the bundled model, a few tokens, the same flags otherwise
+    THROUGHPUT=(python3 -m jaxpaged.benchmarks.throughput --tokenizer configs/tokenizers/llama2
+        --load-format dummy --max-model-len 128 --max-num-seqs 4 --max-num-batched-tokens 64
+        --num-gpu-blocks-override 64 --compilation-cache-dir "$DRY_CACHE"
+        --dataset-name random --num-prompts 2 --random-input-len 8 --random-range-ratio 0
+        --random-output-len 4)
+fi
 run_step tp_pallas "$T_TP_PALLAS" "${THROUGHPUT[@]}" --attention-backend pallas \
     --output-json "$OUT/throughput_pallas.json"
 run_step tp_xla "$T_TP_XLA" "${THROUGHPUT[@]}" --attention-backend xla \

@@ -120,15 +120,26 @@ def parse_args(argv):
                    help="seconds for the whole run; later rows are skipped")
     p.add_argument("--output-json", default=None, help="write the rows here (after every case)")
     p.add_argument("--smoke", action="store_true",
-                   help="tiny shapes (interpret mode on a CPU) to check the script")
+                   help="tiny shapes (interpret mode on a CPU) to check the script: the cases "
+                        "keep their mode and pool, shrunk to at most 4 sequences of 64 tokens")
     args = p.parse_args(argv)
     if args.smoke:
         args.num_heads, args.num_kv_heads, args.head_dim, args.prefill_chunk = 4, 2, 16, 32
         args.rotate_bytes = args.bytes_per_call = 1
         args.copy_bytes, args.trial_ms, args.trials = 1 << 20, 1.0, 2
-        if args.cases == list(DEFAULT_CASES):
-            args.cases = list(SMOKE_CASES)
+        args.cases = list(SMOKE_CASES) if args.cases == list(DEFAULT_CASES) else \
+            [shrunk(name) for name in args.cases]
     return args
+
+
+def shrunk(name: str) -> str:
+    """A case's ``--smoke`` size: its mode and pool, at most 4 sequences of 64 tokens (a
+    malformed name is returned as it is, for :func:`expand_cases` to refuse)."""
+    try:
+        case = cases_mod.parse_case(name)
+    except ValueError:
+        return name
+    return cases_mod.Case(case.mode, min(case.batch, 4), min(case.context, 64), case.fp8).name
 
 
 def forward_step(backend, scale: float):
