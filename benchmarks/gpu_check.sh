@@ -10,7 +10,8 @@
 # tests/test_benchmarks.py checks that boxes, kill delays and 3 s of bookkeeping a step sum to
 # <= 360 s) and each leaving its result in $OUT before the next one starts:
 #   probe     jax / flax versions, the devices, the Pallas kernel variants this checkout has;
-#   ab        kernel A/B, old (v1) vs new (v2) and the xla backend, most telling first: bf16
+#   ab        kernel A/B, old (v1) vs new (v2) and the xla backend (and v2's decode kernel
+#             alone, row v2-kernel, beside v2's whole forward), most telling first: bf16
 #             decode batch 64 at context 4096, prefill 1x4096, fp8 decode 64x4096, batch 1 at
 #             8192 (bf16, fp8), mixed, then batch 33, while the step's budget lasts
 #             (benchmarks/kernels/paged_attention.py -> ab.json, rewritten after every case);

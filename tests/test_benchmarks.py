@@ -336,7 +336,10 @@ def check_dry_run(out: Path, stdout: str) -> None:
     assert ab["platform"] == "cpu"
     assert [row["case"] for row in ab["rows"]][:3] == ["decode:4x64", "prefill:1x64",
                                                         "decode:4x64:fp8"]
-    assert all("ms" in result for row in ab["rows"] for result in row["results"].values())
+    assert ab["backends"] == ["pallas-v1", "pallas-v2", "v2-kernel", "xla"]
+    assert all("ms" in result or (name, result) == ("v2-kernel", {"skipped": "decode cases only"})
+               for row in ab["rows"] for name, result in row["results"].items())
+    assert "ms" in ab["rows"][0]["results"]["v2-kernel"]
     assert re.search(r"^50/\d+ tests collected", stdout, re.M)
     for backend in ("pallas", "xla"):
         result = json.loads((out / f"throughput_{backend}.json").read_text())

@@ -41,6 +41,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.benchmarks.kernels import attention_cases as cases_mod
@@ -48,6 +49,12 @@ from jaxpaged.benchmarks.kernels import attention_report as report
 from jaxpaged.benchmarks.kernels.device_timing import copy_bandwidth, device_peaks, plan_rotation, time_sweep
 from jaxpaged.layers.attention.pallas import PallasAttentionBackend
 from jaxpaged.layers.attention.xla import XlaAttentionBackend
+from pallas_kernels.paged_attention import paged_decode_attention
+
+#: The row that times v2's decode kernel alone (``paged_decode_attention``: no KV write, no
+#: query gather, no scatter back) beside ``pallas-v2``'s whole ``backend.forward``, so that
+#: a missed goal is the kernel's or its glue's; decode cases only.
+KERNEL_ROW = "v2-kernel"
 
 #: The issue-19 goal cases, most important first (a time budget cuts the tail).
 DEFAULT_CASES = ("decode:64x4096", "decode:64x4096:fp8", "decode:33x4096", "decode:33x4096:fp8",
@@ -64,7 +71,8 @@ def available_kernels() -> tuple[str, ...]:
 
 
 def make_backends(kernels: list[str], with_xla: bool) -> dict:
-    """{name: backend}: ``pallas-<variant>`` for each kernel variant, then ``xla``.
+    """{name: backend}: ``pallas-<variant>`` for each kernel variant (and :data:`KERNEL_ROW`
+    beside v2), then ``xla``.
 
     Raises:
         ValueError: a variant this checkout does not have ("kernel variant v2 not available").
@@ -77,6 +85,8 @@ def make_backends(kernels: list[str], with_xla: bool) -> dict:
                              f"offers {', '.join(have)}")
         backends[f"pallas-{k}"] = (PallasAttentionBackend(kernel=k) if len(have) > 1
                                    else PallasAttentionBackend())
+    if "pallas-v2" in backends:
+        backends[KERNEL_ROW] = backends["pallas-v2"]
     if with_xla:
         backends["xla"] = XlaAttentionBackend()
     return backends
@@ -153,6 +163,31 @@ def forward_step(backend, scale: float):
     return step
 
 
+def kernel_step(backend, scale: float):
+    """``step(kv_pages, (q_decode,), metadata) -> (kv_pages, output)``: the decode kernel
+    alone on queries already in decode order (:data:`KERNEL_ROW`); the pool is read, not
+    written."""
+    def step(kv_pages, const, metadata):
+        out = paged_decode_attention(const[0], *kv_pages, metadata["page_table"],
+                                     metadata["decode_seq"], metadata["decode_positions"],
+                                     metadata["decode_kv_tokens"], scale=scale,
+                                     k_scale=backend.k_scale, v_scale=backend.v_scale,
+                                     interpret=backend.interpret)
+        return kv_pages, out
+
+    return step
+
+
+def step_and_constants(name, backend, scale, sets, meta):
+    """What a backend's row times and the per-set arrays it reads: ``backend.forward`` on
+    (q, k, v), or for :data:`KERNEL_ROW` the kernel on each set's decode queries."""
+    if name != KERNEL_ROW:
+        return forward_step(backend, scale), tuple((s["q"], s["k"], s["v"]) for s in sets)
+    queries = tuple(jnp.concatenate([s["q"], jnp.zeros_like(s["q"][:1])])[meta["decode_tokens"]]
+                    for s in sets)
+    return kernel_step(backend, scale), tuple((q,) for q in queries)
+
+
 def run_case(case, backends, shape, args, peaks, copy_bps, deadline, rows_by_case):
     """Measure ``case`` on every backend; returns its row."""
     rng = np.random.default_rng(case.batch * 7 + case.context)
@@ -182,12 +217,15 @@ def run_case(case, backends, shape, args, peaks, copy_bps, deadline, rows_by_cas
         if left <= 0:
             row["results"][name] = {"skipped": "time budget"}
             continue
+        if name == KERNEL_ROW and case.mode not in ("decode", "ragged"):
+            row["results"][name] = {"skipped": "decode cases only"}
+            continue
         if case.fp8:
             backend = backend.with_kv_scales(*cases_mod.FP8_SCALES)
         meta = cases_mod.step_metadata(backend, layout)
-        constants = tuple((s["q"], s["k"], s["v"]) for s in sets)
+        step, constants = step_and_constants(name, backend, scale, sets, meta)
         try:
-            timing, pools = time_sweep(forward_step(backend, scale), pools, constants, meta,
+            timing, pools = time_sweep(step, pools, constants, meta,
                                        reps=reps, trial_s=args.trial_ms / 1e3,
                                        max_trials=args.trials,
                                        time_limit_s=min(args.row_time_limit, left))

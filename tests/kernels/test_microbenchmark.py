@@ -24,17 +24,21 @@ def test_smoke_run_rows_ratios_and_counts(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "device-to-device copy" in printed and "goals (issue 19):" in printed
     result = json.loads(out.read_text())
-    backends = [f"pallas-{k}" for k in bench.available_kernels()] + ["xla"]
+    kernel_row = [bench.KERNEL_ROW] if "v2" in bench.available_kernels() else []
+    backends = [f"pallas-{k}" for k in bench.available_kernels()] + kernel_row + ["xla"]
     assert result["backends"] == backends
     rows = {r["case"]: r for r in result["rows"]}
     # mixed:3x64 brings its parts decode:2x64 (already listed) and prefill:1x64, before it
     assert list(rows) == ["decode:2x64", "decode:2x64:fp8", "prefill:1x64", "mixed:3x64"]
     for row in rows.values():
         assert list(row["results"]) == backends
+        results = dict(row["results"])
+        if row["mode"] != "decode" and kernel_row:
+            assert results.pop(bench.KERNEL_ROW) == {"skipped": "decode cases only"}
         assert all(r["ms"] > 0 and r["trials"] >= 1 and r["GBps"] > 0 and r["pct_copy"] > 0
-                   for r in row["results"].values())
+                   for r in results.values())
         assert row["input_sets"] == 2          # --smoke rotates the minimum of two sets
-        assert all(r["pct_hbm"] is None for r in row["results"].values())   # no CPU peak
+        assert all(r["pct_hbm"] is None for r in results.values())   # no CPU peak
     # 2 sequences x 64 tokens x (2 KV heads x 16 dims) x K and V x 2 bytes (bf16) ...
     kv = 2 * 64 * 32 * 2 * 2
     # ... + q and output (2 tokens x 4 heads x 16 x 2 bytes each) + 2 new K and V rows read in
@@ -45,10 +49,11 @@ def test_smoke_run_rows_ratios_and_counts(tmp_path, capsys):
                                                 "total": kv // 2 + 512 + 2 * 2 * 32 * 3}
     # prefill chunk of 32 at positions 32..63: each sees 33..64 keys; 4 FLOPs x 4 heads x 16
     assert rows["prefill:1x64"]["flops"] == 4 * 4 * 16 * sum(range(33, 65))
-    assert all("TFLOPs" in r for r in rows["prefill:1x64"]["results"].values())
-    ms = {case: {b: r["ms"] for b, r in row["results"].items()} for case, row in rows.items()}
+    assert all("TFLOPs" in r for r in rows["prefill:1x64"]["results"].values() if "ms" in r)
+    ms = {case: {b: r["ms"] for b, r in row["results"].items() if "ms" in r}
+          for case, row in rows.items()}
     ratios = rows["mixed:3x64"]["ratios"]
-    for b in backends:
+    for b in (b for b in backends if b != bench.KERNEL_ROW):
         parts = ms["decode:2x64"][b] + ms["prefill:1x64"][b]
         assert ratios["mixed_over_parts"][b] == pytest.approx(ms["mixed:3x64"][b] / parts)
         assert ratios["vs_xla"].get(b, 1.0) == pytest.approx(ms["mixed:3x64"]["xla"]
@@ -61,6 +66,30 @@ def test_smoke_run_rows_ratios_and_counts(tmp_path, capsys):
     goals = result["goals"]
     assert {g["case"] for g in goals} >= {"decode:64x4096", "decode:2x64:fp8", "mixed:64x4096"}
     assert all(g["met"] is None for g in goals)     # a CPU measures none of the goals
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kernel_row_computes_what_the_forward_computes(fp8):
+    """The kernel-alone row's step (v2's decode kernel on the decode queries) gives the decode
+    tokens' outputs of ``pallas-v2``'s whole forward, on a pool already holding their K/V."""
+    if "v2" not in bench.available_kernels():
+        pytest.skip("this checkout has no v2 kernel")
+    backend = bench.make_backends(["v2"], False)[bench.KERNEL_ROW]
+    if fp8:
+        backend = backend.with_kv_scales(*cases.FP8_SCALES)
+    shape = cases.Shape(4, 2, 16, 16, "bfloat16")
+    case = cases.parse_case("ragged:3x64" + (":fp8" if fp8 else ""))
+    layout, num_pages = cases.build_layout(cases.sequences(case, 32), shape.page_size,
+                                           np.random.default_rng(0))
+    inputs = cases.make_input_set(0, layout, num_pages, shape, fp8)
+    meta = cases.step_metadata(backend, layout)
+    forward, (const,) = bench.step_and_constants("pallas-v2", backend, 0.25, [inputs], meta)
+    pool, want = forward(inputs["kv_pages"], const, meta)
+    alone, (q,) = bench.step_and_constants(bench.KERNEL_ROW, backend, 0.25, [inputs], meta)
+    same_pool, got = alone(pool, q, meta)
+    assert same_pool is pool and got.shape == (3, 4, 16)
+    np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                  np.asarray(want[np.asarray(meta["decode_tokens"])], np.float32))
 
 
 def test_missing_kernel_variant_is_a_clear_error(monkeypatch, capsys):
