@@ -17,8 +17,9 @@
 #             (benchmarks/kernels/paged_attention.py -> ab.json, rewritten after every case);
 #   tests     a kernel-test subset compiled for the GPU against the jnp references, stopped
 #             by SIGINT at its box so that pytest still writes its report (-> kernel_tests.xml);
-#   tp_pallas, tp_xla   offline throughput of the Llama-3-8B-shaped model
-#             (configs/models/llama3-8b-shape, dummy bf16 weights) on --attention-backend
+#   tp_pallas, tp_xla   offline throughput of the Llama-3-8B-shaped model with 8 of its 32
+#             layers, so that its compilation fits the box on an empty compile cache
+#             (configs/models/llama3-8b-shape-8l, dummy bf16 weights) on --attention-backend
 #             pallas, then xla: 32 prompts of 64 tokens, 64 output tokens, buckets kept to one
 #             prefill and one decode shape, a persistent compilation cache
 #             (-> throughput_{pallas,xla}.json).
@@ -90,7 +91,7 @@ SIGNAL=INT run_step tests "$T_TESTS" python3 -m pytest -q -p no:cacheprovider -r
     tests/kernels/test_paged_attention.py tests/kernels/test_paged_attention_v2.py \
     tests/kernels/test_kv_write.py "${COLLECT[@]}" --junitxml "$OUT/kernel_tests.xml"
 
-THROUGHPUT=(python3 -m jaxpaged.benchmarks.throughput --model configs/models/llama3-8b-shape
+THROUGHPUT=(python3 -m jaxpaged.benchmarks.throughput --model configs/models/llama3-8b-shape-8l
     --tokenizer configs/tokenizers/llama2 --load-format dummy --dtype bfloat16
     --max-model-len 128 --max-num-seqs 32 --max-num-batched-tokens 2048
     --num-gpu-blocks-override 1024 --compilation-cache-dir /tmp/jaxpaged_compilation_cache
