@@ -48,7 +48,8 @@ from jaxpaged.benchmarks.datasets import SampleRequest, chat_requests, load_chat
 from jaxpaged.benchmarks.plots import plot_grouped_bars
 from jaxpaged.benchmarks.results import (add_cost, add_cost_arg, machine, plot_next_to,
                                          write_outputs)
-from jaxpaged.benchmarks.serve import per_request, run, served_model, summarize
+from jaxpaged.benchmarks.serve import (add_sampling_args, per_request, run, sampling_fields,
+                                      served_model, summarize)
 from jaxpaged.benchmarks.server_process import ServerProcess
 from jaxpaged.runner.compile_cache import DISABLE_ENV
 
@@ -89,6 +90,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work-dir", default=None,
                         help="where the servers' logs go (default: a new temporary directory)")
     parser.add_argument("--output-json", default=None)
+    add_sampling_args(parser)
     add_cost_arg(parser)
 
 
@@ -113,11 +115,11 @@ def workload(args: argparse.Namespace) -> dict:
 
 
 def measure_server(url: str, requests: list[SampleRequest], single: int,
-                   concurrency: int) -> dict:
+                   concurrency: int, sampling: dict | None = None) -> dict:
     """The timed runs against the server at ``url``, after an untimed warm-up (one request
     of :data:`WARMUP_OUTPUT` tokens alone, then ``concurrency`` of them at once: the shapes of
     both runs): ``requests[:single]`` one at a time, then all of ``requests`` with
-    ``concurrency`` in flight.
+    ``concurrency`` in flight; greedy unless ``sampling`` (request body fields) says more.
 
     Returns:
         ``{"model": served name, "runs": {"single_user": ..., "concurrent": ...}}``, each run
@@ -129,12 +131,12 @@ def measure_server(url: str, requests: list[SampleRequest], single: int,
     url, card = served_model(url, None, None)
     model = card["id"]
     warmup = [SampleRequest(q.prompt, 0, WARMUP_OUTPUT) for q in requests[:concurrency]]
-    run(url, model, warmup[:1], 1)
-    run(url, model, warmup, concurrency)
+    run(url, model, warmup[:1], 1, sampling=sampling)
+    run(url, model, warmup, concurrency, sampling=sampling)
     runs = {}
     for name, n, reqs in (("single_user", 1, requests[:single]),
                           ("concurrent", concurrency, requests)):
-        results, duration = run(url, model, reqs, n)
+        results, duration = run(url, model, reqs, n, sampling=sampling)
         summary = summarize(results, duration)
         if summary["failed"]:
             raise RuntimeError(f"{summary['failed']} of {len(reqs)} requests to {url} failed "
@@ -224,7 +226,7 @@ def run_jaxpaged(args: argparse.Namespace, requests: list[SampleRequest], w: dic
                     log, args.health_timeout)
                 if kind == "warm":
                     out.update(measure_server(s.url, requests, w["single_user_prompts"],
-                                              w["concurrency"]))
+                                              w["concurrency"], sampling_fields(args)))
             # the warm server's peak (start-up and workload) is the column's
             key = "peak_rss_mb" if kind == "warm" else "startup_empty_cache_peak_rss_mb"
             out[key] = s.rss.peak_mb
@@ -244,7 +246,8 @@ def run_llama_cpp(args: argparse.Namespace, requests: list[SampleRequest], w: di
     with ServerProcess(command, log, args.health_timeout, rss_interval_s=args.rss_interval,
                        name="llama-server") as s:
         out = {"commands": [command], "startup_s": s.startup_time,
-               **measure_server(s.url, requests, w["single_user_prompts"], w["concurrency"])}
+               **measure_server(s.url, requests, w["single_user_prompts"], w["concurrency"],
+                                sampling_fields(args))}
     out["peak_rss_mb"] = s.rss.peak_mb
     out["version"] = server_version(args.llama_server)
     out["logs"] = [log]
@@ -372,7 +375,8 @@ def main(args: argparse.Namespace) -> dict:
                  r["total_input_tokens"] + r["total_output_tokens"])
     table = comparison_table(engines, w["concurrency"])
     result = {"benchmark": "compare-chat", "model": os.path.abspath(args.model),
-              **machine(load_before), "workload": {"dataset": "chat", **w},
+              **machine(load_before),
+              "workload": {"dataset": "chat", **w, "sampling": sampling_fields(args)},
               "ratio": "how many times better jaxpaged does: its output tokens/s over "
                        "llama.cpp's; llama.cpp's ms, s or MB over jaxpaged's",
               "table": table, "engines": engines,

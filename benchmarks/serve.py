@@ -49,6 +49,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="the server's limit (default: read from /v1/models)")
     add_dataset_args(parser, chat=True)
     parser.add_argument("--output-json", default=None)
+    add_sampling_args(parser)
     add_cost_arg(parser)
 
 
@@ -72,12 +73,32 @@ def _streamed_text(choice: dict) -> str:
     return choice.get("text") or ""
 
 
-async def send(client: httpx.AsyncClient, model: str, q: SampleRequest) -> RequestResult:
-    """Stream one greedy request of exactly ``q.output_len`` tokens (EOS ignored) and time it:
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's ``bench serve`` sampling flags: every request greedy unless they say more."""
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request's temperature (default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
+
+
+def sampling_fields(args: argparse.Namespace) -> dict:
+    """The request body's sampling fields from :func:`add_sampling_args`' flags (those not
+    given are left to the server's defaults)."""
+    fields = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+              "min_p": args.min_p}
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+async def send(client: httpx.AsyncClient, model: str, q: SampleRequest,
+               sampling: dict | None = None) -> RequestResult:
+    """Stream one request of exactly ``q.output_len`` tokens (EOS ignored) and time it:
     to ``/v1/chat/completions`` when ``q`` holds chat messages (its prompt length is then the
-    server's ``usage.prompt_tokens``), else to ``/v1/completions``."""
+    server's ``usage.prompt_tokens``), else to ``/v1/completions``. Greedy unless
+    ``sampling`` (body fields, :func:`sampling_fields`) says otherwise."""
     body = {"model": model, "max_tokens": q.output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            **(sampling or {}), "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
     if q.is_chat:
         path, body["messages"] = "/v1/chat/completions", q.prompt
     else:
@@ -119,13 +140,14 @@ async def send(client: httpx.AsyncClient, model: str, q: SampleRequest) -> Reque
 
 def run(base_url: str, model: str, requests: list[SampleRequest],
         max_concurrency: int | None = None, request_rate: float = float("inf"), seed: int = 0,
-        api_key: str | None = None) -> tuple[list[RequestResult], float]:
-    """Send ``requests`` to the server at ``base_url`` (:func:`send`, :func:`run_limited`'s
-    arrivals and limit); returns the results in request order and the seconds the whole set
-    took (first send to last answer)."""
+        api_key: str | None = None,
+        sampling: dict | None = None) -> tuple[list[RequestResult], float]:
+    """Send ``requests`` to the server at ``base_url`` (:func:`send` with ``sampling``,
+    :func:`run_limited`'s arrivals and limit); returns the results in request order and the
+    seconds the whole set took (first send to last answer)."""
     async def go():
         async with http_client(base_url, api_key) as client:
-            return await run_limited(requests, lambda q: send(client, model, q),
+            return await run_limited(requests, lambda q: send(client, model, q, sampling),
                                      max_concurrency, request_rate, seed)
 
     return asyncio.run(go())
@@ -270,14 +292,15 @@ def main(args: argparse.Namespace) -> dict:
     tokenizer = None if args.dataset_name in CHAT_DATASETS else load_tokenizer(args.tokenizer)
     requests = requests_from_args(args, tokenizer, len(tokenizer or ()), max_len)
     results, duration = run(args.base_url, model, requests, args.max_concurrency,
-                            args.request_rate, args.seed, args.api_key)
+                            args.request_rate, args.seed, args.api_key, sampling_fields(args))
     summary = summarize(results, duration)
     if not summary["completed"]:
         raise RuntimeError(f"every request failed, e.g.: {summary['errors'][0]}")
     print_table(summary)
     result = {"backend": "jaxpaged", "model": model, "dataset": args.dataset_name,
               "request_rate": args.request_rate if np.isfinite(args.request_rate) else "inf",
-              "max_concurrency": args.max_concurrency, **summary, **per_request(results)}
+              "max_concurrency": args.max_concurrency, "sampling": sampling_fields(args),
+              **summary, **per_request(results)}
     add_cost(result, args.cost_per_hour, duration, summary["total_output_tokens"],
              summary["total_input_tokens"] + summary["total_output_tokens"])
     write_outputs(result, args.output_json)

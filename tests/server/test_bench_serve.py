@@ -38,3 +38,19 @@ def test_bench_serve_bad_arguments(live_server, flags, needle):
                                       "--num-prompts", "2", *flags])
     with pytest.raises(ValueError, match=needle):
         serve.main(args)
+
+
+def test_bench_serve_sampled_requests(live_server, tmp_path):
+    """vLLM's sampling flags go into every request (the default stays greedy)."""
+    parser = build_parser()
+    base = ["bench", "serve", "--base-url", live_server.url, "--num-prompts", "4",
+            "--random-input-len", "16", "--random-output-len", "8"]
+    assert serve.sampling_fields(parser.parse_args(base)) == {"temperature": 0.0}
+    out = tmp_path / "sampled.json"
+    args = parser.parse_args([*base, "--temperature", "0.8", "--top-k", "40", "--top-p", "0.95",
+                              "--min-p", "0.05", "--output-json", str(out)])
+    serve.main(args)
+    result = json.loads(out.read_text())
+    assert result["sampling"] == {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05}
+    assert result["completed"] == 4 and result["total_output_tokens"] == 32
+    live_server.wait_idle()
