@@ -111,9 +111,8 @@ class SamplerOutput:
     prompt_logprobs: TokenLogprobs | None = None
 
 
-#: Candidates (the largest scaled logits of a row, ``lax.top_k``) in which the filters look
-#: for their cut, in every row of a step, then row by row where not found, before sorting
-#: the row.
+#: Candidates (the largest scaled logits of a row, ``lax.top_k``) in which a row's filters
+#: look for their cut, then :data:`DEEP_CANDIDATES`, before sorting the row.
 CANDIDATES, DEEP_CANDIDATES = 128, 1024
 
 
@@ -125,13 +124,13 @@ def processed_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
 
     What survives a filter is every token at or above a per-row threshold
     (:func:`_sorted_threshold` defines it on the sorted row). Sorting [8, 49152] logits took
-    27 ms on XLA:CPU (AMD EPYC Zen 4, 2 cores), most of a sampled step of SmolLM2, so a step
-    whose rows filter nothing skips it, and a filtering step first looks for each row's cut
-    among its :data:`CANDIDATES` largest logits (``lax.top_k``: 0.7 ms for 64), which holds
-    whenever top-k <= CANDIDATES, min-p cuts inside them, or top-p's nucleus ends inside them
-    (its mass measured against the whole kept vocabulary); a row whose cut lies deeper looks
-    among its :data:`DEEP_CANDIDATES` largest, and only then sorts. (FlashInfer avoids the sort by rejection sampling, which changes the
-    draws; this keeps them.)
+    27 ms on XLA:CPU (AMD EPYC Zen 4, 2 cores), most of a sampled step of SmolLM2, so the cut
+    is searched row by row, only in rows that filter (not in greedy or padding rows), first
+    among the row's :data:`CANDIDATES` largest logits (``lax.top_k``), which holds whenever
+    top-k <= CANDIDATES, min-p cuts inside them, or top-p's nucleus ends inside them (its
+    mass measured against the whole kept vocabulary), then among its
+    :data:`DEEP_CANDIDATES` largest, and only then in the sorted row. (FlashInfer avoids the
+    sort by rejection sampling, which changes the draws; this keeps them.)
     """
     vocab = logits.shape[-1]
     temperature = jnp.where(meta.greedy, 1.0, meta.temperature)
@@ -139,28 +138,31 @@ def processed_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     filtered = ~meta.greedy & (((meta.top_k > 0) & (meta.top_k < vocab)) | (meta.top_p < 1.0)
                                | (meta.min_p > 0.0))
 
+    def threshold(row):
+        row_logits, row_meta, row_filtered = row
+        one = jax.tree.map(lambda a: a[None], (row_logits, row_meta))
+        return jax.lax.cond(row_filtered, lambda: _row_threshold(*one),
+                            lambda: jnp.float32(-jnp.inf))
+
     def cut(scaled):
-        threshold, found = _candidate_threshold(scaled, meta, min(CANDIDATES, vocab))
-        found |= ~filtered
-        threshold = jax.lax.cond(jnp.all(found), lambda: threshold, lambda: jax.lax.fori_loop(
-            0, scaled.shape[0], lambda i, t: _search_row(i, t, found, scaled, meta), threshold))
-        threshold = jnp.where(filtered, threshold, -jnp.inf)
-        return jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+        thresholds = jax.lax.map(threshold, (scaled, meta, filtered))
+        return jnp.where(scaled >= thresholds[:, None], scaled, -jnp.inf)
 
     return jax.lax.cond(jnp.any(filtered), cut, lambda s: s, scaled)
 
 
-def _search_row(i: jax.Array, threshold: jax.Array, found: jax.Array, scaled: jax.Array,
-                meta: SamplingMetadata) -> jax.Array:
-    """``threshold`` [B] with row ``i``'s entry, unless ``found``, searched among the row's
-    :data:`DEEP_CANDIDATES` largest logits, then in its whole sorted row."""
-    def search():
-        row = jax.lax.dynamic_slice_in_dim(scaled, i, 1)
-        row_meta = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, i, 1), meta)
-        deep, ok = _candidate_threshold(row, row_meta, min(DEEP_CANDIDATES, row.shape[-1]))
-        return jax.lax.cond(ok[0], lambda: deep, lambda: _sorted_threshold(row, row_meta))[0]
+def _row_threshold(row: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """One row's threshold (``row`` [1, V], ``meta`` of [1] arrays -> [] float32): among its
+    :data:`CANDIDATES` largest logits, else its :data:`DEEP_CANDIDATES` largest, else its
+    sorted row."""
+    vocab = row.shape[-1]
+    first, found = _candidate_threshold(row, meta, min(CANDIDATES, vocab))
 
-    return threshold.at[i].set(jax.lax.cond(found[i], lambda: threshold[i], search))
+    def deeper():
+        deep, ok = _candidate_threshold(row, meta, min(DEEP_CANDIDATES, vocab))
+        return jax.lax.cond(ok[0], lambda: deep, lambda: _sorted_threshold(row, meta))
+
+    return jax.lax.cond(found[0], lambda: first, deeper)[0]
 
 
 def _kept_mass(desc: jax.Array, meta: SamplingMetadata, vocab: int,
