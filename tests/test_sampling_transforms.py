@@ -65,7 +65,8 @@ WIDE = (np.random.default_rng(5).standard_normal(4000) * 2.5).astype(np.float32)
 WIDE_CASES = [
     (dict(top_p=0.5), "candidates"), (dict(temperature=0.7, top_k=40, top_p=0.95), "candidates"),
     (dict(min_p=0.1), "candidates"), (dict(top_p=0.9), "deep"),
-    (dict(top_k=300, top_p=0.99), "deep"), (dict(min_p=0.02), "deep"), (dict(min_p=0.01, temperature=2.0), "sorted"),
+    (dict(top_k=300, top_p=0.99), "deep"), (dict(min_p=0.02), "deep"),
+    (dict(min_p=0.01, temperature=2.0), "sorted"),
     (dict(top_p=0.999, temperature=3.0), "sorted"), (dict(top_k=2000), "sorted"),
     (dict(temperature=1.0), "no filter")]
 

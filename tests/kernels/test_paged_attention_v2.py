@@ -46,6 +46,25 @@ def test_decode_split_k_matches_reference(num_slots, kv_tokens, group):
     assert (out[~valid] == 0).all()
 
 
+@pytest.mark.parametrize("num_slots", [8, 19])
+def test_merge_of_many_used_splits(num_slots):
+    """A 2432-token sequence split over every slot (19: three merge iterations of
+    ``MERGE_SLOTS`` = 8 slots, the last with 3) and a padding row, against the reference."""
+    rng = np.random.default_rng(num_slots)
+    page_size, kv_heads, group, head_dim, pages = 16, 2, 4, 64, 160
+    pool = lambda: jnp.asarray(rng.normal(size=(2 * pages + 1, page_size, kv_heads, head_dim)),
+                               jnp.float32)
+    table = jnp.asarray(rng.permutation(np.arange(1, 2 * pages + 1)).reshape(2, pages),
+                        jnp.int32)
+    q = jnp.asarray(rng.normal(size=(3, 1, kv_heads * group, head_dim)), jnp.float32)
+    positions = jnp.asarray([[19 * 4 * 32 - 1], [-1], [700]], jnp.int32)   # 19 splits of 4 tiles
+    args = (q, pool(), pool(), table, jnp.asarray([0, 1, 1], jnp.int32), positions)
+    ref = np.asarray(paged_attention_reference(*args, scale=0.125))
+    out = np.asarray(v2(*args, scale=0.125, num_slots=num_slots, kv_tokens=1))
+    assert np.abs(out - ref)[[0, 2]].max() <= 1e-5
+    assert (out[1] == 0).all()
+
+
 @pytest.mark.parametrize("sliding_window, soft_cap", [(24, None), (None, 3.0), (5, 10.0),
                                                      (40, None)])
 @pytest.mark.parametrize("block_q, num_slots", [(1, 1), (1, 3), (16, None), (32, None)])
