@@ -3,6 +3,7 @@ tokenizer's own Python code runs only with ``trust_remote_code``)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -14,6 +15,17 @@ from jaxpaged.models.gguf_tokenizer import gguf_tokenizer
 
 if TYPE_CHECKING:   # transformers is imported when a tokenizer is loaded, not with jaxpaged
     from transformers import PreTrainedTokenizerBase
+
+
+def _not_the_torch_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("PyTorch was not found")
+
+
+# transformers says at import, on its own logger, that without PyTorch "models won't be
+# available": jaxpaged uses only its tokenizers and configs, so that notice (printed by every
+# run) is dropped; transformers' other warnings stay. (The CLI also sets
+# TRANSFORMERS_VERBOSITY=error for its own runs.)
+logging.getLogger("transformers").addFilter(_not_the_torch_notice)
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
