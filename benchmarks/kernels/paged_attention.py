@@ -49,10 +49,9 @@ from jaxpaged.benchmarks.kernels import attention_report as report
 from jaxpaged.benchmarks.kernels.device_timing import copy_bandwidth, device_peaks, plan_rotation, time_sweep
 from jaxpaged.layers.attention.pallas import PallasAttentionBackend
 from jaxpaged.layers.attention.xla import XlaAttentionBackend
-from pallas_kernels.paged_attention import paged_decode_attention
 
-#: The row that times v2's decode kernel alone (``paged_decode_attention``: no KV write, no
-#: query gather, no scatter back) beside ``pallas-v2``'s whole ``backend.forward``, so that
+#: The row that times v2's decode kernel alone (``PallasAttentionBackend.decode``: no KV
+#: write, no query gather, no scatter back) beside ``pallas-v2``'s whole ``backend.forward``, so that
 #: a missed goal is the kernel's or its glue's; decode cases only.
 KERNEL_ROW = "v2-kernel"
 
@@ -168,12 +167,7 @@ def kernel_step(backend, scale: float):
     alone on queries already in decode order (:data:`KERNEL_ROW`); the pool is read, not
     written."""
     def step(kv_pages, const, metadata):
-        out = paged_decode_attention(const[0], *kv_pages, metadata["page_table"],
-                                     metadata["decode_seq"], metadata["decode_positions"],
-                                     metadata["decode_kv_tokens"], scale=scale,
-                                     k_scale=backend.k_scale, v_scale=backend.v_scale,
-                                     interpret=backend.interpret)
-        return kv_pages, out
+        return kv_pages, backend.decode(const[0], kv_pages, metadata, scale=scale)
 
     return step
 

@@ -68,20 +68,32 @@ class PallasAttentionBackend(QueryBlockBackend):
         kv_pages = self.write_kv(kv_pages, k, v, metadata["slot_mapping"])
         t, num_heads, head_dim = q.shape
         q_padded = jnp.concatenate([q, jnp.zeros((1, num_heads, head_dim), q.dtype)])
-        options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                       k_scale=self.k_scale, v_scale=self.v_scale, interpret=self.interpret)
+        options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
         decode_tokens = metadata["decode_tokens"]
-        out = paged_decode_attention(q_padded[decode_tokens], *kv_pages, metadata["page_table"],
-                                     metadata["decode_seq"], metadata["decode_positions"],
-                                     metadata["decode_kv_tokens"], **options)
+        out = self.decode(q_padded[decode_tokens], kv_pages, metadata, **options)
         result = jnp.zeros((t + 1, num_heads, head_dim), q.dtype).at[decode_tokens].set(out)
         prefill_tokens = metadata["prefill_tokens"]
         if prefill_tokens.shape[0]:
             out = paged_prefill_attention(q_padded[prefill_tokens], *kv_pages,
                                           metadata["page_table"], metadata["prefill_seq"],
-                                          metadata["prefill_positions"], **options)
+                                          metadata["prefill_positions"], k_scale=self.k_scale,
+                                          v_scale=self.v_scale, interpret=self.interpret,
+                                          **options)
             result = result.at[prefill_tokens].set(out)
         return result[:t], kv_pages
+
+    def decode(self, q_decode, kv_pages, metadata, *, scale: float,
+               sliding_window: int | None = None, soft_cap: float | None = None):
+        """v2's decode launch alone (no KV write, no scatter back): ``q_decode`` [ND, H, D]
+        the decode tokens' queries in ``metadata["decode_tokens"]`` order -> [ND, H, D]
+        (``pallas_kernels.paged_attention.paged_decode_attention``; also timed on its own by
+        ``benchmarks/kernels/paged_attention.py``)."""
+        return paged_decode_attention(q_decode, *kv_pages, metadata["page_table"],
+                                      metadata["decode_seq"], metadata["decode_positions"],
+                                      metadata["decode_kv_tokens"], scale=scale,
+                                      sliding_window=sliding_window, soft_cap=soft_cap,
+                                      k_scale=self.k_scale, v_scale=self.v_scale,
+                                      interpret=self.interpret)
 
     def write_kv(self, kv_pages, k, v, slot_mapping):
         """Pallas KV-write kernel, pool aliased in place."""
