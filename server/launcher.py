@@ -29,7 +29,7 @@ from jaxpaged.engine.follower import run_follower
 from jaxpaged.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from jaxpaged.runner.host_memory import limit_malloc_arenas
 from jaxpaged.server.app import build_app
-from jaxpaged.server.multi_model import load_models_config, make_multi_server
+from jaxpaged.server.multi_model import ModelEntry, load_models_config, make_multi_server
 from jaxpaged.server.serving import ServerConfig
 from jaxpaged.server.server_args import server_config
 from jaxpaged.spec_decode.draft_model import check_draft_model
@@ -100,9 +100,9 @@ def run_server(args: argparse.Namespace) -> int:
         if args.models_config and engine_args.num_processes > 1:
             raise ValueError("--models-config serves several models in one process; it "
                              "cannot be combined with --num-processes")
-        if args.models_config:
-            engine, app = make_multi_server(load_models_config(args.models_config),
-                                            engine_args, config, make_model_server,
+        entries = load_models_config(args.models_config) if args.models_config else None
+        if entries:
+            engine, app = make_multi_server(entries, engine_args, config, make_model_server,
                                             not args.disable_log_stats)
         elif not follower:
             engine, app = make_server(engine_args, config, not args.disable_log_stats,
@@ -142,8 +142,8 @@ def run_server(args: argparse.Namespace) -> int:
         # uvicorn re-raises SIGTERM after its graceful shutdown; as an exception (not the
         # default action) it lets the process pass JAX's shutdown barrier with the others.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
-    logger.info("serving %s as %s on http://%s:%d", engine_args.model,
-                config.served_model_names, args.host, args.port)
+    for line in serving_lines(engine_args, config, entries, args.host, args.port):
+        logger.info("%s", line)
     try:
         server.run()
     except KeyboardInterrupt:   # uvicorn re-raises the signal after its graceful shutdown
@@ -158,6 +158,18 @@ def run_server(args: argparse.Namespace) -> int:
         # without finalizing the interpreter around it, which can crash in native code.
         abandon(status)
     return status
+
+
+def serving_lines(engine_args: EngineArgs, config: ServerConfig,
+                  entries: list[ModelEntry] | None, host: str, port: int) -> list[str]:
+    """The start-up log's ``serving`` lines: the model and the names clients use for it,
+    one line per model of ``--models-config`` (``entries``; None: the one model of
+    ``engine_args`` under ``config.served_model_names``)."""
+    if not entries:
+        return [f"serving {engine_args.model} as {config.served_model_names} "
+                f"on http://{host}:{port}"]
+    return [f"serving {entry.model} as {entry.served_model_name} on http://{host}:{port}"
+            for entry in entries]
 
 
 def _stop_the_starting_job(engine: AsyncEngine) -> None:

@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+from jaxpaged.server.launcher import serving_lines
 from jaxpaged.server.multi_model import entry_engine_args, load_models_config
 from jaxpaged.server.serving import ServerConfig
 from tests.conftest import FIXTURES
@@ -102,6 +103,20 @@ def test_memory_shares_and_overrides(tmp_path):
     assert (args.model, args.max_num_seqs, args.gpu_memory_utilization) == (TINY, 2, 0.4)
     args = entry_engine_args(engine_args(kv_cache_memory_bytes=1000), small)
     assert args.kv_cache_memory_bytes == 500
+
+
+def test_startup_lines_name_each_model_with_its_own_names(tmp_path):
+    """The start-up line named the server's positional model (the default one) with the
+    server's --served-model-name instead of each --models-config model and its names."""
+    entries = load_models_config(write_config(tmp_path, [
+        {"model": "/models/a", "served_model_name": ["a", "a-latest"]},
+        {"model": "/models/b", "served_model_name": "b"}]))
+    lines = serving_lines(engine_args(), ServerConfig([DEFAULT_MODEL]), entries, "0.0.0.0", 8000)
+    assert [line.split(" (")[0] for line in lines] == [
+        "serving /models/a as ['a', 'a-latest'] on http://0.0.0.0:8000",
+        "serving /models/b as ['b'] on http://0.0.0.0:8000"]
+    assert serving_lines(engine_args(model=TINY), ServerConfig(["t"]), None, "h", 1) == [
+        f"serving {TINY} as ['t'] on http://h:1"]
 
 
 @pytest.mark.parametrize("models, needle", [
