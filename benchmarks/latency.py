@@ -4,7 +4,8 @@ Each iteration generates ``--batch-size`` random prompts of ``--input-len`` toke
 ``--output-len`` tokens (greedy, EOS ignored); every iteration draws new token ids, so the
 prefix cache never serves one iteration from another. ``--num-iters-warmup`` untimed
 iterations compile the step shapes first. Writes ``avg_latency``, ``latencies`` and
-``percentiles`` (vLLM's field names) to ``--output-json``. With ``--speculative-config`` and
+``percentiles`` (vLLM's field names) to ``--output-json``, and beside it a PNG of each
+iteration's latency (:func:`plot_panels`). With ``--speculative-config`` and
 ``--compare-plain`` a second engine without speculation runs the same batches, interleaved
 with the speculative ones (a noisy machine then slows both alike), and the result adds
 ``plain_latencies``, ``plain_avg_latency`` and ``speedup_vs_plain`` (plain latency /
@@ -19,8 +20,9 @@ import numpy as np
 
 from jaxpaged import LLM
 from jaxpaged.benchmarks.datasets import prompt_lookup_requests, random_requests
+from jaxpaged.benchmarks.plots import plot_grouped_bars
 from jaxpaged.benchmarks.results import (PERCENTILES, add_cost, add_cost_arg, add_spec_decode,
-                                         write_outputs)
+                                         plot_next_to, write_outputs)
 from jaxpaged.benchmarks.throughput import run_requests
 from jaxpaged.engine.arg_utils import EngineArgs
 
@@ -89,4 +91,20 @@ def main(args: argparse.Namespace) -> dict:
     add_cost(result, args.cost_per_hour, result["avg_latency"], tokens,
              tokens + args.batch_size * args.input_len)
     write_outputs(result, args.output_json)
+    if args.output_json:
+        plot_next_to(args.output_json, lambda path: plot_grouped_bars(
+            plot_panels(result), path,
+            f"bench latency: batch {args.batch_size} x {args.input_len} + "
+            f"{args.output_len} tokens\naverage {result['avg_latency']:.3f} s"))
     return result
+
+
+def plot_panels(result: dict) -> list[tuple]:
+    """The plot's one panel for :func:`~jaxpaged.benchmarks.plots.plot_grouped_bars`: each
+    timed iteration's latency in seconds, beside the plain engine's where
+    ``--compare-plain`` ran one (``speculative`` and ``plain`` then)."""
+    iterations = [f"iter {i + 1}" for i in range(len(result["latencies"]))]
+    if "plain_latencies" not in result:
+        return [("latency (s)", iterations, {"jaxpaged": result["latencies"]})]
+    return [("latency (s)", iterations, {"speculative": result["latencies"],
+                                         "plain": result["plain_latencies"]})]

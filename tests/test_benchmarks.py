@@ -68,6 +68,10 @@ def test_bench_latency_small(tmp_path):
     assert len(result["latencies"]) == 3 and result["avg_latency"] > 0
     assert set(result["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
     assert all(v > 0 for v in result["percentiles"].values())
+    # the PNG the README promises next to the JSON (none was written)
+    assert (tmp_path / "lat.png").read_bytes().startswith(b"\x89PNG")
+    assert latency.plot_panels(result) == [
+        ("latency (s)", ["iter 1", "iter 2", "iter 3"], {"jaxpaged": result["latencies"]})]
 
 
 def test_bench_host_overhead_small(tmp_path):
@@ -425,3 +429,6 @@ def test_bench_latency_compares_speculation_with_plain_decoding(tmp_path):
         result["plain_avg_latency"] / result["avg_latency"])
     # warm-up and 2 timed batches of 2 sequences drafted at least once each
     assert result["spec_decode"]["num_drafts"] >= 6
+    assert latency.plot_panels(result) == [
+        ("latency (s)", ["iter 1", "iter 2"], {"speculative": result["latencies"],
+                                               "plain": result["plain_latencies"]})]
