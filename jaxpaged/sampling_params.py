@@ -35,8 +35,10 @@ class StructuredOutputsParams:
         grammar: a context-free grammar in Lark syntax (llguidance's dialect) or GBNF.
         json_object: True: the output is any JSON object (``response_format``
             ``json_object``).
-        disable_any_whitespace: JSON without whitespace between tokens (else any amount of
-            JSON whitespace may appear there).
+        disable_any_whitespace: JSON without whitespace between tokens (llguidance's
+            ``whitespace_flexible`` off): the default, unlike vLLM's, as a small or cold
+            model let free fills ``max_tokens`` with blank lines inside ``{ }``. False opts
+            in to flexible whitespace (any amount of JSON whitespace between tokens).
         disable_additional_properties: objects of the schema that do not say otherwise get
             ``additionalProperties: false``.
         whitespace_pattern: a regex for the whitespace allowed between JSON tokens
@@ -55,7 +57,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    disable_any_whitespace: bool = False
+    disable_any_whitespace: bool = True
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
 

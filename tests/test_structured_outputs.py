@@ -134,6 +134,7 @@ def stories():
 
 
 def test_bundled_model_outputs_match_their_grammars_without_compiling(stories):
+    assert stories.engine.wait_until_compiled()
     compiled = stories.engine.stats().num_compilations
     prompts, params, kinds = batch("Once upon a time")
     outs = stories.generate(prompts, params, use_tqdm=False)
@@ -158,12 +159,32 @@ def test_lark_grammar_and_json_object(stories):
         SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(
             grammar='start: "The " ANIMAL " is " COLOR\nANIMAL: "cat" | "dog"\n'
                     'COLOR: "red" | "blue"')),
-        # Any object, JSON whitespace allowed: the bundled model starts one long key.
+        # Any object (compact by default): the bundled model starts one long key.
         SamplingParams(temperature=0, max_tokens=6, structured_outputs=StructuredOutputsParams(
             json_object=True))], use_tqdm=False)
     assert re.fullmatch("The (cat|dog) is (red|blue)", outs[0].outputs[0].text)
     assert outs[0].outputs[0].finish_reason == "stop"
     assert re.fullmatch(r'\{\s*"[^"]*', outs[1].outputs[0].text), outs[1].outputs[0].text
+
+
+def test_json_whitespace_is_compact_unless_flexible_is_asked_for(stories):
+    # Issue 43: with whitespace flexible by default, 4 of 4 samples were '{ \n"age" \n\n\n'
+    # until max_tokens. Compact (the default) they close their object and stop.
+    schema = {"type": "object", "properties": {"age": {"type": "integer"},
+                                               "name": {"type": "string", "maxLength": 8}},
+              "required": ["age", "name"], "additionalProperties": False}
+    outs = stories.generate(["Once upon a time"] * 2, [
+        SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=40,
+                       structured_outputs=StructuredOutputsParams(json=schema, **kw))
+        for kw in ({}, {"disable_any_whitespace": False})], use_tqdm=False)
+    compact, flexible = ([(c.text, c.finish_reason) for c in o.outputs] for o in outs)
+    for text, finish in compact:
+        value = json.loads(text)
+        jsonschema.validate(value, schema)
+        assert (text, finish) == (json.dumps(value, separators=(",", ":")), "stop")
+    assert len({text for text, _ in compact}) == 4
+    assert all(re.match(r'\{\s+"age"\s*\n\s*\n', t) and f == "length" for t, f in flexible), \
+        flexible
 
 
 PREEMPTION_KW = dict(enforce_eager=True, max_num_seqs=16, max_model_len=128, block_size=8)

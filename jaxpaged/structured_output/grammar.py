@@ -2,8 +2,9 @@
 
 The mapping follows vLLM's guidance backend (``vllm/v1/structured_output/backend_guidance.py``,
 ``serialize_guidance_grammar``): a JSON schema goes through llguidance's JSON compiler
-(``LLMatcher.grammar_from_json_schema``; whitespace flexible unless
-``disable_any_whitespace``), ``json_object`` is the schema ``{"type": "object"}``, and regex,
+(``LLMatcher.grammar_from_json_schema``; compact, llguidance's ``whitespace_flexible``
+off, unless a request sets ``disable_any_whitespace`` false, which jaxpaged defaults to true
+where vLLM defaults to false), ``json_object`` is the schema ``{"type": "object"}``, and regex,
 choice and grammar go through ``llguidance.grammar_from``. llguidance's grammar syntax:
 https://github.com/guidance-ai/llguidance/blob/main/docs/syntax.md.
 """
