@@ -48,12 +48,16 @@ def tool_choice_of(body: ChatCompletionRequest, config: ServerConfig) -> str | N
 
 def tool_parser_for(body: ChatCompletionRequest, choice: str | NamedToolChoice,
                     config: ServerConfig) -> ToolParser | None:
-    """A fresh output parser for one choice of the request (None: no tool parsing)."""
+    """A fresh output parser for one choice of the request (None: no tool parsing). Forced
+    calls (``required``, a named function) get their ids in the ``--tool-call-parser``'s
+    format, as its own calls do."""
     max_calls = None if body.parallel_tool_calls else 1
+    make_id = TOOL_PARSERS[config.tool_call_parser].make_id if config.tool_call_parser \
+        else None
     if isinstance(choice, NamedToolChoice):
-        return NamedToolParser(choice.function.name)
+        return NamedToolParser(choice.function.name, make_id)
     if choice == "required":
-        return RequiredToolParser(max_calls)
+        return RequiredToolParser(max_calls, make_id)
     if choice == "auto":
         return TOOL_PARSERS[config.tool_call_parser](max_calls)
     return None

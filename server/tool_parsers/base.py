@@ -115,8 +115,10 @@ class ToolParser:
         self._whitespace = ""
         self._out = ParsedDelta()
 
-    def make_id(self) -> str:
-        """A new call's id (:func:`make_tool_call_id`; Mistral's parser overrides it)."""
+    @staticmethod
+    def make_id() -> str:
+        """A new call's id (:func:`make_tool_call_id`; Mistral's parser overrides it, and the
+        ``tool_choice`` parsers take the ``--tool-call-parser``'s)."""
         return make_tool_call_id()
 
     def feed(self, text: str) -> ParsedDelta:

@@ -1,7 +1,9 @@
 """The output parsers of ``tool_choice: "required"`` and of a named function, whose output
 format is the JSON that structured outputs enforce for them
 (:func:`jaxpaged.server.tool_calls.forced_call_schema`): for ``required`` a JSON array of
-``{"name", "parameters"}`` objects, for a named function the arguments object itself.
+``{"name", "parameters"}`` objects, for a named function the arguments object itself. Call
+ids take the ``--tool-call-parser``'s format where one is configured (Mistral's templates
+require their 9 alphanumerics on the next turn), else vLLM's ``chatcmpl-tool-<hex>``.
 
 Contract: vLLM's ``vllm/entrypoints/openai/serving_chat.py`` (``required``: the content is
 validated as ``list[FunctionDefinition]``; a named choice: the content is the arguments).
@@ -10,6 +12,7 @@ validated as ``list[FunctionDefinition]``; a named choice: the content is the ar
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from jaxpaged.server.tool_parsers.base import (LeadingCallsParser, ToolCallDelta, ToolParser,
                                                call_from_json)
@@ -23,8 +26,10 @@ class RequiredToolParser(LeadingCallsParser):
     openers = ("[",)
     keeps_special_tokens = False
 
-    def __init__(self, max_calls: int | None = None):
+    def __init__(self, max_calls: int | None = None, make_id: Callable[[], str] | None = None):
         super().__init__(max_calls)
+        if make_id is not None:     # the --tool-call-parser's id format
+            self.make_id = make_id
         self._parsed = 0
         self._closed = False
 
@@ -68,8 +73,10 @@ class NamedToolParser(ToolParser):
 
     keeps_special_tokens = False
 
-    def __init__(self, function_name: str):
+    def __init__(self, function_name: str, make_id: Callable[[], str] | None = None):
         super().__init__(max_calls=1)
+        if make_id is not None:     # the --tool-call-parser's id format
+            self.make_id = make_id
         self.function_name = function_name
 
     def _start(self) -> None:

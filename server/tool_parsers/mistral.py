@@ -31,7 +31,9 @@ class MistralToolParser(MarkedCallParser):
     name = "mistral"
     start = "[TOOL_CALLS]"
 
-    def make_id(self) -> str:
+    @staticmethod
+    def make_id() -> str:
+        """A new call's id: :data:`MISTRAL_ID_LENGTH` random letters and digits."""
         return "".join(secrets.choice(_ID_ALPHABET) for _ in range(MISTRAL_ID_LENGTH))
 
     def body_end(self, body: str) -> int | None:
