@@ -29,6 +29,7 @@ from jaxpaged.server.protocol_chat import (ChatChoice, ChatChunkChoice, ChatComp
                                            ChatLogprobs, ChatMessage, DeltaMessage, TokenLogprob,
                                            TokenizeRequest)
 from jaxpaged.server.reasoning import REASONING_PARSERS
+from jaxpaged.server.reasoning.think import thinking_enabled
 from jaxpaged.server.serving import OpenAIServing, PreparedPrompt, clamp_logprob, off_loop, sse
 from jaxpaged.server.usage import cached_tokens, usage
 from jaxpaged.server.vllm_extras import (check_refused, continuous_usage, echo_text,
@@ -179,13 +180,14 @@ class OpenAIServingChat(OpenAIServing):
         if self.config.reasoning_parser:     # the reasoning parser's initial state reads it
             tail = await off_loop(self.tokenizer.decode, ids[-PROMPT_TAIL_TOKENS:],
                                   skip_special_tokens=False)
-        parser = functools.partial(self._parser, body, tool_choice, tail)
-        tools = parser().tools
-        if tools is not None and tools.keeps_special_tokens:   # call markers may be special
-            params = dataclasses.replace(params, skip_special_tokens=False)
         schema = forced_call_schema(body, tool_choice)
         if schema is not None:      # "required" / a named function: the format is enforced
             params = with_forced_call(params, schema)
+        parser = functools.partial(self._parser, body, tool_choice, tail,
+                                   params.structured_outputs is not None)
+        tools = parser().tools
+        if tools is not None and tools.keeps_special_tokens:   # call markers may be special
+            params = dataclasses.replace(params, skip_special_tokens=False)
         reasoning = parser().reasoning
         if reasoning is not None and params.structured_outputs is not None:
             opening = reasoning.grammar_opening()     # the grammar starts after the reasoning
@@ -198,13 +200,17 @@ class OpenAIServingChat(OpenAIServing):
         request_id = self.request_id(raw_request, prefix, body.request_id)
         return ChatRun(request_id, prompt, params, parser)
 
-    def _parser(self, body: ChatCompletionRequest, tool_choice, prompt_tail: str | None
-                ) -> ChoiceOutputParser:
+    def _parser(self, body: ChatCompletionRequest, tool_choice, prompt_tail: str | None,
+                constrained: bool = False) -> ChoiceOutputParser:
         """A fresh output parser for one choice (``--reasoning-parser`` started in the state
-        the end of the prompt, ``prompt_tail``, implies)."""
+        the end of the prompt, ``prompt_tail``, implies, knowing whether the request enables
+        thinking and whether its output follows a grammar, ``constrained``)."""
         reasoning = None
         if self.config.reasoning_parser:
-            reasoning = REASONING_PARSERS[self.config.reasoning_parser](prompt_tail)
+            thinking = thinking_enabled({**(self.config.default_chat_template_kwargs or {}),
+                                         **(body.chat_template_kwargs or {})})
+            reasoning = REASONING_PARSERS[self.config.reasoning_parser](
+                prompt_tail, thinking=thinking, constrained=constrained)
         return ChoiceOutputParser(reasoning, tool_parser_for(body, tool_choice, self.config),
                                   tool_choice)
 

@@ -9,6 +9,13 @@ answer; otherwise the output may open with ``<think>``, and what follows without
 answer (``qwen3``) or reasoning until ``</think>`` (``deepseek_r1``, whose models always
 think). Output cut (``max_tokens``, a stop string) before ``</think>`` is all reasoning.
 
+A request whose output is constrained (a structured output or a forced tool call) gets its
+grammar behind the reasoning (:meth:`ThinkReasoningParser.grammar_opening`): ``qwen3`` offers
+the model a think block only where the request enables thinking (``chat_template_kwargs``
+``enable_thinking`` / ``thinking`` true, or a template that opened the block), else the
+grammar holds from the first token and the output is all answer; an opening tag cut by
+``max_tokens`` is then a cut thought (no answer), never content.
+
 Contract: vLLM's ``vllm/reasoning/qwen3_reasoning_parser.py`` and
 ``deepseek_r1_reasoning_parser.py`` (``reasoning`` / ``content`` exactly the text either side
 of the tags, nothing stripped).
@@ -30,6 +37,11 @@ class ThinkReasoningParser:
     Args:
         prompt_tail: the end of the rendered prompt (its last few tokens decoded), from which
             the initial state is read.
+        thinking: whether the request enables thinking (:func:`thinking_enabled` of its
+            template variables); read only by ``qwen3``'s :meth:`grammar_opening`.
+        constrained: the output follows a grammar placed by :meth:`grammar_opening`: where
+            that grammar offers no think block the output is all answer, and a cut
+            ``start`` tag is a cut thought.
     """
 
     name: ClassVar[str]
@@ -38,18 +50,26 @@ class ThinkReasoningParser:
     #: The state of output that does not open with ``start`` (and had no prompt hint).
     untagged: ClassVar[str]
 
-    def __init__(self, prompt_tail: str = ""):
+    def __init__(self, prompt_tail: str = "", thinking: bool = False,
+                 constrained: bool = False):
         self.state = initial_state(prompt_tail, self.start, self.end)
+        self.thinking = thinking
+        self.constrained = constrained
+        if constrained and self.grammar_opening() is None:
+            self.state = CONTENT
         self._buffer = ""
 
     def grammar_opening(self) -> str | None:
         """How a structured output's grammar must let the output begin in this state
         (:func:`jaxpaged.structured_output.grammar.after_reasoning`'s ``opening``), or None
-        when the reasoning already ended (the grammar applies from the first token)."""
+        when the grammar applies from the first token: the reasoning already ended, or
+        (``qwen3``) the request does not enable thinking, so no think block is offered."""
         if self.state == REASONING:
             return "inside"
         if self.state == AWAIT:
-            return "optional" if self.untagged == CONTENT else "untagged_reasoning"
+            if self.untagged == REASONING:
+                return "untagged_reasoning"
+            return "optional" if self.thinking else None
         return None
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -80,6 +100,8 @@ class ThinkReasoningParser:
         rest, self._buffer = self._buffer, ""
         if self.state == AWAIT:                  # a lone start of "<think>" and nothing more
             self.state = self.untagged
+            if self.constrained and rest:       # under a grammar: the tag, cut (no text)
+                self.state, rest = REASONING, ""
         return (rest, "") if self.state == REASONING else ("", rest)
 
     def parse(self, text: str) -> tuple[str, str]:
@@ -87,6 +109,14 @@ class ThinkReasoningParser:
         r1, c1 = self.feed(text)
         r2, c2 = self.finish()
         return r1 + r2, c1 + c2
+
+
+def thinking_enabled(template_kwargs: dict | None) -> bool:
+    """Whether a chat request's template variables (``chat_template_kwargs`` over the
+    server's defaults) turn thinking on: ``enable_thinking`` (Qwen3's templates) or
+    ``thinking`` (DeepSeek-V3.1's) true."""
+    kwargs = template_kwargs or {}
+    return bool(kwargs.get("enable_thinking", kwargs.get("thinking", False)))
 
 
 def initial_state(prompt_tail: str, start: str, end: str) -> str:

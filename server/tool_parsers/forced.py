@@ -67,9 +67,11 @@ class RequiredToolParser(LeadingCallsParser):
 
 
 class NamedToolParser(ToolParser):
-    """The whole output is the arguments of the named function: the call's header first,
-    then every text delta as an arguments fragment (the non-streaming ``arguments`` is the
-    whole output, as vLLM's)."""
+    """The whole output is the arguments of the named function: the call's header (id,
+    name) when its arguments begin (the first text that is not blank), then every text
+    delta as an arguments fragment (the non-streaming ``arguments`` is the whole output
+    from there, as vLLM's). An output with no such text (cut inside the reasoning) makes no
+    call at all, never one with empty ``arguments``."""
 
     keeps_special_tokens = False
 
@@ -79,16 +81,16 @@ class NamedToolParser(ToolParser):
             self.make_id = make_id
         self.function_name = function_name
 
-    def _start(self) -> None:
+    def _feed(self) -> None:
         if not self.num_calls:
+            self._buffer = self._buffer.lstrip()    # blank text before the arguments
+            if not self._buffer:
+                return
             self.num_calls = 1
             self._out.calls.append(ToolCallDelta(0, self.make_id(), self.function_name, ""))
-
-    def _feed(self) -> None:
-        self._start()
         if self._buffer:
             self._out.calls.append(ToolCallDelta(0, arguments=self._buffer))
             self._buffer = ""
 
     def _finish(self) -> None:
-        self._start()
+        self._buffer = ""

@@ -329,15 +329,17 @@ def test_required_and_named_choices_are_enforced_on_a_model_that_knows_no_tools(
 def test_structured_outputs_start_after_the_reasoning(server, client, monkeypatch, caplog,
                                                       prefill):
     # A think block then the JSON: the grammar admits every token of it only because the
-    # server puts the schema behind the reasoning (after_reasoning); without a reasoning
-    # parser the same tokens break the grammar at the first one.
+    # server puts the schema behind the reasoning (after_reasoning; qwen3 offers the block
+    # only where thinking is enabled); without a reasoning parser the same tokens break the
+    # grammar at the first one.
     text = ("" if prefill else "<think>") + 'plan it</think>\n{"city":"Paris"}'
     n = force(monkeypatch, server, {"think-json": text})["think-json"]
     schema = {"type": "object", "properties": {"city": {"type": "string"}},
               "required": ["city"]}
     fields = {"response_format": {"type": "json_schema",
                                   "json_schema": {"name": "w", "schema": schema}},
-              "extra_body": {"chat_template_kwargs": {"prefill_think": prefill}}}
+              "extra_body": {"chat_template_kwargs": {"prefill_think": prefill,
+                                                      "enable_thinking": True}}}
     refused = "structured output: the grammar refused"
     with server.configured(reasoning_parser="qwen3"), caplog.at_level("WARNING"):
         m = ask(client, "think-json", n, **fields).choices[0].message
