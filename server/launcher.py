@@ -29,7 +29,8 @@ from jaxpaged.engine.follower import run_follower
 from jaxpaged.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from jaxpaged.runner.host_memory import limit_malloc_arenas
 from jaxpaged.server.app import build_app
-from jaxpaged.server.multi_model import ModelEntry, load_models_config, make_multi_server
+from jaxpaged.server.multi_model import (ModelEntry, kv_memory_note, load_models_config,
+                                         make_multi_server)
 from jaxpaged.server.serving import ServerConfig
 from jaxpaged.server.server_args import server_config
 from jaxpaged.spec_decode.draft_model import check_draft_model
@@ -163,13 +164,14 @@ def run_server(args: argparse.Namespace) -> int:
 def serving_lines(engine_args: EngineArgs, config: ServerConfig,
                   entries: list[ModelEntry] | None, host: str, port: int) -> list[str]:
     """The start-up log's ``serving`` lines: the model and the names clients use for it,
-    one line per model of ``--models-config`` (``entries``; None: the one model of
-    ``engine_args`` under ``config.served_model_names``)."""
+    one line per model of ``--models-config`` (``entries``, each with what its
+    ``kv_cache_memory_share`` applies to; None: the one model of ``engine_args`` under
+    ``config.served_model_names``)."""
     if not entries:
         return [f"serving {engine_args.model} as {config.served_model_names} "
                 f"on http://{host}:{port}"]
-    return [f"serving {entry.model} as {entry.served_model_name} on http://{host}:{port}"
-            for entry in entries]
+    return [f"serving {entry.model} as {entry.served_model_name} on http://{host}:{port} "
+            f"({kv_memory_note(engine_args, entry)})" for entry in entries]
 
 
 def _stop_the_starting_job(engine: AsyncEngine) -> None:

@@ -23,7 +23,9 @@ The config file is JSON:
 ``kv_cache_memory_share`` is the model's fraction of the device memory the server may use:
 its engine runs with ``gpu_memory_utilization`` = share x ``--gpu-memory-utilization`` (the
 shares must add up to at most 1), or, where ``--kv-cache-memory-bytes`` is given, that many
-bytes x share. ``engine_args`` override the server's engine flags for that model (any
+bytes x share; on a CPU without ``--kv-cache-memory-bytes`` it caps the engine's KV pool at
+share x the CPU's default KV budget (``jaxpaged.runner.kv_sizing``). The start-up log says
+which applied to each model. ``engine_args`` override the server's engine flags for that model (any
 :class:`~jaxpaged.engine.arg_utils.EngineArgs` field).
 """
 
@@ -38,8 +40,9 @@ from prometheus_client import generate_latest
 from prometheus_client.core import Metric
 from starlette.responses import JSONResponse, Response
 
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.engine.arg_utils import NOT_FLAGS, EngineArgs
 from jaxpaged.server.app import APIKeyMiddleware
+from jaxpaged.runner import kv_sizing
 from jaxpaged.server.errors import error_response
 from jaxpaged.server.serving import ServerConfig, engine_error, model_not_found
 
@@ -81,7 +84,7 @@ def load_models_config(path: str) -> list[ModelEntry]:
     models = doc.get("models") if isinstance(doc, dict) else None
     if not isinstance(models, list) or not models:
         raise ValueError(f"--models-config {path}: needs a non-empty 'models' list")
-    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    known = {f.name for f in dataclasses.fields(EngineArgs)} - set(NOT_FLAGS)
     entries, names = [], []
     for i, item in enumerate(models):
         where = f"--models-config {path}: models[{i}]"
@@ -120,7 +123,29 @@ def entry_engine_args(base: EngineArgs, entry: ModelEntry) -> EngineArgs:
               {"gpu_memory_utilization": base.gpu_memory_utilization
                * entry.kv_cache_memory_share})
     return dataclasses.replace(base, **{"model": entry.model, "tokenizer": None, **memory,
+                                        "kv_cache_memory_share": entry.kv_cache_memory_share,
                                         **entry.engine_args})
+
+
+def kv_memory_note(base: EngineArgs, entry: ModelEntry) -> str:
+    """What ``entry``'s ``kv_cache_memory_share`` applies to under the server's flags
+    ``base``, for the start-up log (without starting JAX: the backend is not known yet)."""
+    args, own = entry_engine_args(base, entry), entry.engine_args
+    share = f"kv_cache_memory_share {entry.kv_cache_memory_share:g}"
+    if args.num_gpu_blocks_override is not None:
+        return (f"{share} not applied: num_gpu_blocks_override="
+                f"{args.num_gpu_blocks_override} sets the KV pages")
+    if "kv_cache_memory_bytes" in own:
+        return f"{share} not applied: its own kv_cache_memory_bytes={args.kv_cache_memory_bytes}"
+    if args.kv_cache_memory_bytes is not None:
+        return f"{share} of --kv-cache-memory-bytes: {args.kv_cache_memory_bytes} bytes of KV"
+    gpu = (f"its own gpu_memory_utilization {args.gpu_memory_utilization:g}"
+           if "gpu_memory_utilization" in own else
+           f"gpu_memory_utilization {args.gpu_memory_utilization:.3g}")
+    default = kv_sizing.DEFAULT_CPU_KV_CACHE_BYTES
+    return (f"{share}: {gpu} on a GPU; on a CPU at most "
+            f"{default * entry.kv_cache_memory_share / 2**30:.2f} GiB of KV (of the "
+            f"{default / 2**30:.0f} GiB default)")
 
 
 class EngineGroup:

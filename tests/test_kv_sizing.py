@@ -45,6 +45,24 @@ def test_cpu_default_budget_is_shared_by_host_devices(monkeypatch, caplog):
                                   profile_peak_bytes=lambda: None) == 20
 
 
+def test_cpu_default_budget_takes_the_memory_share(monkeypatch, caplog):
+    monkeypatch.setattr(kv_sizing, "DEFAULT_CPU_KV_CACHE_BYTES", 2 << 30)
+    big = {**ARGS, "bytes_per_page": 1 << 20, "max_num_seqs": 1000}    # need 4001 pages
+    with caplog.at_level(logging.INFO, logger=kv_sizing.__name__):
+        assert kv_sizing.num_kv_pages(**big, kv_cache_memory_share=0.25,
+                                      profile_peak_bytes=lambda: None) == 512
+        # a share larger than the need leaves the need (41 pages)
+        assert kv_sizing.num_kv_pages(**{**big, "max_num_seqs": 10}, kv_cache_memory_share=0.5,
+                                      profile_peak_bytes=lambda: None) == 41
+    # the log says which budget applied, the share named
+    assert caplog.messages == [
+        "CPU KV budget: kv_cache_memory_share 0.25 of the 2 GiB default cap (0.50 GiB) "
+        "(max_num_seqs=1000 requests of 4 pages would need 3.9 GiB; --kv-cache-memory-bytes "
+        "sets another); pages take host memory as they are first written",
+        "CPU KV budget: what max_num_seqs=10 requests of 4 pages need (41.0 MiB), under "
+        "kv_cache_memory_share 0.5 of the 2 GiB default cap (1.00 GiB)"]
+
+
 def test_gpu_budget_is_utilization_minus_profiled_peak(monkeypatch):
     monkeypatch.setattr(kv_sizing.jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(kv_sizing.jax, "local_devices", lambda: [FakeDevice()])

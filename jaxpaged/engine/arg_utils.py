@@ -23,6 +23,8 @@ from jaxpaged.pooling_params import CONVERTS, RUNNERS, PoolerConfig, resolve_poo
 #: The model shipped inside the package (stories260K, MIT licence); the default ``--model``.
 DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "model_files",
                              "stories260K")
+#: EngineArgs fields with no command-line flag (set by the server, not by a user's flag).
+NOT_FLAGS = ("kv_cache_memory_share",)
 
 
 @dataclass(kw_only=True)
@@ -53,6 +55,10 @@ class EngineArgs:
         max_num_batched_tokens: most tokens in one step (longer prompts are chunked).
         num_gpu_blocks_override: exact KV page count (null page included); overrides budgets.
         kv_cache_memory_bytes: KV pool budget in bytes (sets the page count).
+        kv_cache_memory_share: this engine's fraction (0, 1] of the CPU's default KV budget
+            (``jaxpaged.runner.kv_sizing``) where no other budget is given; not a flag:
+            ``--models-config`` sets it from a model's ``kv_cache_memory_share`` (which on
+            a GPU scales ``gpu_memory_utilization`` and a given ``kv_cache_memory_bytes``).
         kv_cache_dtype: ``auto`` (K/V in the model's dtype) or ``fp8`` / ``fp8_e4m3``
             (float8_e4m3fn with per-layer scales: one byte an element, so a byte budget holds
             twice the pages of a bfloat16 model's KV, four times a float32 model's).
@@ -131,6 +137,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_share: float = 1.0
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     attention_backend: str = "auto"
@@ -208,6 +215,11 @@ class EngineArgs:
                 and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError("EngineArgs.gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization!r}")
+        if isinstance(self.kv_cache_memory_share, bool) or not (
+                isinstance(self.kv_cache_memory_share, (int, float))
+                and 0 < self.kv_cache_memory_share <= 1):
+            raise ValueError("EngineArgs.kv_cache_memory_share must be in (0, 1], "
+                             f"got {self.kv_cache_memory_share!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"EngineArgs.quantization must be one of {QUANTIZATION_METHODS} or "
                              f"None, got {self.quantization!r}")
@@ -361,7 +373,8 @@ class EngineArgs:
                       ) -> "EngineArgs":
         """Build from a namespace parsed with :meth:`add_cli_args`' flags; an unset
         ``--[no-]enforce-eager`` takes the command's default."""
-        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                  if f.name not in NOT_FLAGS}
         if values["enforce_eager"] is None:
             values["enforce_eager"] = enforce_eager_default
         return cls(**values)
@@ -380,7 +393,7 @@ def _block_size(text: str) -> int | str:
 def cli_error_message(error: BaseException) -> str:
     """``error``'s message with engine settings named as command-line flags
     (``EngineArgs.max_num_seqs`` and ``max_num_seqs`` become ``--max-num-seqs``)."""
-    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    fields = {f.name for f in dataclasses.fields(EngineArgs)} - set(NOT_FLAGS)
 
     def flag(match: re.Match) -> str:
         name = match.group(1)

@@ -25,7 +25,7 @@ def num_kv_pages(*, bytes_per_page: int, pages_per_seq: int, max_num_seqs: int,
                  num_gpu_blocks_override: int | None, kv_cache_memory_bytes: int | None,
                  gpu_memory_utilization: float,
                  profile_peak_bytes: Callable[[], int | None], num_devices: int = 1,
-                 device=None) -> int:
+                 device=None, kv_cache_memory_share: float = 1.0) -> int:
     """Pages for the pool (the null page included).
 
     Args:
@@ -39,6 +39,8 @@ def num_kv_pages(*, bytes_per_page: int, pages_per_seq: int, max_num_seqs: int,
         num_gpu_blocks_override, kv_cache_memory_bytes, gpu_memory_utilization: the flags.
         profile_peak_bytes: runs a profiling step and returns the device's peak bytes in use
             (None where the device reports no memory statistics); called only on a GPU.
+        kv_cache_memory_share: the fraction of the CPU default budget this engine may take
+            (``--models-config``; a GPU's share is already in ``gpu_memory_utilization``).
 
     Raises:
         ValueError: the GPU has no memory left for KV pages at this utilization.
@@ -60,16 +62,21 @@ def num_kv_pages(*, bytes_per_page: int, pages_per_seq: int, max_num_seqs: int,
         logger.info("GPU memory: %.1f GiB total, %.1f GiB peak in the profiling step, "
                     "%.1f GiB for KV", total / 2**30, peak / 2**30, budget / 2**30)
         return budget // bytes_per_page
-    cap = DEFAULT_CPU_KV_CACHE_BYTES // (bytes_per_page * num_devices)
+    budget = int(DEFAULT_CPU_KV_CACHE_BYTES * kv_cache_memory_share)
+    cap = budget // (bytes_per_page * num_devices)
     need = max_num_seqs * pages_per_seq + 1
+    cap_text = f"the {DEFAULT_CPU_KV_CACHE_BYTES / 2**30:.0f} GiB default cap"
+    if kv_cache_memory_share != 1:
+        cap_text = (f"kv_cache_memory_share {kv_cache_memory_share:g} of {cap_text} "
+                    f"({budget / 2**30:.2f} GiB)")
     if need <= cap:
-        logger.info("CPU KV budget: what max_num_seqs=%d requests of %d pages need (%.1f MiB)",
-                    max_num_seqs, pages_per_seq, need * bytes_per_page * num_devices / 2**20)
+        logger.info("CPU KV budget: what max_num_seqs=%d requests of %d pages need (%.1f MiB)%s",
+                    max_num_seqs, pages_per_seq, need * bytes_per_page * num_devices / 2**20,
+                    "" if kv_cache_memory_share == 1 else f", under {cap_text}")
     else:
-        logger.info("CPU KV budget: the %.0f GiB default cap (max_num_seqs=%d requests of %d "
-                    "pages would need %.1f GiB; --kv-cache-memory-bytes sets another); pages "
-                    "take host memory as they are first written", DEFAULT_CPU_KV_CACHE_BYTES
-                    / 2**30, max_num_seqs, pages_per_seq,
+        logger.info("CPU KV budget: %s (max_num_seqs=%d requests of %d pages would need %.1f "
+                    "GiB; --kv-cache-memory-bytes sets another); pages take host memory as "
+                    "they are first written", cap_text, max_num_seqs, pages_per_seq,
                     need * bytes_per_page * num_devices / 2**30)
     return min(cap, need)
 

@@ -217,7 +217,7 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         profile_peak_bytes=runner.profile_peak_bytes, num_devices=num_devices,
-        device=tp.mesh.devices.flat[0])
+        device=tp.mesh.devices.flat[0], kv_cache_memory_share=args.kv_cache_memory_share)
     check_pool_fits(num_pages, bytes_per_page + extra, num_devices)
     if num_pages - 1 < pages_per_seq:     # page 0 is the null page
         raise ValueError(

@@ -1,14 +1,18 @@
 """Several models in one server (``--models-config``): routing by ``model``, one listing,
 merged metrics labelled per model, and the config file's errors."""
 
+import argparse
+import dataclasses
 import json
+import logging
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs, cli_error_message
+from jaxpaged.runner import kv_sizing
 from jaxpaged.server.launcher import serving_lines
 from jaxpaged.server.multi_model import entry_engine_args, load_models_config
 from jaxpaged.server.serving import ServerConfig
@@ -105,6 +109,33 @@ def test_memory_shares_and_overrides(tmp_path):
     assert args.kv_cache_memory_bytes == 500
 
 
+def test_a_share_caps_the_cpu_default_kv_budget(tmp_path, monkeypatch, caplog):
+    """On a CPU without --kv-cache-memory-bytes the share did nothing: every model's pool
+    was sized from the whole default budget."""
+    per_page = 20480             # stories260K: 5 layers * 2 * 16 tokens * 4 heads * 8 * 4 B
+    monkeypatch.setattr(kv_sizing, "DEFAULT_CPU_KV_CACHE_BYTES", 100 * per_page)
+    [entry] = load_models_config(write_config(tmp_path, [
+        {"model": DEFAULT_MODEL, "kv_cache_memory_share": 0.5}]))
+    # 16 requests of 8 pages need 129 pages: above the whole budget's 100, its half's 50
+    args = entry_engine_args(engine_args(), entry)
+    assert args.kv_cache_memory_share == 0.5
+    with caplog.at_level(logging.INFO, logger=kv_sizing.__name__):
+        llm = LLM(**dataclasses.asdict(args))
+    assert llm.engine.kv_cache_manager.num_pages == 50
+    assert caplog.messages[0].startswith(
+        "CPU KV budget: kv_cache_memory_share 0.5 of the 0 GiB default cap (0.00 GiB) ")
+    # not a flag: its errors keep its name, the command line leaves it at 1
+    with pytest.raises(ValueError) as e:
+        engine_args(kv_cache_memory_share=0)
+    assert cli_error_message(e.value) == ("EngineArgs.kv_cache_memory_share must be in (0, 1], "
+                                          "got 0")
+    assert EngineArgs.from_cli_args(EngineArgs.add_cli_args(argparse.ArgumentParser())
+                                    .parse_args([])).kv_cache_memory_share == 1.0
+    [line] = serving_lines(engine_args(), ServerConfig(["x"]), [entry], "h", 1)
+    assert line.endswith("(kv_cache_memory_share 0.5: gpu_memory_utilization 0.46 on a GPU; "
+                         "on a CPU at most 0.00 GiB of KV (of the 0 GiB default))")
+
+
 def test_startup_lines_name_each_model_with_its_own_names(tmp_path):
     """The start-up line named the server's positional model (the default one) with the
     server's --served-model-name instead of each --models-config model and its names."""
@@ -112,9 +143,20 @@ def test_startup_lines_name_each_model_with_its_own_names(tmp_path):
         {"model": "/models/a", "served_model_name": ["a", "a-latest"]},
         {"model": "/models/b", "served_model_name": "b"}]))
     lines = serving_lines(engine_args(), ServerConfig([DEFAULT_MODEL]), entries, "0.0.0.0", 8000)
-    assert [line.split(" (")[0] for line in lines] == [
+    assert [line.split(" (kv_")[0] for line in lines] == [
         "serving /models/a as ['a', 'a-latest'] on http://0.0.0.0:8000",
         "serving /models/b as ['b'] on http://0.0.0.0:8000"]
+    # the share's line says what it applied to
+    assert lines[0].endswith("(kv_cache_memory_share 0.5: gpu_memory_utilization 0.46 on a "
+                             "GPU; on a CPU at most 2.00 GiB of KV (of the 4 GiB default))")
+    lines = serving_lines(engine_args(kv_cache_memory_bytes=1000), ServerConfig(["x"]), entries,
+                          "h", 1)
+    assert lines[1].endswith("(kv_cache_memory_share 0.5 of --kv-cache-memory-bytes: 500 bytes "
+                             "of KV)")
+    lines = serving_lines(engine_args(num_gpu_blocks_override=64), ServerConfig(["x"]), entries,
+                          "h", 1)
+    assert lines[0].endswith("(kv_cache_memory_share 0.5 not applied: num_gpu_blocks_override=64 "
+                             "sets the KV pages)")
     assert serving_lines(engine_args(model=TINY), ServerConfig(["t"]), None, "h", 1) == [
         f"serving {TINY} as ['t'] on http://h:1"]
 
