@@ -25,24 +25,55 @@ def distribution(values_s: list[float], name: str, unit_scale: float = 1000.0) -
     return out
 
 
+def spec_decode_totals(llm):
+    """The acceptance counters (a :class:`~jaxpaged.spec_decode.scheduling.SpecDecodingStats`)
+    of ``llm``'s speculative decoding over every pass it ran, data-parallel replicas summed;
+    None with speculation off."""
+    from jaxpaged.spec_decode.scheduling import SpecDecodingStats
+
+    specs = [r.scheduler.spec for r in getattr(llm.engine, "replicas", [llm.engine])]
+    if specs[0] is None:
+        return None
+    total = SpecDecodingStats(specs[0].totals.num_spec_tokens)
+    for t in (spec.totals for spec in specs):
+        total.num_drafts += t.num_drafts
+        total.num_draft_tokens += t.num_draft_tokens
+        total.num_accepted_tokens += t.num_accepted_tokens
+        total.num_accepted_tokens_per_pos = [
+            a + b for a, b in zip(total.num_accepted_tokens_per_pos, t.num_accepted_tokens_per_pos)]
+    return total
+
+
+def spec_decode_line(totals) -> str:
+    """The one-line acceptance summary of :func:`spec_decode_totals`' counters that
+    ``jaxpaged bench`` and ``jaxpaged generate`` print."""
+    return (f"Speculative decoding: mean acceptance length {totals.mean_acceptance_length:.2f}, "
+            f"draft acceptance rate {100 * _acceptance_rate(totals):.1f}% "
+            f"({totals.num_accepted_tokens} of "
+            f"{totals.num_draft_tokens} proposed tokens accepted, by position "
+            f"{totals.num_accepted_tokens_per_pos})")
+
+
+def _acceptance_rate(totals) -> float:
+    """Accepted / proposed tokens (0.0 before any proposal)."""
+    return (totals.num_accepted_tokens / totals.num_draft_tokens
+            if totals.num_draft_tokens else 0.0)
+
+
 def add_spec_decode(result: dict, llm) -> None:
     """With speculative decoding on, add (and print) its acceptance figures over every pass
     the engine ran (warm-up included): ``mean_acceptance_length`` (1 + accepted / drafts),
     ``draft_acceptance_rate`` (accepted / proposed) and the per-position acceptance counts."""
-    spec = llm.engine.scheduler.spec
-    if spec is None:
+    t = spec_decode_totals(llm)
+    if t is None:
         return
-    t = spec.totals
-    rate = t.num_accepted_tokens / t.num_draft_tokens if t.num_draft_tokens else 0.0
+    rate = _acceptance_rate(t)
     result["spec_decode"] = {"num_drafts": t.num_drafts, "num_draft_tokens": t.num_draft_tokens,
                              "num_accepted_tokens": t.num_accepted_tokens,
                              "num_accepted_tokens_per_pos": t.num_accepted_tokens_per_pos,
                              "mean_acceptance_length": t.mean_acceptance_length,
                              "draft_acceptance_rate": rate}
-    print(f"Speculative decoding: mean acceptance length {t.mean_acceptance_length:.2f}, "
-          f"draft acceptance rate {100 * rate:.1f}% ({t.num_accepted_tokens} of "
-          f"{t.num_draft_tokens} proposed tokens accepted, by position "
-          f"{t.num_accepted_tokens_per_pos})")
+    print(spec_decode_line(t))
 
 
 def write_outputs(result: dict, output_json: str | None) -> None:

@@ -1,6 +1,7 @@
 """The ``jaxpaged`` command.
 
-* ``jaxpaged generate [ENGINE FLAGS] [SAMPLING FLAGS] PROMPT...`` prints completions.
+* ``jaxpaged generate [ENGINE FLAGS] [SAMPLING FLAGS] PROMPT...`` prints completions (and,
+  with ``--speculative-config``, the acceptance line of ``jaxpaged bench`` on stderr).
 * ``jaxpaged serve [MODEL] [ENGINE FLAGS] [SERVER FLAGS]`` runs the OpenAI-compatible server
   (``server/``).
 * ``jaxpaged bench {throughput,latency,serve,soak,host-overhead,structured-outputs,
@@ -142,6 +143,10 @@ def _main(argv: list[str] | None) -> int:
     if is_leader():          # every process of a multi-host job computed the same outputs
         for out in outputs:
             print(out.outputs[0].text)
+        from jaxpaged.benchmarks.results import spec_decode_line, spec_decode_totals
+
+        if (totals := spec_decode_totals(llm)) is not None:   # stdout keeps the completions
+            print(spec_decode_line(totals), file=sys.stderr)
     failed = [(i, out.error) for i, out in enumerate(outputs) if out.error is not None]
     for i, error in failed:
         print(f"jaxpaged: error: prompt {i + 1} failed: {error}", file=sys.stderr)

@@ -82,6 +82,32 @@ def test_cli_flag_parses_json():
     assert SpeculativeConfig.from_dict(args.speculative_config).num_speculative_tokens == 4
 
 
+def test_cli_generate_prints_the_acceptance_line_of_bench(monkeypatch, capsys):
+    """``generate --speculative-config`` printed nothing about speculation; it prints
+    ``jaxpaged bench``'s line (same function), on stderr so stdout keeps the completions."""
+    from jaxpaged.benchmarks import results
+    from jaxpaged.cli import main
+
+    seen = []
+
+    def spy(llm):
+        seen.append(totals_of(llm))
+        return seen[-1]
+
+    totals_of = results.spec_decode_totals
+    monkeypatch.setattr(results, "spec_decode_totals", spy)
+    assert main(["generate", "--speculative-config", json.dumps(NGRAM), "--max-model-len",
+                 "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+                 "--temperature", "0", "--max-tokens", "24", "--ignore-eos",
+                 COPY_PROMPTS[1]]) == 0
+    out, err = capsys.readouterr()
+    [totals] = seen
+    assert totals.num_drafts > 0 and 0 < totals.num_draft_tokens <= 4 * totals.num_drafts
+    assert results.spec_decode_line(totals) in err.splitlines()
+    assert err.count("Speculative decoding: mean acceptance length") == 1
+    assert len(out.splitlines()) == 1 and "Speculative" not in out
+
+
 # ---- proposals -----------------------------------------------------------------------------
 
 def test_ngram_proposals():
