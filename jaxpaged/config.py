@@ -184,12 +184,15 @@ class ModelConfig:
         is one (``jaxpaged.models.gguf_loader.gguf_config``).
 
         Raises:
-            FileNotFoundError: the directory has no ``config.json``.
+            FileNotFoundError: no such path, or the directory has no ``config.json``.
             UnsupportedModelError: invalid JSON, or see :meth:`from_dict`.
             jaxpaged.models.gguf_loader.BadGGUFError: an unreadable or inconsistent GGUF.
         """
         from jaxpaged.models import gguf_loader   # its package imports this module
 
+        if not os.path.exists(model_dir):
+            raise FileNotFoundError(f"the model path {model_dir!r} does not exist (jaxpaged "
+                                    "loads a local model directory or .gguf file)")
         if gguf_loader.is_gguf(model_dir):
             return cls.from_dict(gguf_loader.gguf_config(model_dir))
         path = os.path.join(model_dir, "config.json")

@@ -208,12 +208,14 @@ def test_jaxpaged_serve_command_with_api_key(tmp_path):
     (["{tmp}"], "jaxpaged: error:"), (["--port", "99999"], "1..65535"),
     (["--chat-template", "{% for %}"], "not a valid Jinja template"),
     (["--served-model-name", "a", "a"], "distinct"),
-    (["--max-request-body-bytes", "-5"], "positive")])
+    (["--max-request-body-bytes", "-5"], "positive"),
+    (["{tmp}/nonexistent"], "jaxpaged: error: the model path '{tmp}/nonexistent' does not exist")])
 def test_jaxpaged_serve_bad_arguments_exit_with_error(tmp_path, flags, needle):
-    flags = [str(tmp_path) if f == "{tmp}" else f for f in flags]
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
     proc = subprocess.run([sys.executable, "-m", "jaxpaged.cli", "serve", *flags],
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and needle in proc.stderr
+    assert proc.returncode == 2 and needle.replace("{tmp}", str(tmp_path)) in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_interrupt_while_loading_exits_promptly():
