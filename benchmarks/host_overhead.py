@@ -146,6 +146,7 @@ def measure_mode(engine_args: EngineArgs, args: argparse.Namespace,
     """One engine: warm-up pass, then a timed pass for each of ``output_kinds`` (the same
     seeded requests in every mode), by name: its steps and decode-step summary."""
     llm = LLM(**vars(engine_args))
+    llm.engine.wait_until_compiled()
     requests = random_requests(args.num_requests, (args.min_prompt_len, args.max_prompt_len),
                                args.output_len, seed=0,
                                token_range=(3, llm.engine.model_config.vocab_size))

@@ -53,6 +53,9 @@ def main(args: argparse.Namespace) -> dict:
     llm = LLM(**engine_args)
     plain = LLM(**{**engine_args, "speculative_config": None}) \
         if args.compare_plain and engine_args["speculative_config"] is not None else None
+    for e in (llm, plain):
+        if e is not None:
+            e.engine.wait_until_compiled()
     vocab, limit = llm.engine.model_config.vocab_size, llm.engine.max_model_len
     if args.input_len + args.output_len > limit:
         raise ValueError(f"--input-len + --output-len = {args.input_len + args.output_len} "

@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     from jaxpaged import LLM
     llm = LLM(model=args.model, max_num_seqs=16)
+    llm.engine.wait_until_compiled()
     result = {"benchmark": "packed_step", "model": os.path.basename(args.model),
               "machine": machine(os.getloadavg()[0]),
               "kernel_ms": kernel_times(llm, [int(r) for r in args.rows.split(",")],

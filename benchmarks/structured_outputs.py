@@ -57,6 +57,7 @@ def main(args: argparse.Namespace) -> dict:
     engine_args = EngineArgs.from_cli_args(args, enforce_eager_default=False)
     engine_args.max_num_seqs = max(engine_args.max_num_seqs, args.num_requests)
     llm = LLM(**vars(engine_args))
+    llm.engine.wait_until_compiled()
     vocab = llm.engine.model_config.vocab_size
     prompts = [{"prompt_token_ids": q.prompt} for q in random_requests(
         args.num_requests, (args.prompt_len, args.prompt_len), args.output_len, 0, (3, vocab))]

@@ -59,6 +59,7 @@ def test_text_prompts_tokenize_as_the_reference_and_embed_to_its_last_token(last
 
 
 def test_last_pooling_batch_equals_reference_and_single_requests(last_llm):
+    assert last_llm.engine.wait_until_compiled()
     before = last_llm.engine.stats().num_compilations
     batch = last_llm.embed(prompts())
     for i, out in enumerate(batch):

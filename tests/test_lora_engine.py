@@ -87,6 +87,7 @@ def test_adapters_load_swap_and_unload_without_compiling():
     llm = LLM(enable_lora=True, max_loras=1, max_cpu_loras=1, max_num_seqs=4,
               max_num_batched_tokens=32, max_model_len=64)
     engine = llm.engine
+    assert engine.wait_until_compiled()
     compiled = engine.stats().num_compilations
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(

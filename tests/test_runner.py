@@ -51,6 +51,7 @@ def test_precompile_then_a_w1_like_run_compiles_nothing():
 
     llm = LLM(max_num_seqs=16, max_num_batched_tokens=128, max_model_len=128, block_size=16)
     runner = llm.engine.runner
+    assert llm.engine.wait_until_compiled()     # (LLM() compiles them in the background)
     # forward: decode B {8, 16}, mixed T {16, 128} (the bundled model is small enough for
     # the ladder to skip 32 and 64), P 8 (the xla backend's one bucket); the sampler: rows
     # {8, 16}

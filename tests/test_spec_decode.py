@@ -513,6 +513,7 @@ def assert_no_compilation_after_start_up(speculative_config) -> LLM:
     compiling again; returns it."""
     llm = LLM(speculative_config=speculative_config, max_num_seqs=8, max_model_len=64,
               max_num_batched_tokens=32)
+    assert llm.engine.wait_until_compiled()
     compiled = llm.engine.stats().num_compilations
     prompts = [COPY_PROMPTS[1]] * 3 + [COPY_PROMPTS[2]]
     params = [SamplingParams(temperature=0, max_tokens=20, logprobs=1),

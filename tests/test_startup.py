@@ -72,6 +72,7 @@ def test_no_request_feature_compiles_after_start_up():
     run in the precompiled executables, with the features' effects visible."""
     llm = LLM(**LIMITS)
     engine = llm.engine
+    assert engine.wait_until_compiled()
     compiled = engine.stats().num_compilations
     assert len(engine.runner.step_shapes()) == 3
     assert compiled == 4        # the three forward shapes and the sampler of rows 8
@@ -285,3 +286,70 @@ def test_a_step_whose_shape_is_still_compiling_runs_in_a_wider_compiled_one():
     assert runner.ready_pad_sizes(5, 1, 1, 1, False) == (16, 16, pages)
     own = llm.generate([[1, 403, 407, 261]], greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert runner.num_compilations > before and own == wide and len(own) == 6
+
+
+def test_compile_plan_of_each_mode():
+    """What compiles before the engine is handed out and in what order the background
+    compiles the rest (``jaxpaged.runner.background_compile.compile_plan``)."""
+    from jaxpaged.runner.background_compile import OFFLINE, SERVE, compile_plan, split_shapes
+
+    shapes = ShapeBuckets(max_num_tokens=2048, max_num_seqs=256, max_pages_per_seq=512,
+                          page_buckets_by_width=False).step_shapes()
+    first, rest = split_shapes(shapes)
+    assert compile_plan(shapes, None) == (shapes, [])
+    # a server: the two forwards before /health, their samplers next, then everything else
+    assert compile_plan(shapes, SERVE) == (first, [(first, False, True), (rest, True, True)])
+    # LLM(): nothing before it returns
+    assert compile_plan(shapes, OFFLINE) == (
+        [], [(first, True, False), (first, False, True), (rest, True, True)])
+    with pytest.raises(ValueError, match="unknown compile mode 'eager'"):
+        compile_plan(shapes, "eager")
+
+
+@pytest.fixture
+def held_background(monkeypatch):
+    """Background compilations that start only when the returned event is set."""
+    import threading
+
+    from jaxpaged.runner.background_compile import BackgroundCompile
+
+    go = threading.Event()
+    run = BackgroundCompile._run
+    monkeypatch.setattr(BackgroundCompile, "_run",
+                        lambda self, *a: go.wait(60) and run(self, *a))
+    yield go
+    go.set()
+
+
+def test_llm_returns_before_its_steps_compile_and_a_step_compiles_its_own(held_background):
+    """``LLM()`` hands the engine out with no step program compiled; a step whose program
+    the background has not reached compiles it itself (never padded into another shape: the
+    tokens equal an eager engine's), and once the background is let go every shape is
+    ready (the three forward shapes and the sampler of rows 8)."""
+    llm = LLM(**LIMITS)
+    runner = llm.engine.runner
+    assert runner.num_compilations == 0 and not llm.engine.wait_until_compiled(timeout=0)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[1, 403, 407, 261], [1] + list(range(300, 320))]
+    ids = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    eager = LLM(enforce_eager=True, **LIMITS)
+    assert ids == [o.outputs[0].token_ids for o in eager.generate(prompts, greedy,
+                                                                  use_tqdm=False)]
+    assert 0 < runner.num_compilations < 4      # only forwards: a greedy step never samples
+    held_background.set()
+    assert llm.engine.wait_until_compiled(timeout=120)
+    assert runner.num_compilations == 4
+
+
+def test_a_collected_engine_stops_its_background_compilation(held_background):
+    """Dropping the last reference to an ``LLM`` stops its background compilation before
+    the next shape (nothing is compiled for an engine nobody can use)."""
+    import gc
+
+    llm = LLM(**LIMITS)
+    job, runner = llm.engine._background[0], llm.engine.runner
+    del llm
+    gc.collect()
+    held_background.set()
+    assert job.wait(timeout=60)
+    assert runner.num_compilations == 0

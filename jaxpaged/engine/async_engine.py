@@ -38,6 +38,7 @@ import time
 from jaxpaged.distributed.multihost import first_line
 from jaxpaged.distributed.step_sync import JobStopped, sync_step
 from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.runner.background_compile import SERVE
 from jaxpaged.engine.data_parallel import DataParallelEngine, make_engine
 from jaxpaged.engine.engine import Engine
 from jaxpaged.engine.commands import AbortRequest, AddRequest, EngineCommand, StopEngine
@@ -282,8 +283,8 @@ class AsyncEngine:
             # compiled; the other shapes compile in the background (one process only: every
             # process of a multi-host job runs the same steps in lockstep; not for pooling,
             # whose requests are prompt steps of every token bucket from the start).
-            self.engine = make_engine(self.args, background_compile=not self._multihost
-                                      and self.args.pooler is None)
+            serve = not self._multihost and self.args.pooler is None
+            self.engine = make_engine(self.args, background_compile=SERVE if serve else None)
             warm_up(self.engine)
             self.engine.stat_loggers.extend(self._stat_loggers)
             self.engine.record_stats()          # every gauge has a value from the start

@@ -33,7 +33,7 @@ from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams
 
 
-def make_engine(args: EngineArgs, background_compile: bool = False
+def make_engine(args: EngineArgs, background_compile: str | None = None
                 ) -> Engine | DataParallelEngine:
     """An :class:`Engine`, or a :class:`DataParallelEngine` when
     ``args.data_parallel_size > 1`` (``background_compile``: see
@@ -46,6 +46,7 @@ def make_engine(args: EngineArgs, background_compile: bool = False
 class DataParallelEngine:
     """``args.data_parallel_size`` :class:`Engine` replicas behind the engine's interface
     (``add_request``, ``abort_request``, ``step``, ``has_unfinished_requests``,
+    ``wait_until_compiled``,
     ``get_num_waiting_seqs``, ``stats``, ``stat_loggers``, ``record_stats``; a test's
     ``fault_injector`` goes on each of ``replicas``).
 
@@ -57,7 +58,7 @@ class DataParallelEngine:
             devices. Otherwise as :class:`Engine`.
     """
 
-    def __init__(self, args: EngineArgs, background_compile: bool = False):
+    def __init__(self, args: EngineArgs, background_compile: str | None = None):
         tp, dp = args.tensor_parallel_size, args.data_parallel_size
         self.args = args
         request_host_devices(tp * dp)       # before _devices starts JAX
@@ -95,6 +96,10 @@ class DataParallelEngine:
             replica = self._replica_of.pop(rid, None)
             if replica is not None:
                 replica.abort_request(rid)
+
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        """:meth:`Engine.wait_until_compiled` of every replica (``timeout`` for each)."""
+        return all([r.wait_until_compiled(timeout) for r in self.replicas])
 
     def has_unfinished_requests(self) -> bool:
         """True while any replica has a request waiting or running."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,7 +99,8 @@ class Engine:
     """
 
     def __init__(self, args: EngineArgs, devices: list | None = None,
-                 seed_rng: np.random.Generator | None = None, background_compile: bool = False):
+                 seed_rng: np.random.Generator | None = None,
+                 background_compile: str | None = None):
         self.args = args
         join_processes(args)
         #: The pooler of a pooling engine (embeddings only); None: the engine generates.
@@ -113,6 +115,9 @@ class Engine:
         loaded = load_and_compile(args, cfg, self.max_model_len, speculative_config, devices,
                                   background_compile)
         worker, self.tokenizer = loaded.worker, loaded.tokenizer
+        self._background = loaded.background
+        for job in self._background:        # (a collected engine's shapes are not needed)
+            weakref.finalize(self, job.stop)
         #: The draft model's proposer (``method="draft_model"``), else None.
         self.drafter = loaded.drafter
         generation_config = load_generation_config(args.model)
@@ -254,6 +259,15 @@ class Engine:
     def list_loras(self) -> set[int]:
         """Ids of the adapters loaded on the host."""
         return set() if self.lora is None else self.lora.list()
+
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for the step programs compiling in the background
+        (``jaxpaged.runner.background_compile``) to be ready, ``timeout`` seconds at most
+        (None: no limit); whether they are. Steps never need this (one whose program is
+        not ready compiles it or runs in a wider one); a benchmark calls it before timing."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all(job.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                   for job in self._background)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""

@@ -1,6 +1,7 @@
 """What an :class:`~jaxpaged.engine.engine.Engine` does before it takes requests: join the
 job's processes, load the model (and a speculative draft model) onto the devices, compile
-every step shape, and load the tokenizer meanwhile.
+its step shapes (or start compiling them in the background,
+``jaxpaged.runner.background_compile``), and load the tokenizer meanwhile.
 
 The tokenizer (transformers' import and the tokenizer files: ~1.5 s of Python) loads on its
 own thread while this one loads the model and compiles its steps (XLA compiles without the
@@ -19,7 +20,7 @@ from jaxpaged.distributed.multihost import check_same_everywhere, initialize as 
 from jaxpaged.distributed.step_sync import install_signal_handlers, stop_requested_anywhere
 from jaxpaged.distributed.tensor_parallel import request_host_devices
 from jaxpaged.engine.arg_utils import EngineArgs
-from jaxpaged.runner.background_compile import precompile_in_background, split_shapes
+from jaxpaged.runner.background_compile import SERVE, BackgroundCompile, compile_plan
 from jaxpaged.runner.worker import Worker, build_worker
 from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.spec_decode.draft_model import DraftModel, DraftModelProposer
@@ -52,22 +53,24 @@ class LoadedModel:
         worker: the target model's runner and pool facts (``jaxpaged.runner.worker``).
         drafter: the draft model's proposer (``method="draft_model"``), else None.
         tokenizer: the model's tokenizer.
+        background: the step compilations still running on background threads.
     """
 
     worker: Worker
     drafter: DraftModelProposer | None
     tokenizer: Any
+    background: list[BackgroundCompile]
 
 
 def load_and_compile(args: EngineArgs, cfg: ModelConfig, max_model_len: int,
                      speculative_config: SpeculativeConfig | None,
                      devices: list | None = None,
-                     background_compile: bool = False) -> LoadedModel:
-    """Load the model (and its draft model) onto ``devices``, precompile every step shape
-    (unless ``enforce_eager``), and load the tokenizer on another thread meanwhile. With
-    ``background_compile`` (a server) only the shapes of a first short request compile
-    before this returns, the rest on a background thread
-    (:mod:`jaxpaged.runner.background_compile`).
+                     background_compile: str | None = None) -> LoadedModel:
+    """Load the model (and its draft model) onto ``devices``, precompile its step shapes
+    (unless ``enforce_eager``), and load the tokenizer on another thread meanwhile.
+    ``background_compile`` (``"serve"``, ``"offline"`` or None: every shape before this
+    returns) says which shapes compile before this returns and which on a background
+    thread (:func:`jaxpaged.runner.background_compile.compile_plan`).
 
     Raises:
         SpeculativeConfigError: a draft model that does not fit the target (before
@@ -75,6 +78,7 @@ def load_and_compile(args: EngineArgs, cfg: ModelConfig, max_model_len: int,
             :func:`jaxpaged.tokenizer.load_tokenizer` raise.
     """
     draft = DraftModel.check(args, speculative_config, cfg, max_model_len)
+    background = []
     with ThreadPoolExecutor(1, thread_name_prefix="jaxpaged-tokenizer") as pool:
         tokenizer = pool.submit(load_tokenizer, args.tokenizer or args.model,
                                 args.trust_remote_code)
@@ -86,10 +90,16 @@ def load_and_compile(args: EngineArgs, cfg: ModelConfig, max_model_len: int,
         drafter = draft and draft.build(worker, speculative_config.num_speculative_tokens)
         if not args.enforce_eager:
             for runner in [worker.runner] + ([drafter.runner] if drafter else []):
-                first, rest = split_shapes(runner.step_shapes()) if background_compile \
-                    else (None, [])
+                first, later = compile_plan(runner.step_shapes(), background_compile)
                 runner.precompile(should_stop=lambda: stop_requested_anywhere() or (
-                    tokenizer.done() and tokenizer.exception() is not None), shapes=first)
-                if rest:
-                    precompile_in_background(runner, rest)
-        return LoadedModel(worker, drafter, tokenizer.result())
+                    tokenizer.done() and tokenizer.exception() is not None), shapes=first,
+                    samplers=background_compile is None)
+                if later:
+                    background.append(BackgroundCompile(runner, later,
+                                                        pad=background_compile == SERVE))
+        try:
+            return LoadedModel(worker, drafter, tokenizer.result(), background)
+        except BaseException:
+            for job in background:
+                job.stop()
+            raise

@@ -17,6 +17,7 @@ from jaxpaged.engine.data_parallel import make_engine
 from jaxpaged.engine.input_processor import Prompt
 from jaxpaged.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxpaged.pooling_params import PoolingParams
+from jaxpaged.runner.background_compile import OFFLINE
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -39,7 +40,10 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args):
-        self.engine = make_engine(EngineArgs(model=model, **engine_args))
+        args = EngineArgs(model=model, **engine_args)
+        # The step programs compile in the background (a step whose program is not ready
+        # compiles it itself); one process only: a job's processes compile in lockstep.
+        self.engine = make_engine(args, OFFLINE if args.num_processes == 1 else None)
         self._counter = 0
 
     def get_tokenizer(self):

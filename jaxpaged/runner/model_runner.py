@@ -133,20 +133,20 @@ class ModelRunner:
         for _, node in nnx.iter_graph(model):    # (layer_stack: fewer step arguments)
             if hasattr(node, "stack_packed_weights"):
                 node.stack_packed_weights()
-        graphdef, self._state = nnx.split(model)
-        self._graphdef = graphdef
-        self._executables.clear()
-        self._ready_shapes.clear()
-
-        num_rows = self._buckets.seq_buckets[-1]
-        self._state_leaves, state_def, self._leaf_index = distinct_leaves(self._state)
-        self._programs = build_programs(
-            graphdef, [a.sharding for a in self._state_leaves],
-            jax.tree.map(lambda a: a.sharding, self._kv_caches), self._replicated,
-            self._cpu_matmuls, state_def, self._cpu_argmax, self._leaf_index)
-        self._prev_tokens = jax.device_put(np.zeros(num_rows, np.int32), self._replicated)
-        self._prev_rows: Callable[[], dict[str, int]] = dict
-        self._free_bitmasks: dict[int, jax.Array] = {}
+        with self._compile_lock:        # (after a background compilation's current shape)
+            graphdef, self._state = nnx.split(model)
+            self._graphdef = graphdef
+            self._executables.clear()
+            self._ready_shapes.clear()
+            num_rows = self._buckets.seq_buckets[-1]
+            self._state_leaves, state_def, self._leaf_index = distinct_leaves(self._state)
+            self._programs = build_programs(
+                graphdef, [a.sharding for a in self._state_leaves],
+                jax.tree.map(lambda a: a.sharding, self._kv_caches), self._replicated,
+                self._cpu_matmuls, state_def, self._cpu_argmax, self._leaf_index)
+            self._prev_tokens = jax.device_put(np.zeros(num_rows, np.int32), self._replicated)
+            self._prev_rows: Callable[[], dict[str, int]] = dict
+            self._free_bitmasks: dict[int, jax.Array] = {}
 
     def _set_buckets(self, verify_block_q: int = 0) -> None:
         limits = self._limits
@@ -182,9 +182,10 @@ class ModelRunner:
     def set_kv_pool(self, kv_caches: list[KVPages]) -> None:
         """Serve from ``kv_caches`` (same layout and shardings, any page count); compiled
         steps, which are specialized to the pool's shape, are dropped."""
-        self._kv_caches = kv_caches
-        self._executables.clear()
-        self._ready_shapes.clear()
+        with self._compile_lock:
+            self._kv_caches = kv_caches
+            self._executables.clear()
+            self._ready_shapes.clear()
 
     @property
     def backend(self) -> AttentionBackend:
@@ -285,17 +286,19 @@ class ModelRunner:
         place; with LoRA, each token's adapter slot from ``scheduler_output``); returns
         (SamplerOutput with prompt logprobs, pooled rows, the verifier's accepted [B] bool
         or None), all device arrays possibly not ready yet."""
-        forward, sampler = self._executables_for(layout, inputs)
+        forward, _ = self._executables_for(layout, inputs, sampler=False)
         logits, prompt, pooled, greedy, greedy_prev, self._kv_caches = forward(
             self._state_leaves, self._kv_caches, self._forward_inputs(inputs, scheduler_output),
             self._prev_tokens)
         accepted = None
         if layout.verify_block_q:
-            out, accepted = sampler(logits, sample_inputs(inputs), draft_ids)
+            out, accepted = self._sampler_for(logits, inputs, verify=True)(
+                logits, sample_inputs(inputs), draft_ids)
         elif is_plain_greedy(inputs, self._free_bitmasks.get(logits.shape[0])):
             out, self._prev_tokens = SamplerOutput(greedy), greedy_prev
-        else:
-            out, self._prev_tokens = sampler(logits, sample_inputs(inputs), self._prev_tokens)
+        else:       # (the sampler compiled by the first step that samples, if not before)
+            out, self._prev_tokens = self._sampler_for(logits, inputs)(
+                logits, sample_inputs(inputs), self._prev_tokens)
         return dataclasses.replace(out, prompt_logprobs=prompt), pooled, accepted
 
     def _forward_inputs(self, inputs: StepInputs,
@@ -323,18 +326,21 @@ class ModelRunner:
         if index != self._leaf_index:            # (the compiled programs index the list)
             raise RuntimeError("a LoRA write changed which state arrays are shared")
 
-    def _executables_for(self, layout: BatchLayout, inputs: StepInputs) -> tuple:
+    def _executables_for(self, layout: BatchLayout, inputs: StepInputs, forward: bool = True,
+                         sampler: bool = True) -> tuple:
         """The compiled forward and sample programs for ``inputs``' shapes (compiled now,
-        or loaded from the executable store, if new)."""
-        forward = self._compiled(
-            ("forward", *_shape_key(layout)), self._programs.forward, self._state_leaves,
-            self._kv_caches, self._forward_inputs(inputs), self._prev_tokens)
+        or loaded from the executable store, if new); None for a program not asked for."""
+        fn = None
+        if forward:
+            fn = self._compiled(
+                ("forward", *_shape_key(layout)), self._programs.forward, self._state_leaves,
+                self._kv_caches, self._forward_inputs(inputs), self._prev_tokens)
+            self._ready_shapes.add(_shape_key(layout))
         # (the forward's logits [B, V] float32, known without asking it: out_info costs ~1 ms)
         logits = jax.ShapeDtypeStruct((inputs.logits_indices.shape[0], self._limits.vocab_size),
                                       np.float32)
-        sampler = self._sampler_for(logits, inputs, verify=bool(layout.verify_block_q))
-        self._ready_shapes.add(_shape_key(layout))
-        return forward, sampler
+        return fn, (self._sampler_for(logits, inputs, verify=bool(layout.verify_block_q))
+                    if sampler else None)
 
     def defer_shapes(self, shapes: list[tuple]) -> None:
         """Mark ``shapes`` (``(T, B, P, decode_only, ...)``) as compiling on a background
@@ -476,12 +482,16 @@ class ModelRunner:
         return None if None in peaks or not peaks else max(peaks)
 
     def precompile(self, should_stop: Callable[[], bool] = lambda: False,
-                   progress: bool | None = None, shapes: list[tuple] | None = None) -> float:
+                   progress: bool | None = None, shapes: list[tuple] | None = None,
+                   forwards: bool = True, samplers: bool = True) -> float:
         """Compile every step shape a run can meet (:meth:`step_shapes`: each one's forward,
         and the sampler of each row bucket once; logprobs, prompt logprobs and logit
         adjustments of up to ``max_adjust_entries`` entries a row run in the same
         executables), or only ``shapes``, unless ``should_stop`` turns true between two
-        shapes (the rest then compile lazily); returns the seconds taken.
+        shapes (the rest then compile lazily); returns the seconds taken. ``forwards`` /
+        ``samplers`` False: leave that half of each shape out (a plain greedy step never
+        runs the sampler; a step that samples compiles its row bucket's when it first
+        needs it).
 
         One shape at a time: on the 2-core CPU two compilations on two threads took as long
         as one after the other (measured again with jaxlib 0.12.0.1: 8.5 CPU seconds either
@@ -494,13 +504,16 @@ class ModelRunner:
         cache_dir, before = jax_cache_dir(), self.num_fresh_compilations
         if self._lora is not None:
             self.write_lora_slot(0, None)    # compiles the slot writer (slot 0 stays zeros)
-        for shape in tqdm(self.step_shapes() if shapes is None else shapes,
-                          desc="Compiling model steps", unit="shape",
-                          disable=None if progress is None else not progress, leave=False):
+        shapes = self.step_shapes() if shapes is None else shapes
+        if progress is not False:   # (no bar object at all: tqdm() starts a monitor thread)
+            shapes = tqdm(shapes, desc="Compiling model steps", unit="shape", leave=False,
+                          disable=None if progress is None else not progress)
+        for shape in shapes:
             if should_stop():
                 break
             layout = dummy_layout(*shape)
-            self._executables_for(layout, self._dummy_inputs(layout))
+            with self._compile_lock:    # (the arguments read under it too: a reload waits)
+                self._executables_for(layout, self._dummy_inputs(layout), forwards, samplers)
         release_freed_memory()          # what XLA's compiler freed (jaxpaged.runner.host_memory)
         seconds = time.perf_counter() - t0
         fresh = self.num_fresh_compilations - before

@@ -188,8 +188,11 @@ class PipelineModelRunner(ModelRunner):
         out, _ = sampler(logits, sample_inputs(inputs), self._prev_tokens)
         return dataclasses.replace(out, prompt_logprobs=prompt), pooled, None
 
-    def _executables_for(self, layout: BatchLayout, inputs: StepInputs) -> tuple:
-        """Every stage's compiled forward for ``inputs``' shapes, and the sampler."""
+    def _executables_for(self, layout: BatchLayout, inputs: StepInputs, forward: bool = True,
+                         sampler: bool = True) -> tuple:
+        """Every stage's compiled forward for ``inputs``' shapes (with ``forward`` False
+        too: the sampler's logits are the last stage's output), and the sampler (None
+        without ``sampler``)."""
         pp, stages = self._pipeline, []
         x = inputs.input_ids
         for s, (a, b) in enumerate(pp.layer_ranges):
@@ -201,9 +204,8 @@ class PipelineModelRunner(ModelRunner):
                 hidden = fn.out_info[0]
                 x = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype,
                                          sharding=pp.stages[s + 1].replicated)
-        sampler = self._sampler_for(stages[-1].out_info[0], inputs)
         self._ready_shapes.add(_shape_key(layout))
-        return stages, sampler
+        return stages, self._sampler_for(stages[-1].out_info[0], inputs) if sampler else None
 
 
 def _placed(state: nnx.State, tp) -> nnx.State:
