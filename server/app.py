@@ -10,8 +10,12 @@ model is loaded and warmed up, and while a graceful shutdown drains; 503 while l
 from the moment the engine has died; it never waits on the engine), ``GET /ready``
 (readiness: as ``/health``, but 503 from the moment a shutdown begins, so a load balancer
 stops sending new requests), ``GET /version``, ``GET /metrics``
-(Prometheus text), ``POST /tokenize``, ``POST /detokenize``, ``GET /openapi.json``.
-Every error, the framework's included, is answered in OpenAI's shape (``server/errors.py``).
+(Prometheus text), ``POST /tokenize``, ``POST /detokenize``, ``GET /openapi.json``; and
+Anthropic's ``POST /v1/messages`` and ``POST /v1/messages/count_tokens`` on a generating
+engine (``server/serving_anthropic.py``).
+Every error, the framework's included, is answered in OpenAI's shape (``server/errors.py``),
+on the Anthropic routes in Anthropic's. The API key (``--api-key``) may come as
+``Authorization: Bearer <key>`` or as Anthropic's ``x-api-key: <key>``.
 """
 
 from __future__ import annotations
@@ -31,12 +35,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from jaxpaged.engine.async_engine import AsyncEngine
-from jaxpaged.server.errors import APIError, bad_request, error_response, from_validation_error
+from jaxpaged.server.errors import (APIError, anthropic_error_response, bad_request,
+                                   error_response, from_validation_error)
 from jaxpaged.server.openapi import openapi_document
 from jaxpaged.server.protocol import (CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                       ModelCard, ModelList, TokenizeResponse, VersionResponse)
+from jaxpaged.server.protocol_anthropic import CountTokensRequest, MessagesRequest
 from jaxpaged.server.protocol_chat import ChatCompletionRequest, TokenizeRequest
 from jaxpaged.server.serving import CLIENT_GONE, ServerConfig, engine_error, off_loop
+from jaxpaged.server.serving_anthropic import AnthropicServingMessages
 from jaxpaged.server.serving_chat import OpenAIServingChat
 from jaxpaged.server.protocol_responses import ResponsesRequest
 from jaxpaged.server.serving_completion import OpenAIServingCompletion
@@ -49,6 +56,8 @@ logger = logging.getLogger("server")
 
 #: Paths that need the API key (when one is set); health, metrics and version stay open.
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+#: Paths answered in Anthropic's error shape (``server/serving_anthropic.py``).
+ANTHROPIC_PREFIX = "/v1/messages"
 #: OpenAI routes this server does not serve, and why (their 404 says so, not "Not Found").
 UNSERVED_ROUTES = {
     "/v1/embeddings": "this server runs a generative model and serves no embeddings (start "
@@ -60,7 +69,8 @@ UNSERVED_ROUTES = {
 UNSERVED_BY_POOLING = {
     **{route: "this server runs its model for embeddings (--runner pooling) and does not "
               "generate (start it with --runner generate to generate)"
-       for route in ("/v1/completions", "/v1/chat/completions", "/v1/responses")},
+       for route in ("/v1/completions", "/v1/chat/completions", "/v1/responses",
+                     "/v1/messages")},
     "/v1/audio/": "this model accepts text only",
     "/v1/images/": "this model accepts text only",
 }
@@ -81,11 +91,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
     completion = OpenAIServingCompletion(engine, config, tokenizer, names)
     chat = OpenAIServingChat(engine, config, tokenizer, names)
     responses = OpenAIServingResponses(chat)
+    anthropic = AnthropicServingMessages(chat)
     embedding = OpenAIServingEmbedding(engine, config, tokenizer, names)
     pooling = engine.args.pooler is not None
     unserved = UNSERVED_BY_POOLING if pooling else UNSERVED_ROUTES
     served = ("/v1/embeddings" if pooling else
-              "/v1/completions, /v1/chat/completions and /v1/responses")
+              "/v1/completions, /v1/chat/completions, /v1/responses and /v1/messages")
 
     def too_large() -> APIError:
         return APIError(413, f"the request body exceeds {config.max_request_body_bytes} bytes",
@@ -141,6 +152,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
     async def create_response(request: Request) -> Response:
         ready()
         return await responses.create(await parse(request, ResponsesRequest), request)
+
+    async def create_message(request: Request) -> Response:
+        ready()
+        return await anthropic.create(await parse(request, MessagesRequest), request)
+
+    async def count_message_tokens(request: Request) -> Response:
+        ready()
+        return await anthropic.count_tokens(await parse(request, CountTokensRequest), request)
 
     async def response_by_id(request: Request) -> Response:
         response_id = request.path_params["response_id"]
@@ -235,7 +254,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", response_by_id, methods=["GET", "DELETE"]),
-        Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"])]
+        Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
+        Route("/v1/messages", create_message, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"])]
     routes += [
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{name:path}", model, methods=["GET"]),
@@ -251,8 +272,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
           if config.allow_runtime_lora_updating else []),
     ]
 
+    def render(request: Request, exc: APIError) -> Response:
+        anthropic_route = request.url.path.startswith(ANTHROPIC_PREFIX)
+        return (anthropic_error_response if anthropic_route else error_response)(exc)
+
     async def api_error(request: Request, exc: APIError) -> Response:
-        return error_response(exc)
+        return render(request, exc)
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
@@ -260,12 +285,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         why = next((w for p, w in unserved.items() if path.startswith(p)), None)
         if exc.status_code == 404 and why is not None:
             detail = f"{why}; it serves {served}. {request.method} {path} is not available"
-            return error_response(APIError(404, detail, kind))
-        return error_response(APIError(exc.status_code, f"{detail}: {request.method} {path}",
-                                       kind))
+            return render(request, APIError(404, detail, kind))
+        return render(request, APIError(exc.status_code, f"{detail}: {request.method} {path}",
+                                        kind))
 
     async def internal_error(request: Request, exc: Exception) -> Response:
-        return error_response(APIError(500, f"internal error: {exc!r}", "internal_server_error"))
+        return render(request, APIError(500, f"internal error: {exc!r}",
+                                        "internal_server_error"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -308,21 +334,30 @@ def check_unicode(data) -> None:
 
 
 class APIKeyMiddleware:
-    """Requires ``Authorization: Bearer <api_key>`` on :data:`PROTECTED_PREFIXES` paths
-    (compared in constant time); answers 401 in OpenAI's shape otherwise."""
+    """Requires ``Authorization: Bearer <api_key>`` or ``x-api-key: <api_key>`` (Anthropic's
+    header) on :data:`PROTECTED_PREFIXES` paths (compared in constant time); answers 401
+    otherwise, in OpenAI's shape (Anthropic's on its routes)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
         self._expected = api_key.encode()
 
+    def _authorized(self, headers: dict) -> bool:
+        scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+        bearer = hmac.compare_digest(given.strip(), self._expected) and \
+            scheme.lower() == b"bearer"
+        key = headers.get(b"x-api-key")
+        return bearer or (key is not None and hmac.compare_digest(key.strip(), self._expected))
+
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
-            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-            if not (hmac.compare_digest(given.strip(), self._expected)
-                    and scheme.lower() == b"bearer"):
-                response = error_response(APIError(
-                    401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
-                    "invalid_request_error"))
-                await response(scope, receive, send)
-                return
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES) and \
+                not self._authorized(dict(scope["headers"])):
+            anthropic_route = scope["path"].startswith(ANTHROPIC_PREFIX)
+            error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer "
+                                  "<key>' or 'x-api-key: <key>'.",
+                             "authentication_error" if anthropic_route else
+                             "invalid_request_error")
+            response = (anthropic_error_response if anthropic_route else error_response)(error)
+            await response(scope, receive, send)
+            return
         await self.app(scope, receive, send)

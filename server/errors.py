@@ -3,7 +3,8 @@
 Every failure a client can cause is raised as an :class:`APIError` and rendered by
 :func:`error_response`; the app maps framework errors (malformed JSON, pydantic validation,
 unknown routes, oversized bodies) onto the same shape, so the official SDKs can read
-``e.message``.
+``e.message``. The Anthropic routes (``/v1/messages``) answer the same errors in Anthropic's
+shape instead (:func:`anthropic_error_response`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 from jaxpaged.server.protocol import ErrorInfo, ErrorResponse
+from jaxpaged.server.protocol_anthropic import AnthropicErrorInfo, AnthropicErrorResponse
 
 
 class APIError(Exception):
@@ -50,6 +52,28 @@ def error_body(e: APIError) -> ErrorResponse:
 def error_response(e: APIError) -> JSONResponse:
     """The JSON response for ``e``."""
     return JSONResponse(error_body(e).model_dump(), status_code=e.status, headers=e.headers)
+
+
+#: Anthropic's error ``type`` for an HTTP status (its API reference's table; a 503 is its
+#: ``overloaded_error``); other 4xx are ``invalid_request_error``, other 5xx ``api_error``.
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                         403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                         503: "overloaded_error", 504: "timeout_error"}
+
+
+def anthropic_error_body(e: APIError) -> AnthropicErrorResponse:
+    """Anthropic's error body for ``e`` (``/v1/messages``): ``{"type": "error", "error":
+    {"type", "message"}}``, the type from the status (:data:`ANTHROPIC_ERROR_TYPES`)."""
+    kind = ANTHROPIC_ERROR_TYPES.get(
+        e.status, "api_error" if e.status >= 500 else "invalid_request_error")
+    return AnthropicErrorResponse(error=AnthropicErrorInfo(type=kind, message=e.message))
+
+
+def anthropic_error_response(e: APIError) -> JSONResponse:
+    """The JSON response for ``e`` in Anthropic's shape."""
+    return JSONResponse(anthropic_error_body(e).model_dump(), status_code=e.status,
+                        headers=e.headers)
 
 
 #: Names pydantic puts in an error's location for the branch of a union it tried.
