@@ -5,7 +5,9 @@
 sampled (mostly seeded), stop strings, ``min_tokens``, penalties, token-id and text prompts
 (some repeated, for prefix-cache hits), all with logprobs (as token ids, so that token ids are
 compared, not only text); a fraction of the text requests go to ``/v1/responses``
-(``benchmarks/soak_responses.py``: compared by text, their event streams checked). A ``disconnect_fraction`` of the clients hang up at a random
+(``benchmarks/soak_responses.py``: compared by text, their event streams checked) and
+another to Anthropic's ``/v1/messages`` (``benchmarks/soak_messages.py``: the same). A
+``disconnect_fraction`` of the clients hang up at a random
 moment: after a random part of the recent median latency, or (streams) after a random number
 of events. Every request body is valid, so any answer but a 200 is a failure, except a 429
 (a server with ``--max-pending-requests``): the client waits ``Retry-After`` and retries.
@@ -63,7 +65,7 @@ from collections import Counter
 
 import httpx
 
-from jaxpaged.benchmarks import soak_embeddings, soak_responses
+from jaxpaged.benchmarks import soak_embeddings, soak_messages, soak_responses
 from jaxpaged.benchmarks.results import add_cost, add_cost_arg, distribution, write_outputs
 from jaxpaged.benchmarks.serve import auth_headers, http_client, run_limited, served_model
 from jaxpaged.benchmarks.soak_checks import (check_answer, compare, first_divergence,
@@ -115,6 +117,9 @@ def run_soak(config: SoakConfig, base_url: str, llm, api_key: str | None = None,
     if probe.status_code == 200 and config.responses_fraction:
         requests = soak_responses.as_responses(requests, config.responses_fraction,
                                                config.seed, chat_prompt)
+    if probe.status_code == 200 and config.messages_fraction:
+        requests = soak_messages.as_messages(requests, config.messages_fraction, config.seed,
+                                             chat_prompt)
     before = metric_values(url, api_key)
 
     latencies = Latencies(config.disconnect_window)
@@ -139,6 +144,9 @@ def run_soak(config: SoakConfig, base_url: str, llm, api_key: str | None = None,
     def is_responses(req: SoakRequest) -> bool:
         return req.path == soak_responses.RESPONSES_PATH
 
+    def is_text_only(req: SoakRequest) -> bool:     # compared by text: no token ids
+        return req.path in (soak_responses.RESPONSES_PATH, soak_messages.MESSAGES_PATH)
+
     statuses = Counter(r.status for r in results)
     server_errors = unexpected = injected = 0
     for req, res in zip(requests, results):
@@ -152,7 +160,7 @@ def run_soak(config: SoakConfig, base_url: str, llm, api_key: str | None = None,
             unexpected += 1
             problem(req, res.error or "the stream ended without [DONE]")
         else:
-            checked = soak_responses.check_answer if is_responses(req) else check_answer
+            checked = soak_responses.check_answer if is_text_only(req) else check_answer
             for p in checked(req, res):
                 problem(req, p)
 
@@ -163,7 +171,8 @@ def run_soak(config: SoakConfig, base_url: str, llm, api_key: str | None = None,
     offline_s = time.perf_counter() - t0
     mismatches, near_ties = 0, []
     for (req, res), out in zip(compared, offline):
-        diffs = soak_responses.compare(res, out) if is_responses(req) else compare(req, res, out)
+        diffs = soak_responses.compare(res, out) if is_text_only(req) else \
+            compare(req, res, out)
         if not diffs:
             continue
         where = first_divergence(res, out)
@@ -221,7 +230,9 @@ def run_soak(config: SoakConfig, base_url: str, llm, api_key: str | None = None,
         "disconnected": disconnected,
         "streamed": sum(q.body["stream"] for q in requests),
         "chat": sum(q.chat for q in requests),
-        "responses": sum(map(is_responses, requests)), "n_gt_1": sum(q.params.n > 1 for q in requests),
+        "responses": sum(map(is_responses, requests)),
+        "messages": sum(q.path == soak_messages.MESSAGES_PATH for q in requests),
+        "n_gt_1": sum(q.params.n > 1 for q in requests),
         "statuses": {str(k): v for k, v in sorted(statuses.items(), key=str)},
         "retried_429": sum(r.retries for r in results),
         "server_errors": server_errors, "fault_marked": sum(q.fault for q in requests),
@@ -271,6 +282,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--responses-fraction", type=float, default=d.responses_fraction,
                         help="text requests sent to /v1/responses instead (with a chat "
                              "template)")
+    parser.add_argument("--messages-fraction", type=float, default=d.messages_fraction,
+                        help="other text requests sent to /v1/messages instead (with a chat "
+                             "template)")
     parser.add_argument("--fault-fraction", type=float, default=d.fault_fraction,
                         help="requests whose model steps fail on purpose (each failed step "
                              "fails all its requests); only for the server started here")
@@ -301,7 +315,8 @@ def main(args: argparse.Namespace) -> dict:
                         penalty_fraction=args.penalty_fraction,
                         min_tokens_fraction=args.min_tokens_fraction,
                         fault_fraction=args.fault_fraction,
-                        responses_fraction=args.responses_fraction)
+                        responses_fraction=args.responses_fraction,
+                        messages_fraction=args.messages_fraction)
     engine_args = EngineArgs.from_cli_args(args)
     server = None
     if args.base_url is None:

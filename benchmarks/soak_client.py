@@ -9,7 +9,7 @@ import time
 import httpx
 import numpy as np
 
-from jaxpaged.benchmarks import soak_responses
+from jaxpaged.benchmarks import soak_messages, soak_responses
 from jaxpaged.benchmarks.serve import DONE, sse_payloads
 from jaxpaged.benchmarks.soak_workload import SoakRequest, SoakResult
 
@@ -53,6 +53,7 @@ async def send(client: httpx.AsyncClient, req: SoakRequest, latencies: Latencies
     """Send one request, hanging up as the request says."""
     res = SoakResult()
     stream, responses = req.body["stream"], req.path == soak_responses.RESPONSES_PATH
+    messages = req.path == soak_messages.MESSAGES_PATH
 
     async def go():
         while await attempt():      # refused for --max-pending-requests: wait as told, retry
@@ -78,6 +79,9 @@ async def send(client: httpx.AsyncClient, req: SoakRequest, latencies: Latencies
             if responses:
                 soak_responses.read_answer(res, answer)
                 return False
+            if messages:
+                soak_messages.read_answer(res, answer)
+                return False
             absorb(res, answer["choices"], req.chat, stream=False)
             res.completion_tokens = answer["usage"]["completion_tokens"]
             res.prompt_tokens = answer["usage"]["prompt_tokens"]
@@ -100,6 +104,8 @@ async def send(client: httpx.AsyncClient, req: SoakRequest, latencies: Latencies
                 events += 1
                 if responses:
                     soak_responses.read_event(res, payload, state)
+                elif messages:
+                    soak_messages.read_event(res, payload, state)
                 elif payload == DONE:
                     res.done = True
                 elif "error" in payload:

@@ -54,6 +54,8 @@ class SoakConfig:
             in this process (its engine's fault hook).
         responses_fraction: text requests sent to ``/v1/responses`` instead (when the
             server has a chat template).
+        messages_fraction: the other text requests sent to Anthropic's ``/v1/messages``
+            instead (when the server has a chat template).
     """
 
     num_requests: int = 2000
@@ -70,13 +72,14 @@ class SoakConfig:
     idle_timeout: float = 30.0
     fault_fraction: float = 0.0
     responses_fraction: float = 0.1
+    messages_fraction: float = 0.1
 
     def __post_init__(self):
         if self.num_requests < 1 or self.concurrency < 1:
             raise ValueError("the soak needs num_requests >= 1 and concurrency >= 1")
         for name in ("disconnect_fraction", "stream_fraction", "chat_fraction", "fault_fraction",
                      "logprobs_fraction", "penalty_fraction", "min_tokens_fraction",
-                     "responses_fraction"):
+                     "responses_fraction", "messages_fraction"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.max_tokens < 1 or self.disconnect_window <= 0:

@@ -47,6 +47,7 @@ def check(summary: dict, config: SoakConfig) -> None:
     assert summary["near_ties"] <= 0.01 * summary["compared_sequences"]
     assert summary["chat"] > 0 and summary["n_gt_1"] > 0 and summary["streamed"] > 0
     assert summary["responses"] > 0.05 * config.num_requests
+    assert summary["messages"] > 0.03 * config.num_requests
 
 
 def test_soak_ci(live_server, stories_llm):
