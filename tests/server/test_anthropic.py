@@ -16,6 +16,7 @@ import pytest
 from anthropic.types import Message
 from starlette.testclient import TestClient
 
+from jaxpaged.benchmarks.soak_workload import FAULT_MARK, injecting_faults
 from jaxpaged.server.anthropic_stream import ContentBuilder, signature, sse_event
 from jaxpaged.server.chat_output import ChoiceDelta
 from jaxpaged.server.launcher import make_server
@@ -294,3 +295,17 @@ def test_other_failures_keep_the_shape_and_the_server_serves_on(http, claude):
         assert r.status_code in (400, 404) and r.json()["type"] == "error", r.text
     assert http.post("/v1/chat/completions", content=b"{nope").json()["error"]["code"] == 400
     assert create(claude, max_tokens=2).usage.output_tokens == 2
+
+
+def test_a_failed_model_step_is_an_error_in_anthropics_shape(http, claude, live_server):
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": USER}]}
+    with injecting_faults(live_server.engine):
+        r = http.post("/v1/messages", json=body, headers={"X-Request-Id": "a" + FAULT_MARK})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "api_error", r.text
+        with http.stream("POST", "/v1/messages", json={**body, "stream": True},
+                         headers={"X-Request-Id": "b" + FAULT_MARK}) as s:
+            lines = [line for line in s.iter_lines() if line]
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+    assert [e["type"] for e in events] == ["message_start", "error"]
+    assert lines[-2] == "event: error" and events[-1]["error"]["type"] == "api_error"
+    assert create(claude, max_tokens=2).usage.output_tokens == 2     # it serves on
