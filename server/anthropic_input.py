@@ -13,14 +13,17 @@ prefill: ``continue_final_message``, no generation prompt). Custom tools become 
 tools (``input_schema`` as ``parameters``); ``tool_choice`` ``auto`` / ``none`` keep their
 names, ``any`` is chat's ``required`` and ``tool`` a named function, so the same forced-call
 grammars hold; ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``. ``thinking``
-sets the template variables ``enable_thinking`` and ``thinking`` (``disabled``: false),
-under the request's ``chat_template_kwargs``. ``stop_sequences`` are chat's ``stop``,
-``metadata.user_id`` its ``user``.
+sets the template variables ``enable_thinking`` and ``thinking`` (``disabled``: false) and
+``output_config.effort`` the variable ``reasoning_effort``, under the request's
+``chat_template_kwargs``; ``output_config.format`` is chat's ``json_schema``
+``response_format``. ``stop_sequences`` are chat's ``stop``, ``metadata.user_id`` its
+``user``.
 """
 
 from __future__ import annotations
 
 from jaxpaged.server.errors import APIError, bad_request
+from jaxpaged.server.protocol import JsonSchemaFormat, ResponseFormat
 from jaxpaged.server.protocol_anthropic import (CountTokensRequest, MessagesRequest,
                                                 RedactedThinkingBlock, TextBlock,
                                                 ThinkingBlock, ToolResultBlock, ToolUseBlock,
@@ -30,7 +33,8 @@ from jaxpaged.server.protocol_chat import (ChatCompletionRequest, ChatMessage, C
                                            NamedToolChoice, TextPart, ToolCallIn)
 
 #: Chat's parameter names -> the Messages request's (for chat's 400s).
-RENAMED_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+RENAMED_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
+                  "response_format": "output_config"}
 
 
 def _parts(blocks: list[TextBlock]) -> list[TextPart]:
@@ -119,6 +123,9 @@ def _rendering(body: ConversationFields) -> dict:
     if body.thinking is not None:
         on = body.thinking.type != "disabled"
         kwargs = {"enable_thinking": on, "thinking": on}
+    output = getattr(body, "output_config", None)
+    if output is not None and output.effort is not None:
+        kwargs["reasoning_effort"] = output.effort
     kwargs.update(body.chat_template_kwargs or {})
     prefill = bool(body.messages) and body.messages[-1].role == "assistant"
     return {"chat_template_kwargs": kwargs or None, "continue_final_message": prefill,
@@ -139,12 +146,16 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
     if not body.messages:
         raise bad_request("messages must not be empty", "messages")
     user = body.metadata.user_id if body.metadata is not None else None
+    output = body.output_config
+    fmt = None if output is None or output.format is None else ResponseFormat(
+        type="json_schema", json_schema=JsonSchemaFormat.model_validate(
+            {"name": "output", "schema": output.format.json_schema}))
     return ChatCompletionRequest(
         model=body.model, messages=chat_messages(body), max_completion_tokens=body.max_tokens,
         stop=body.stop_sequences, temperature=body.temperature, top_p=body.top_p,
         top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
         seed=body.seed, ignore_eos=body.ignore_eos, user=user, stream=True,
-        **_tools(body), **_rendering(body))
+        response_format=fmt, **_tools(body), **_rendering(body))
 
 
 def count_request(body: CountTokensRequest) -> ChatCompletionRequest:

@@ -132,6 +132,21 @@ class Metadata(_Request):
     user_id: str | None = None
 
 
+class JsonOutputFormat(_Request):
+    """``output_config.format``: the answer is JSON following ``schema``."""
+
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Request):
+    """``output_config``: ``effort`` (the template's ``reasoning_effort``) and ``format``
+    (structured output)."""
+
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JsonOutputFormat | None = None
+
+
 class ConversationFields(_Request):
     """What ``/v1/messages`` and its ``count_tokens`` share: the prompt's parts."""
 
@@ -154,6 +169,7 @@ class MessagesRequest(ConversationFields):
     top_p: float | None = None
     top_k: Int | None = None
     metadata: Metadata | None = None
+    output_config: OutputConfig | None = None
     # chat's sampling extras (not Anthropic's): a seeded sample is reproducible
     seed: Int | None = None
     min_p: float | None = None

@@ -58,7 +58,7 @@ def claude(live_server) -> anthropic.Anthropic:
 
 
 #: Sampling fields the server reads that recent clients no longer take as arguments.
-BODY_FIELDS = ("temperature", "top_p", "top_k", "seed")
+BODY_FIELDS = ("temperature", "top_p", "top_k", "seed", "output_config")
 
 
 def arguments(fields: dict) -> dict:
@@ -199,6 +199,19 @@ def test_thinking_blocks_from_the_reasoning_parser(claude, client, live_server):
         reasoning)
 
 
+def test_output_config_format_is_chats_json_schema(claude, client):
+    schema = {"type": "object", "properties": {"name": {"enum": ["Lily", "Ben"]}},
+              "required": ["name"], "additionalProperties": False}
+    m = create(claude, max_tokens=20, temperature=0, output_config={
+        "format": {"type": "json_schema", "schema": schema}})
+    answer = chat(client, [{"role": "user", "content": USER}], max_tokens=20, temperature=0,
+                  response_format={"type": "json_schema", "json_schema": {
+                      "name": "output", "schema": schema}})
+    assert m.content[0].text == answer.choices[0].message.content
+    jsonschema.validate(json.loads(m.content[0].text), schema)
+    assert m.stop_reason == "end_turn"
+
+
 def test_builder_events_assemble_to_the_answer():
     """Thinking, text and two calls (the live model writes none of these markers): the
     events, accumulated by the client's own code, give the non-streaming content."""
@@ -273,6 +286,14 @@ def test_x_api_key_and_bearer_are_accepted():
     ({"max_tokens": 4, "tools": TOOLS[:1], "tool_choice": {"type": "tool", "name": "nope"}},
      400, ["nope"]),
     ({"max_tokens": 4, "model": "nope"}, 404, ["nope"]),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, 400,
+     ["belongs in an assistant message"]),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]}, 400,
+     ["belongs in a user message"]),
+    ({"max_tokens": 4, "output_config": {"format": {"type": "json_schema"}}}, 400,
+     ["output_config.format.schema"]),
     ({"max_tokens": 400}, 400, ["maximum context length", "400 for the output"]),
     ({"max_tokens": 4, "temperature": "hot"}, 400, ["temperature"]),
 ])
@@ -293,6 +314,9 @@ def test_other_failures_keep_the_shape_and_the_server_serves_on(http, claude):
     for path, data in (("/v1/messages", b"{nope"), ("/v1/messages/nope", b"{}")):
         r = http.post(path, content=data, headers={"Content-Type": "application/json"})
         assert r.status_code in (400, 404) and r.json()["type"] == "error", r.text
+    r = http.post("/v1/messages/count_tokens", json={"model": "nope", "messages": [
+        {"role": "user", "content": USER}]})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     assert http.post("/v1/chat/completions", content=b"{nope").json()["error"]["code"] == 400
     assert create(claude, max_tokens=2).usage.output_tokens == 2
 
