@@ -112,6 +112,30 @@ def test_precompile_figures_read_from_the_log(tmp_path):
     assert compare_chat.precompile_figures(str(log)) is None
 
 
+def test_background_compilation_read_from_the_servers_own_log_lines(tmp_path, caplog):
+    """The harness waits for the lines ``jaxpaged.runner.background_compile`` writes (a
+    stand-in runner compiles nothing)."""
+    import logging
+
+    from jaxpaged.runner.background_compile import BackgroundCompile
+
+    class Runner:
+        def precompile(self, **kwargs):
+            pass
+
+        def defer_shapes(self, shapes):
+            pass
+
+    with caplog.at_level(logging.INFO, logger="jaxpaged.runner.background_compile"):
+        assert BackgroundCompile(Runner(), [([(8, 8, 4, True)], True, True)], pad=True).wait(10)
+    log = tmp_path / "serve.log"
+    log.write_text("".join(f"INFO {r.name}: {r.getMessage()}\n" for r in caplog.records))
+    assert "compiling 1 more step shapes" in log.read_text()
+    assert compare_chat.wait_for_background_compile(str(log), 5) >= 0.0
+    log.write_text("INFO x: y\n")      # a server that compiles nothing in the background
+    assert compare_chat.wait_for_background_compile(str(log), 5) is None
+
+
 def test_rss_sampler_keeps_the_peak_of_the_process_and_its_children():
     me = os.getpid()
     with RssSampler(me, interval_s=0.01) as sampler:

@@ -105,8 +105,8 @@ class BackgroundCompile:
         self._pad = pad
         if pad:
             runner.defer_shapes([s for shapes, forwards, _ in plan if forwards for s in shapes])
-        count = sum(len(shapes) for shapes, _, _ in plan)
-        logger.info("compiling %d step shapes in the background", count)
+        self._count = sum(len(shapes) for shapes, _, _ in plan)
+        logger.info("compiling %d more step shapes in the background", self._count)
         _live.add(self)
         self.thread = threading.Thread(target=self._run, args=(runner, plan), daemon=True,
                                        name="jaxpaged-background-compile")
@@ -128,7 +128,8 @@ class BackgroundCompile:
             if self._pad:
                 runner.defer_shapes([])
             return
-        logger.info("background compilation done in %.1f s", time.perf_counter() - t0)
+        logger.info("background compilation of %d step shapes done in %.1f s", self._count,
+                    time.perf_counter() - t0)
 
     def stop(self) -> None:
         """Stop after the shape being compiled (the rest compile when a step needs them)."""
