@@ -33,12 +33,36 @@ from pallas_kernels.lowering import pallas_call_options
 PREFILL_STAGES = 3
 
 
+#: The most query rows (block tokens x G) one prefill program holds: 128 rows with 64-key
+#: tiles and 8 warps take 128 registers a thread on sm_90 without spilling; 256 rows (a
+#: 32-token block at Llama-3-70B's G = 8) spilled 144 bytes a thread even at 32-key tiles and
+#: 16 warps (``pallas_kernels.schedule_check``).
+MAX_PROGRAM_ROWS = 128
+
+
+def prefill_split(block_q: int, group: int) -> int:
+    """How many programs share one query block of ``block_q`` tokens at ``group`` query
+    heads a KV head: the fewest (a power of two dividing ``block_q``) whose rows fit
+    :data:`MAX_PROGRAM_ROWS` (each reads the block's K/V tiles itself), 1 when one fits."""
+    split = 1
+    while block_q * group > split * MAX_PROGRAM_ROWS and block_q % (2 * split) == 0:
+        split *= 2
+    return split
+
+
+def program_rows(block_q: int, group: int) -> int:
+    """The query rows a program of an unsplit ``block_q``-token block holds at ``group``
+    query heads a KV head: ``block_q x group`` padded to a power of two, at least 16 (the
+    smallest MMA)."""
+    return max(16, next_pow2(block_q * group))
+
+
 def prefill_launch(rows: int) -> tuple[int, int]:
     """(KV tile keys, num_warps) for a program of ``rows`` query rows: 64 keys and 4 warps up
-    to 64 rows, 8 warps at 128 rows; 32 keys and 16 warps above (256 rows at G = 8 take 255
-    registers and spill with 8 warps, 128 with 16 on sm_90: ``schedule_check``)."""
-    if rows <= 128:
-        return 64, (8 if rows == 128 else 4)
+    to 64 rows, 8 warps at 128 rows; 32 keys and 16 warps above (only a block that
+    :func:`prefill_split` cannot split: it spills on sm_90)."""
+    if rows <= MAX_PROGRAM_ROWS:
+        return 64, (8 if rows == MAX_PROGRAM_ROWS else 4)
     return 32, 16
 
 
@@ -87,8 +111,17 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     nb, block_q, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
     group = group_size(num_heads, k_pages, v_pages, q.dtype)
+    split = prefill_split(block_q, group)
+    if split > 1:      # query rows are independent: a block's halves give the same rows
+        out = paged_prefill_attention(
+            q.reshape(nb * split, block_q // split, num_heads, head_dim), k_pages, v_pages,
+            page_table, jnp.repeat(block_seq, split),
+            block_positions.reshape(nb * split, block_q // split), scale=scale,
+            sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
+            v_scale=v_scale, interpret=interpret)
+        return out.reshape(nb, block_q, num_heads, head_dim)
     rows = block_q * group
-    rows_padded = max(16, next_pow2(rows))
+    rows_padded = program_rows(block_q, group)
     tile, num_warps = prefill_launch(rows_padded)
 
     # [NB, Bq, KVH*G, D] -> [NB, KVH, Bq*G, D]: row r of a program is query r // G, head r % G.

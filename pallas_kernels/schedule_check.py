@@ -228,7 +228,8 @@ LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, batch
                  context=4096, pool_pages=8192)
 
 
-def kernel_facts(kernel: str, mode: str, kv_dtype=None) -> ScheduleFacts:
+def kernel_facts(kernel: str, mode: str, kv_dtype=None,
+                 group: int | None = None) -> ScheduleFacts:
     """:class:`ScheduleFacts` of a paged-attention kernel at :data:`LLAMA3_8B` shapes, bf16.
 
     Args:
@@ -237,6 +238,8 @@ def kernel_facts(kernel: str, mode: str, kv_dtype=None) -> ScheduleFacts:
         mode: ``"decode"`` (one token per sequence) or ``"prefill"`` (v2: 32-token prefill
             blocks; v1: its 16-token query blocks of a mixed step).
         kv_dtype: the pool's dtype (default bfloat16; float8_e4m3fn for an fp8 pool).
+        group: query heads per KV head, G (default Llama-3-8B's 4; Llama-3-70B's is 8):
+            ``group x 8`` query heads over the 8 KV heads.
     """
     import functools
 
@@ -247,6 +250,7 @@ def kernel_facts(kernel: str, mode: str, kv_dtype=None) -> ScheduleFacts:
     s = LLAMA3_8B
     sds = jax.ShapeDtypeStruct
     d, qh, kvh, b = s["head_dim"], s["num_heads"], s["num_kv_heads"], s["batch"]
+    qh = qh if group is None else group * kvh
     pool = sds((s["pool_pages"], s["page_size"], kvh, d), kv_dtype or jnp.bfloat16)
     table = sds((b, s["context"] // s["page_size"]), jnp.int32)
     ints = lambda *shape: sds(shape, jnp.int32)
@@ -261,7 +265,9 @@ def kernel_facts(kernel: str, mode: str, kv_dtype=None) -> ScheduleFacts:
         fn = functools.partial(prefill_attention.paged_prefill_attention, **scale)
         args = (sds((b, block_q, qh, d), jnp.bfloat16), pool, pool, table, ints(b),
                 ints(b, block_q))
-        tile, warps = prefill_attention.prefill_launch(block_q * qh // kvh)
+        split = prefill_attention.prefill_split(block_q, qh // kvh)
+        tile, warps = prefill_attention.prefill_launch(
+            prefill_attention.program_rows(block_q // split, qh // kvh))
         stages = prefill_attention.PREFILL_STAGES
     elif kernel == "v1":
         block_q = 1 if mode == "decode" else 16

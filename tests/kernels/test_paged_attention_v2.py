@@ -80,6 +80,21 @@ def test_sliding_window_and_soft_cap(sliding_window, soft_cap, block_q, num_slot
     assert np.abs(out - ref)[valid].max() <= 1e-5
 
 
+@pytest.mark.parametrize("group, split", [(4, 1), (5, 2), (8, 2), (16, 4)])
+def test_prefill_blocks_split_over_programs_above_128_rows(group, split):
+    """A 32-token block at G > 4 runs as ``split`` programs of fewer tokens; the rows they
+    give are the reference's (sliding window included)."""
+    from pallas_kernels.prefill_attention import prefill_split
+
+    assert prefill_split(32, group) == split
+    rng = np.random.default_rng(group)
+    args, valid = block_inputs(rng, nb=3, block_q=32, group=group)
+    for kw in (dict(scale=0.125), dict(scale=0.125, sliding_window=20)):
+        ref = np.asarray(paged_attention_reference(*args, **kw))
+        out = np.asarray(v2(*args, **kw))
+        assert np.abs(out - ref)[valid].max() <= 1e-5
+
+
 @pytest.mark.parametrize("block_q", [1, 32])
 @pytest.mark.parametrize("page_size", [64, 128])
 def test_large_pages_bfloat16(page_size, block_q):

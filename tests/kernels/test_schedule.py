@@ -39,9 +39,13 @@ def test_v2_decode_keeps_tiles_in_flight_with_4_programs_per_sm(kv_dtype):
     assert passes(facts, PROGRAMS_PER_SM)
 
 
-def test_v2_prefill_keeps_tiles_in_flight():
-    facts = kernel_facts("v2", "prefill")
-    print("v2 prefill", facts.describe())
+@pytest.mark.parametrize("group", [1, 4, 5, 8])
+def test_v2_prefill_keeps_tiles_in_flight_without_spills(group):
+    """Every G up to Llama-3-70B's 8 (issue 41 item 4): a 32-token block at G >= 5 is 160+
+    rows, which spilled 144 bytes a thread at 32-key tiles and 16 warps; its programs now
+    take 16 tokens each (``prefill_split``), 128 rows like G = 4's."""
+    facts = kernel_facts("v2", "prefill", group=group)
+    print("v2 prefill G", group, facts.describe())
     assert facts.tile_buffers >= 2
     assert max(facts.async_waits) > 0
     assert facts.programs_per_sm >= 1
