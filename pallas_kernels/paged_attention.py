@@ -49,8 +49,9 @@ NUM_SMS = 132
 PROGRAMS_PER_SM = 4
 #: Programs a decode launch aims for.
 TARGET_PROGRAMS = NUM_SMS * PROGRAMS_PER_SM
-#: A split covers at least this many tiles (128 keys).
-MIN_TILES_PER_SPLIT = 4
+#: A split covers at least this many tiles (256 keys): each split pays its program's start
+#: (the page-table walk before the first tile lands) and a slot of the merge (issue 41).
+MIN_TILES_PER_SPLIT = 8
 #: Upper bound of the split slots of a launch.
 MAX_SPLITS = 128
 DECODE_WARPS, DECODE_STAGES = 4, 3

@@ -66,9 +66,10 @@ def test_split_k_fills_the_gpu_without_a_cliff():
     assert programs([4096] * 64) == 1024            # 2 splits each
     assert programs([4096] * 33) == TARGET_PROGRAMS  # 2 splits each: 528
     assert programs([4096] * 48) == 768
-    assert programs([8192]) == 8 * 64               # 64 splits of 4 tiles
-    assert programs([200]) == 8 * 2                 # 7 tiles: not below 4 tiles a split
+    assert programs([8192]) == 8 * 32               # 32 splits of 8 tiles
+    assert programs([2048]) == 8 * 8                # 64 tiles: 8 splits of 8
+    assert programs([200]) == 8 * 1                 # 7 tiles: not below 8 tiles a split
     # skewed: the bucket's 17 slots cap the long sequence (16 splits of 16 tiles), 7 x 1
     assert max_splits(8, 8, 512, 16) == 17
     assert programs([8192] + [64] * 7) == 8 * (16 + 7)
-    assert MIN_TILES_PER_SPLIT == 4 and TARGET_PROGRAMS == 528
+    assert MIN_TILES_PER_SPLIT == 8 and TARGET_PROGRAMS == 528
