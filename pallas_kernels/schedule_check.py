@@ -235,8 +235,11 @@ def kernel_facts(kernel: str, mode: str, kv_dtype=None,
     Args:
         kernel: ``"v2"`` (``pallas_kernels.paged_attention`` / ``prefill_attention``) or
             ``"v1"`` (``pallas_kernels.paged_attention_v1``).
-        mode: ``"decode"`` (one token per sequence) or ``"prefill"`` (v2: 32-token prefill
-            blocks; v1: its 16-token query blocks of a mixed step).
+        mode: ``"decode"`` (one token per sequence), ``"prefill"`` (v2: 32-token prefill
+            blocks; v1: its 16-token query blocks of a mixed step) or ``"merge"`` (v2: the
+            split-K merge of one sequence decoding at 8192 tokens, 64 split slots; its
+            "tiles" are :data:`~pallas_kernels.paged_attention.MERGE_SLOTS` slots of one
+            row each, so buffers and bytes per tile mean little).
         kv_dtype: the pool's dtype (default bfloat16; float8_e4m3fn for an fp8 pool).
         group: query heads per KV head, G (default Llama-3-8B's 4; Llama-3-70B's is 8):
             ``group x 8`` query heads over the 8 KV heads.
@@ -269,6 +272,14 @@ def kernel_facts(kernel: str, mode: str, kv_dtype=None,
         tile, warps = prefill_attention.prefill_launch(
             prefill_attention.program_rows(block_q // split, qh // kvh))
         stages = prefill_attention.PREFILL_STAGES
+    elif kernel == "v2" and mode == "merge":
+        fn = functools.partial(paged_attention.paged_decode_attention, **scale)
+        table = sds((1, 8192 // s["page_size"]), jnp.int32)
+        args = (sds((1, qh, d), jnp.bfloat16), pool, pool, table, ints(1), ints(1), ints(1))
+        merge = [k for k in capture_ttir(fn, *args) if "merge" in k.name][0]
+        compiled = compile_for_hopper(merge.ttir, num_warps=4, num_stages=2)
+        return schedule_facts(compiled, tile_keys=paged_attention.MERGE_SLOTS, head_dim=d,
+                              kv_itemsize=4)
     elif kernel == "v1":
         block_q = 1 if mode == "decode" else 16
         fn = functools.partial(paged_attention_v1.paged_attention, **scale)
