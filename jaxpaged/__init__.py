@@ -20,6 +20,8 @@ _EXPORTS = {
     "RequestOutput": "jaxpaged.outputs",
     "CompletionOutput": "jaxpaged.outputs",
     "EmbeddingRequestOutput": "jaxpaged.outputs",
+    "ClassificationRequestOutput": "jaxpaged.outputs",
+    "ScoringRequestOutput": "jaxpaged.outputs",
     "PoolingParams": "jaxpaged.pooling_params",
 }
 

@@ -11,6 +11,9 @@ import json
 import os
 from dataclasses import dataclass
 
+from jaxpaged.classification import (SEQ_CLS_ARCHITECTURES, ClassifierSpec, causal_architectures,
+                                     classifier_spec, parse_hf_overrides)
+
 #: Architectures (``config.json``'s ``architectures``) with a model class in
 #: :mod:`jaxpaged.models`.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -71,6 +74,9 @@ class ModelConfig:
             GEMM format.
         quantization_group_size: input rows per AWQ scale and zero point (the checkpoint's
             ``group_size``; :data:`DEFAULT_AWQ_GROUP_SIZE` otherwise).
+        classifier: a sequence classifier's head (``jaxpaged.classification``; the
+            architecture is then its decoder's causal-LM one, and the model is built without
+            an LM head: ``tie_word_embeddings`` is set, the logits are never read), or None.
     """
 
     architecture: str
@@ -101,6 +107,7 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     quantization: str | None = None
     quantization_group_size: int = DEFAULT_AWQ_GROUP_SIZE
+    classifier: ClassifierSpec | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
@@ -115,10 +122,16 @@ class ModelConfig:
         if missing:
             raise UnsupportedModelError(f"config.json lacks {missing}")
         archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        try:
+            classifier = classifier_spec(cfg)
+        except ValueError as e:
+            raise UnsupportedModelError(str(e)) from None
+        arch = next((a for a in causal_architectures(archs) if a in SUPPORTED_ARCHITECTURES),
+                    None)
         if arch is None:
             raise UnsupportedModelError(
-                f"unsupported architecture {archs!r}; supported: {list(SUPPORTED_ARCHITECTURES)}")
+                f"unsupported architecture {archs!r}; supported: {list(SUPPORTED_ARCHITECTURES)}"
+                f" and {list(SEQ_CLS_ARCHITECTURES)}")
         act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
         if act not in ACTIVATIONS:
             raise UnsupportedModelError(f"unsupported hidden_act {act!r}; supported: "
@@ -159,7 +172,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) or bool(classifier),
             qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
             o_bias=attention_bias and arch != "Qwen2ForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
@@ -176,16 +189,20 @@ class ModelConfig:
             final_logit_softcapping=_optional_float(cfg, "final_logit_softcapping"),
             quantization=quantization,
             quantization_group_size=group_size,
+            classifier=classifier,
         )._checked_awq_shapes()
 
     @classmethod
-    def from_pretrained(cls, model_dir: str) -> "ModelConfig":
+    def from_pretrained(cls, model_dir: str, hf_overrides: str | dict | None = None
+                        ) -> "ModelConfig":
         """Read ``<model_dir>/config.json``, or the metadata of a GGUF file when ``model_dir``
-        is one (``jaxpaged.models.gguf_loader.gguf_config``).
+        is one (``jaxpaged.models.gguf_loader.gguf_config``), with ``hf_overrides`` (vLLM's
+        ``--hf-overrides``: JSON text or a dict) merged over its top level.
 
         Raises:
             FileNotFoundError: no such path, or the directory has no ``config.json``.
-            UnsupportedModelError: invalid JSON, or see :meth:`from_dict`.
+            UnsupportedModelError: invalid JSON (or ``hf_overrides`` that is not a JSON
+                object), or see :meth:`from_dict`.
             jaxpaged.models.gguf_loader.BadGGUFError: an unreadable or inconsistent GGUF.
         """
         from jaxpaged.models import gguf_loader   # its package imports this module
@@ -193,8 +210,12 @@ class ModelConfig:
         if not os.path.exists(model_dir):
             raise FileNotFoundError(f"the model path {model_dir!r} does not exist (jaxpaged "
                                     "loads a local model directory or .gguf file)")
+        try:
+            overrides = parse_hf_overrides(hf_overrides)
+        except ValueError as e:
+            raise UnsupportedModelError(str(e)) from None
         if gguf_loader.is_gguf(model_dir):
-            return cls.from_dict(gguf_loader.gguf_config(model_dir))
+            return cls.from_dict({**gguf_loader.gguf_config(model_dir), **overrides})
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")
@@ -203,7 +224,7 @@ class ModelConfig:
                 cfg = json.load(f)
             except json.JSONDecodeError as e:
                 raise UnsupportedModelError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_dict(cfg)
+        return cls.from_dict({**cfg, **overrides})
 
     def with_quantization(self, method: str | None) -> "ModelConfig":
         """This config with its projections quantized by ``method`` (``--quantization``;

@@ -196,3 +196,66 @@ class EmbeddingRequestOutput:
             raise RuntimeError(f"request {out.request_id} failed: {out.error}")
         return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()),
                    out.prompt_token_ids, out.finished)
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """A classifier's output for one prompt (vLLM's ``ClassificationOutput``).
+
+    Attributes:
+        probs: per label, the head's sigmoid (one label) or softmax (several) of its logits
+            (the logits themselves with ``PoolingParams(use_activation=False)``).
+    """
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """What ``LLM.classify`` returns per prompt (vLLM's ``ClassificationRequestOutput``)."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        """The classification view of a finished pooling output of a classify engine.
+
+        Raises:
+            RuntimeError: the request failed (its ``error``).
+        """
+        if out.error is not None or out.outputs is None:
+            raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()),
+                   out.prompt_token_ids, out.finished)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """One pair's score (vLLM's ``ScoringOutput``): a classifier's one-label output, or the
+    cosine similarity of two embeddings."""
+
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """What ``LLM.score`` returns per pair (vLLM's ``ScoringRequestOutput``).
+
+    Attributes:
+        request_id: the engine's request id (an embedding model's: both texts' ids).
+        outputs: the score.
+        prompt_token_ids: the pair's prompt (an embedding model's: both texts' ids).
+        finished: always True.
+    """
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -63,7 +63,8 @@ def make_model_server(engine_args: EngineArgs, config: ServerConfig, log_stats: 
         FileNotFoundError / ValueError: as :func:`make_server` (a tokenizer that cannot
             load stops an engine already loading first).
     """
-    model_config = ModelConfig.from_pretrained(engine_args.model)   # fails fast on a bad dir
+    model_config = ModelConfig.from_pretrained(engine_args.model,   # fails fast on a bad dir
+                                               engine_args.hf_overrides)
     prometheus = PrometheusStatLogger(
         config.served_model_names[0],
         engine_args.max_model_len or model_config.max_position_embeddings,

@@ -110,7 +110,13 @@ class EngineArgs:
             ``--convert``, ``--pooler-config``; ``jaxpaged.pooling_params``): ``generate``
             or ``pooling`` (embeddings only); ``convert="embed"`` or a pooler config (JSON
             text or a dict: ``pooling_type`` ``LAST`` / ``MEAN``, ``normalize``) make
-            ``runner="auto"`` pooling.
+            ``runner="auto"`` pooling; ``convert="classify"`` (or ``"score"``), or a
+            sequence-classification model, pools through its classifier head (rerank and
+            score; ``jaxpaged.classification``).
+        hf_overrides: JSON text or a dict merged over ``config.json``'s top level (vLLM's
+            ``--hf-overrides``), e.g. ``{"architectures": ["Qwen3ForSequenceClassification"],
+            "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}`` to
+            run Qwen3-Reranker as a classifier.
         speculative_config: speculative decoding (``jaxpaged.spec_decode.config``): a dict
             or its JSON text with vLLM's fields (``method="ngram"`` with
             ``prompt_lookup_max``, ``prompt_lookup_min``; or ``method="draft_model"`` with
@@ -160,6 +166,7 @@ class EngineArgs:
     runner: str = "auto"
     convert: str = "auto"
     pooler_config: str | dict | None = None
+    hf_overrides: str | dict | None = None
     speculative_config: dict | str | None = None
     enable_lora: bool = False
     max_loras: int = 1
@@ -237,7 +244,8 @@ class EngineArgs:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"EngineArgs.attention_backend must be one of {ATTENTION_BACKENDS}, "
                              f"got {self.attention_backend!r}")
-        pooler = resolve_pooler(self.model, self.runner, self.convert, self.pooler_config)
+        pooler = resolve_pooler(self.model, self.runner, self.convert, self.pooler_config,
+                                self.hf_overrides)
         if spec is not None and pooler is not None:
             raise SpeculativeConfigError("<config>", "a pooling engine (EngineArgs.runner="
                                          f"{self.runner!r}, convert or pooler_config) "
@@ -264,7 +272,8 @@ class EngineArgs:
     @property
     def pooler(self) -> PoolerConfig | None:
         """The engine's pooler (None: it generates); ``jaxpaged.pooling_params``."""
-        return resolve_pooler(self.model, self.runner, self.convert, self.pooler_config)
+        return resolve_pooler(self.model, self.runner, self.convert, self.pooler_config,
+                              self.hf_overrides)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -351,10 +360,16 @@ class EngineArgs:
         g.add_argument("--process-id", type=int, default=None,
                        help="multi-host: this process's index, 0 .. num_processes - 1")
         g.add_argument("--runner", default=d.runner, choices=RUNNERS,
-                       help="generate, or pooling (serve /v1/embeddings only); auto: pooling "
-                            "with --convert embed or --pooler-config")
+                       help="generate, or pooling (serve /v1/embeddings, or /rerank and "
+                            "/score for a classifier); auto: pooling with --convert, "
+                            "--pooler-config or a *ForSequenceClassification model")
         g.add_argument("--convert", default=d.convert, choices=CONVERTS,
-                       help="embed: run the decoder as an embedding model")
+                       help="embed: run the decoder as an embedding model; classify (or "
+                            "score): as a sequence classifier (rerank, score)")
+        g.add_argument("--hf-overrides", default=None,
+                       help='JSON merged over config.json, e.g. \'{"architectures": '
+                            '["Qwen3ForSequenceClassification"], "classifier_from_token": '
+                            '["no", "yes"], "is_original_qwen3_reranker": true}\'')
         g.add_argument("--pooler-config", default=None,
                        help='pooling override as JSON, e.g. \'{"pooling_type": "MEAN", '
                             '"normalize": true}\' (default: the checkpoint\'s '

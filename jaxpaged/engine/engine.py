@@ -32,6 +32,7 @@ from jaxpaged.engine.generation_config import (eos_token_ids, generation_default
 from jaxpaged.engine.input_processor import InputProcessor, Prompt
 from jaxpaged.engine.kv_cache_manager import KVCacheManager
 from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup
+from jaxpaged.engine.classifier_head import load_classifier_head
 from jaxpaged.engine.pooling import POOLING_SAMPLING, pooling_state
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.scheduler_output import SchedulerOutput
@@ -103,10 +104,10 @@ class Engine:
                  background_compile: str | None = None):
         self.args = args
         join_processes(args)
-        #: The pooler of a pooling engine (embeddings only); None: the engine generates.
+        #: The pooler of a pooling engine (embed or classify); None: the engine generates.
         self.pooler = args.pooler
-        self.model_config = cfg = ModelConfig.from_pretrained(args.model).with_quantization(
-            args.quantization)
+        self.model_config = cfg = ModelConfig.from_pretrained(
+            args.model, args.hf_overrides).with_quantization(args.quantization)
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
@@ -115,6 +116,10 @@ class Engine:
         loaded = load_and_compile(args, cfg, self.max_model_len, speculative_config, devices,
                                   background_compile)
         worker, self.tokenizer = loaded.worker, loaded.tokenizer
+        #: A classify engine's classifier head (``jaxpaged.engine.classifier_head``), else None.
+        self.classifier_head = (
+            load_classifier_head(args.model, cfg, self.tokenizer, args.load_format, args.seed)
+            if self.pooler is not None and self.pooler.task == "classify" else None)
         self._background = loaded.background
         for job in self._background:        # (a collected engine's shapes are not needed)
             weakref.finalize(self, job.stop)
@@ -201,7 +206,7 @@ class Engine:
                 Nothing is queued then.
             TypeError: a prompt, id, params or priority of the wrong type.
         """
-        pooling = pooling_state(params, self.pooler)
+        pooling = pooling_state(params, self.pooler, self.classifier_head)
         params = self.input_processor.check_params(POOLING_SAMPLING if pooling else params)
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")

@@ -10,7 +10,9 @@ chunk's last token and the sum of its tokens' hidden states (``jaxpaged.runner.p
 :class:`PoolingState` keeps what the pooling type needs and makes the embedding: ``LAST`` the
 last prompt token's state, ``MEAN`` the sum over all prompt tokens divided by their count,
 then (``normalize``) divided by its L2 norm (``torch.nn.functional.normalize``'s rule, as
-vLLM's ``PoolerNormalize``: ``x / max(||x||, 1e-12)``).
+vLLM's ``PoolerNormalize``: ``x / max(||x||, 1e-12)``). On a classify engine the pooled
+vector then goes through the classifier head (``jaxpaged.engine.classifier_head``): the
+result is its ``[num_labels]`` probabilities (or logits).
 
 Pooling requests never take prefix-cache hits (the mean needs every token's hidden state, and
 a hit skips computing them). Pure Python and numpy (no JAX).
@@ -19,12 +21,16 @@ a hit skips computing them). Pure Python and numpy (no JAX).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxpaged.outputs import PoolingOutput, PoolingRequestOutput
 from jaxpaged.pooling_params import PoolerConfig, PoolingParams
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from jaxpaged.engine.classifier_head import ClassifierHead
 
 #: The sampling parameters a pooling request carries through the scheduler and the runner
 #: (it is never sampled: its one sampling row computes nothing that is read).
@@ -42,7 +48,10 @@ class PoolingState:
         normalize: L2-normalise the result.
         hidden_sum: [H] float64 running sum of the prompt tokens' hidden states (MEAN).
         last_hidden: [H] float32 hidden state of the last token seen.
-        embedding: [H] float32 result, once the prompt's last chunk is in.
+        embedding: [H] float32 result, once the prompt's last chunk is in; with a ``head``,
+            [num_labels] float32 (the head's output).
+        head: a classify engine's classifier head (None: embed).
+        use_activation: the head's sigmoid / softmax (False: raw logits).
     """
 
     pooling_type: str
@@ -50,6 +59,8 @@ class PoolingState:
     hidden_sum: np.ndarray | None = None
     last_hidden: np.ndarray | None = None
     embedding: np.ndarray | None = None
+    head: ClassifierHead | None = None
+    use_activation: bool = True
 
     def add_chunk(self, start: int, end: int, num_prompt_tokens: int,
                   pooled: tuple[np.ndarray, np.ndarray]) -> bool:
@@ -68,18 +79,21 @@ class PoolingState:
                else self.hidden_sum / num_prompt_tokens)
         if self.normalize:
             vec = vec / max(float(np.linalg.norm(vec)), _NORM_EPS)
-        self.embedding = vec.astype(np.float32)
+        self.embedding = (vec.astype(np.float32) if self.head is None
+                          else self.head(vec, self.use_activation))
         return True
 
 
-def pooling_state(params, pooler: PoolerConfig | None) -> PoolingState | None:
+def pooling_state(params, pooler: PoolerConfig | None,
+                  head: ClassifierHead | None = None) -> PoolingState | None:
     """The pooling state of a request with ``params`` on an engine with ``pooler`` (None:
-    a generating engine), or None for a generation request on a generating engine.
+    a generating engine; ``head``: a classify engine's classifier head), or None for a
+    generation request on a generating engine.
 
     Raises:
         ValueError: a pooling request on a generating engine, a generation request on a
-            pooling engine, or ``dimensions`` set (no loaded model supports Matryoshka
-            dimensions).
+            pooling engine, a request for another pooling task than the engine's, or
+            ``dimensions`` set (no loaded model supports Matryoshka dimensions).
     """
     if pooler is None:
         if isinstance(params, PoolingParams):
@@ -93,6 +107,16 @@ def pooling_state(params, pooler: PoolerConfig | None) -> PoolingState | None:
         else:
             raise ValueError("this model runs for embeddings (runner 'pooling') and does not "
                              "generate; start the engine with runner='generate' to generate")
+    if params.task is not None and params.task != pooler.task:
+        raise ValueError(f"this model runs for the pooling task {pooler.task!r} and does not "
+                         f"serve {params.task!r} requests ("
+                         + ("a sequence classifier: score, rerank or classify with it; start it "
+                            "with convert='embed' to embed" if pooler.task == "classify" else
+                            "an embedding model: embed with it, or score by cosine "
+                            "similarity") + ")")
+    if pooler.task == "classify":
+        return PoolingState(pooler.pooling_type, False, head=head,
+                            use_activation=params.use_activation is not False)
     if params.dimensions is not None:
         raise ValueError("dimensions: this model does not support Matryoshka embeddings "
                          "(its output size is fixed at its hidden size); leave dimensions "

@@ -15,8 +15,10 @@ from jaxpaged.distributed.step_sync import JobStopped, sync_step
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs
 from jaxpaged.engine.data_parallel import make_engine
 from jaxpaged.engine.input_processor import Prompt
-from jaxpaged.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxpaged.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput,
+                              RequestOutput, ScoringOutput, ScoringRequestOutput)
 from jaxpaged.pooling_params import PoolingParams
+from jaxpaged.scoring import as_list, cosine_similarity, cross_encoder_prompt, score_pairs
 from jaxpaged.runner.background_compile import OFFLINE
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
@@ -162,9 +164,69 @@ class LLM:
             RuntimeError: a request failed (its model step raised).
         """
         prompts = prompt_list(prompts)
-        params = [pooling_params or PoolingParams()] * len(prompts)
+        params = [_for_task(pooling_params, "embed")] * len(prompts)
         return [EmbeddingRequestOutput.from_base(out)
                 for out in self._add_and_run(prompts, params, use_tqdm)]
+
+    def classify(self, prompts: Prompt | Sequence[Prompt],
+                 pooling_params: PoolingParams | None = None,
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """Classify every prompt with the model's classifier head (vLLM's ``LLM.classify``;
+        an engine started for a sequence classifier: ``jaxpaged.classification``).
+
+        Returns:
+            Per prompt, in input order, ``out.outputs.probs`` (``num_labels`` floats).
+
+        Raises:
+            ValueError: an engine that does not run a classifier, or a bad prompt.
+            RuntimeError: a request failed.
+        """
+        prompts = prompt_list(prompts)
+        params = [_for_task(pooling_params, "classify")] * len(prompts)
+        return [ClassificationRequestOutput.from_base(out)
+                for out in self._add_and_run(prompts, params, use_tqdm)]
+
+    def score(self, data_1: str | list[str], data_2: str | list[str],
+              use_tqdm: bool = True, pooling_params: PoolingParams | None = None,
+              chat_template: str | None = None) -> list[ScoringRequestOutput]:
+        """Score text pairs (vLLM's ``LLM.score``; rules in ``jaxpaged.scoring``): a
+        classifier scores each pair's prompt (``chat_template``: the score template over
+        the roles ``query`` and ``document``), an embedding model the cosine similarity of
+        the two texts' embeddings.
+
+        Args:
+            data_1, data_2: a text or a list of texts each, paired 1:1, 1:N or N:N.
+
+        Returns:
+            Per pair, in order, ``out.outputs.score``.
+
+        Raises:
+            ValueError: a generating engine, mismatched or empty sides, a bad prompt.
+            RuntimeError: a request failed.
+        """
+        pooler = self.engine.args.pooler
+        if pooler is None:
+            raise ValueError("LLM.score needs a pooling engine (a sequence classifier, or an "
+                             "embedding model); this one runs for generation")
+        pairs = score_pairs(data_1, data_2)
+        texts_1, texts_2 = as_list(data_1), as_list(data_2)
+        params = [_for_task(pooling_params, pooler.task)]
+        if pooler.task == "classify":
+            spec = self.engine.model_config.classifier
+            tokenizer = self.get_tokenizer()
+            prompts = [cross_encoder_prompt(tokenizer, texts_1[i], texts_2[j], chat_template,
+                                            bool(spec and spec.from_tokens)) for i, j in pairs]
+            outs = self._add_and_run(prompts, params * len(prompts), use_tqdm)
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(
+                float(ClassificationRequestOutput.from_base(o).outputs.probs[0])),
+                o.prompt_token_ids) for o in outs]
+        embedded = [EmbeddingRequestOutput.from_base(o) for o in self._add_and_run(
+            texts_1 + texts_2, params * (len(texts_1) + len(texts_2)), use_tqdm)]
+        one, two = embedded[:len(texts_1)], embedded[len(texts_1):]
+        return [ScoringRequestOutput(
+            f"{one[i].request_id}_{two[j].request_id}",
+            ScoringOutput(cosine_similarity(one[i].outputs.embedding, two[j].outputs.embedding)),
+            one[i].prompt_token_ids + two[j].prompt_token_ids) for i, j in pairs]
 
     def _add_and_run(self, prompts: list, params: list, use_tqdm: bool,
                      loras: list | None = None) -> list:
@@ -205,6 +267,12 @@ class LLM:
             raise
         except Exception as e:   # noqa: BLE001 - in a collective: the job is broken
             raise JobFailed(first_line(e)) from e
+
+
+def _for_task(params: PoolingParams | None, task: str) -> PoolingParams:
+    """``params`` (default ``PoolingParams()``) for ``task`` unless they name another."""
+    params = params or PoolingParams()
+    return params if params.task is not None else dataclasses.replace(params, task=task)
 
 
 def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

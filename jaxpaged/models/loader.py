@@ -61,6 +61,10 @@ _RAW_DTYPES = {"F8_E4M3": QUANTIZED_DTYPES["fp8"]}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
                      ".input_scale", ".output_scale", ".k_scale", ".v_scale", ".kv_scale")
 
+#: Tensors a sequence classifier's head is made from, read by
+#: ``jaxpaged.engine.classifier_head`` instead of the model (which has no LM head then).
+_CLASSIFIER_TENSORS = ("score.weight", "score.bias", "lm_head.weight")
+
 
 class MissingWeightsError(ValueError):
     """The checkpoint lacks tensors the model needs, or holds them with the wrong shape."""
@@ -96,7 +100,8 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
         FileNotFoundError: no safetensors files in ``model_dir``.
         MissingWeightsError: tensors missing, of the wrong shape, or that the config has no
             place for (extra layers or experts; all are named; an ``lm_head.weight`` beside
-            ``tie_word_embeddings`` is skipped with a warning, as vLLM does); an fp8 weight
+            ``tie_word_embeddings`` is skipped with a warning, as vLLM does, and a sequence
+            classifier's head tensors silently); an fp8 weight
             without a usable ``weight_scale`` (absent, or NaN, infinite or negative).
     """
     cls = model_class(config.architecture)
@@ -164,6 +169,8 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
         var.set_value(jax.make_array_from_callback(arr.shape, tp.param_sharding(path, arr.shape),
                                                    lambda index, arr=arr: arr[index]))
     unexpected = [n for n in reader.unread() if not n.endswith(_IGNORED_SUFFIXES)]
+    if config.classifier is not None:   # its head loads on the host (engine.classifier_head)
+        unexpected = [n for n in unexpected if n not in _CLASSIFIER_TENSORS]
     if config.tie_word_embeddings and "lm_head.weight" in unexpected:
         unexpected.remove("lm_head.weight")
         logger.warning("the checkpoint has lm_head.weight but config.json ties the LM head to "
