@@ -147,6 +147,10 @@ class SamplingParams:
         structured_outputs: a grammar the output must match (:class:`StructuredOutputsParams`);
             None for free text. An invalid schema, regex or grammar raises here, with
             llguidance's message.
+        thinking_token_budget: most output tokens inside the ``<think>`` reasoning block
+            (vLLM's name): once they are spent the end-of-think marker's tokens are forced and
+            the answer follows (``jaxpaged.engine.thinking_budget``); 0: no reasoning at all.
+            None or -1 (normalised to None): unlimited.
 
     The fields are checked on construction and again when a request is added (so a field
     changed afterwards is checked too).
@@ -180,12 +184,14 @@ class SamplingParams:
     bad_words: list[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         self.verify()
 
     def verify(self) -> None:
-        """Check every field and normalise aliases (``top_k=-1`` -> 0; greedy decoding resets
+        """Check every field and normalise aliases (``top_k=-1`` -> 0,
+        ``thinking_token_budget=-1`` -> None; greedy decoding resets
         ``top_p``, ``top_k`` and ``min_p`` as vLLM does).
 
         Raises:
@@ -264,6 +270,11 @@ class SamplingParams:
             so.verify()
             from jaxpaged.structured_output.grammar import validate
             validate(so)
+        budget = self.thinking_token_budget
+        _check(budget is None or (_is_int(budget) and budget >= -1), "thinking_token_budget",
+               f"must be an integer >= 0, or -1 or None for no limit, got {budget!r}")
+        if budget == -1:
+            self.thinking_token_budget = None
         if self.top_k == -1:
             self.top_k = 0
         if self.is_greedy:

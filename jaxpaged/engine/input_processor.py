@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxpaged.engine.request import Request
+from jaxpaged.engine.thinking_budget import ThinkingBudget, prompt_opens_block, think_markers
 from jaxpaged.sampling_params import SamplingParams, SamplingParamsError
 
 #: A prompt: text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``
@@ -38,6 +39,21 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self._think_markers = None      # tokenized at the first thinking budget
+
+    def thinking_budget(self, params: SamplingParams, prompt_ids: list[int]
+                        ) -> ThinkingBudget | None:
+        """The tracker of ``params.thinking_token_budget`` for a sequence of ``prompt_ids``
+        (inside a block from its first token when the prompt leaves ``<think>`` open), or
+        None without a budget."""
+        if params.thinking_token_budget is None:
+            return None
+        if self._think_markers is None:
+            self._think_markers = think_markers(self.tokenizer)
+        markers = self._think_markers
+        return ThinkingBudget(params.thinking_token_budget, markers, len(prompt_ids),
+                              prompt_opens_block(self.tokenizer, prompt_ids, markers.start_text,
+                                                 markers.end_text))
 
     def check_params(self, params: SamplingParams | None) -> SamplingParams:
         """``params`` verified (``SamplingParams()`` for None).
@@ -130,7 +146,8 @@ class InputProcessor:
         """The :class:`Request` the scheduler runs for a checked ``params``: the prompt
         tokenized, the seed resolved (the request's, else one drawn from ``seed_rng``),
         ``max_tokens`` capped by ``max_model_len``, bad words tokenized, the grammar state
-        of ``params.structured_outputs`` requested (its grammar compiles meanwhile).
+        of ``params.structured_outputs`` requested (its grammar compiles meanwhile), the
+        thinking budget's tracker made (:meth:`thinking_budget`).
 
         Raises:
             TypeError: a priority that is not an int, or a prompt of the wrong type.
@@ -153,4 +170,5 @@ class InputProcessor:
         return Request(request_id, text, ids, params, seed=seed, max_tokens=max(max_tokens, 1),
                        arrival=arrival, priority=priority, cache_salt=cache_salt,
                        n_samples=params.n, bad_words_ids=self.bad_words_ids(params),
-                       structured_output_request=grammar)
+                       structured_output_request=grammar,
+                       thinking=self.thinking_budget(params, ids))

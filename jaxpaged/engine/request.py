@@ -63,6 +63,9 @@ class Request:
         pooling: for a pooling (embedding) request, its
             ``jaxpaged.engine.pooling.PoolingState`` (prefilled only, never sampled); else
             None.
+        thinking: its ``jaxpaged.engine.thinking_budget.ThinkingBudget`` when
+            ``params.thinking_token_budget`` is set (the token the budget forces next), else
+            None.
         spec_state: with speculative decoding, its drafting record
             (``jaxpaged.spec_decode.adaptive.SpecState``: acceptance rate, shadow
             proposal), made at its first decode; else None.
@@ -91,6 +94,7 @@ class Request:
     needs_output_tokens: bool = False
     structured_output_request: Any = None
     pooling: Any = None
+    thinking: Any = None
     spec_state: Any = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
@@ -143,6 +147,7 @@ class Request:
                        needs_output_tokens=self.needs_output_tokens,
                        structured_output_request=None if self.structured_output_request is None
                        else self.structured_output_request.fork(),
+                       thinking=None if self.thinking is None else self.thinking.fork(),
                        all_token_ids=list(self.all_token_ids),
                        num_computed_tokens=self.num_computed_tokens,
                        num_cached_tokens=self.num_cached_tokens)

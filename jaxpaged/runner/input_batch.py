@@ -264,14 +264,18 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
         per_row = [None] * num_rows
         for i in adjusted:
             req, drafts = seqs[i].request, seqs[i].draft_token_ids
+            thinking = req.thinking
             if drafts and speculative:
                 per_row[cu_rows[i]:cu_rows[i + 1]] = [
                     row_adjustment(req.params, req.prompt_token_ids,
                                    req.output_token_ids + drafts[:j], eos_token_ids,
-                                   req.bad_words_ids) for j in range(len(drafts) + 1)]
+                                   req.bad_words_ids,
+                                   thinking and thinking.forced(req.all_token_ids, drafts[:j]))
+                    for j in range(len(drafts) + 1)]
                 continue
             adj = row_adjustment(req.params, req.prompt_token_ids, req.output_token_ids,
-                                 eos_token_ids, req.bad_words_ids)
+                                 eos_token_ids, req.bad_words_ids,
+                                 thinking and thinking.forced(req.all_token_ids))
             per_row[cu_rows[i]:cu_rows[i + 1]] = [adj] * rows[i]
         if any(a is not None for a in per_row):
             adjust = pack(per_row, r_pad, adjust_capacity)

@@ -5,6 +5,9 @@ The host sends only sparse lists (a few token ids per row), padded to a bucket; 
 scatters them into the [B, V] logits. Order, as vLLM v1's sampler applies them
 (``vllm/v1/sample/sampler.py``, ``vllm/model_executor/layers/utils.py::apply_penalties``):
 
+A token forced by the thinking budget (``jaxpaged.engine.thinking_budget``: the next token
+of the end-of-think marker) is the row's only allowed token, and the row has no other entry.
+
 1. allowed-token mask (``allowed_token_ids``), then additive ``pre`` terms: ``logit_bias`` and
    -inf for banned tokens (``bad_words`` completions, and EOS / ``stop_token_ids`` while fewer
    than ``min_tokens`` tokens exist);
@@ -67,11 +70,13 @@ def needs_adjustment(params) -> bool:
     """Whether ``params`` can adjust logits at all (cheap; checked before building a row)."""
     return bool(params.logit_bias or params.min_tokens or params.bad_words
                 or params.allowed_token_ids or params.repetition_penalty != 1.0
-                or params.frequency_penalty or params.presence_penalty)
+                or params.frequency_penalty or params.presence_penalty
+                or params.thinking_token_budget is not None)
 
 
 def row_adjustment(params, prompt_ids: list[int], output_ids: list[int],
-                   eos_ids: frozenset[int], bad_words_ids: list[list[int]]) -> RowAdjustment | None:
+                   eos_ids: frozenset[int], bad_words_ids: list[list[int]],
+                   forced: int | None = None) -> RowAdjustment | None:
     """The adjustments of one request's next token, or None if it has none.
 
     Args:
@@ -80,7 +85,12 @@ def row_adjustment(params, prompt_ids: list[int], output_ids: list[int],
         eos_ids: the model's EOS ids (banned, with ``stop_token_ids``, before ``min_tokens``).
         bad_words_ids: token sequences of its bad words; a sequence's last token is banned
             when the output ends with the rest of it.
+        forced: a token that must come next (the thinking budget's end-of-think marker,
+            ``ThinkingBudget.forced``): the row allows only it, and nothing else applies
+            (a bias, ban or penalty could only leave it without a finite logit).
     """
+    if forced is not None:
+        return RowAdjustment({}, set(), {}, 1.0, [int(forced)])
     pre: dict[int, float] = {}
     for token, bias in (params.logit_bias or {}).items():
         pre[int(token)] = pre.get(int(token), 0.0) + float(bias)
