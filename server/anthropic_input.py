@@ -16,8 +16,9 @@ grammars hold; ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``. 
 sets the template variables ``enable_thinking`` and ``thinking`` (``disabled``: false) and
 ``output_config.effort`` the variable ``reasoning_effort``, under the request's
 ``chat_template_kwargs``; ``output_config.format`` is chat's ``json_schema``
-``response_format``. ``stop_sequences`` are chat's ``stop``, ``metadata.user_id`` its
-``user``.
+``response_format``. ``thinking.budget_tokens`` (``enabled``) is chat's
+``thinking_token_budget``: after that many reasoning tokens ``</think>`` is forced.
+``stop_sequences`` are chat's ``stop``, ``metadata.user_id`` its ``user``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from jaxpaged.server.protocol_chat import (ChatCompletionRequest, ChatMessage, C
 
 #: Chat's parameter names -> the Messages request's (for chat's 400s).
 RENAMED_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences",
-                  "response_format": "output_config"}
+                  "response_format": "output_config",
+                  "thinking_token_budget": "thinking.budget_tokens"}
 
 
 def _parts(blocks: list[TextBlock]) -> list[TextPart]:
@@ -155,7 +157,17 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         stop=body.stop_sequences, temperature=body.temperature, top_p=body.top_p,
         top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
         seed=body.seed, ignore_eos=body.ignore_eos, user=user, stream=True,
-        response_format=fmt, **_tools(body), **_rendering(body))
+        response_format=fmt, thinking_token_budget=_thinking_budget(body), **_tools(body),
+        **_rendering(body))
+
+
+def _thinking_budget(body: MessagesRequest) -> int | None:
+    """``thinking.budget_tokens`` of an ``enabled`` thinking config: chat's
+    ``thinking_token_budget`` (None: the server's ``--reasoning-budget``)."""
+    thinking = body.thinking
+    if thinking is None or thinking.type == "disabled":
+        return None
+    return thinking.budget_tokens
 
 
 def count_request(body: CountTokensRequest) -> ChatCompletionRequest:

@@ -30,6 +30,9 @@ class ServerConfig:
             output's ``<think>`` block returned as ``reasoning``.
         default_chat_template_kwargs: template variables of every chat request (the
             request's ``chat_template_kwargs`` override them).
+        reasoning_budget: the ``thinking_token_budget`` of chat, Responses and Messages
+            requests that set none (llama.cpp's ``--reasoning-budget``): -1 no limit, 0 no
+            reasoning, N at most N tokens inside ``<think>``.
         shutdown_timeout: seconds a shutdown (SIGTERM, Ctrl-C) waits for the running requests
             to finish while new ones get 503; 0: end them at once (vLLM's
             ``--shutdown-timeout``).
@@ -55,6 +58,7 @@ class ServerConfig:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     default_chat_template_kwargs: dict | None = None
+    reasoning_budget: int = -1
     shutdown_timeout: float = 0.0
     responses_store_size: int = 0
     lora_modules: list = field(default_factory=list)

@@ -95,6 +95,9 @@ class SamplingFields(_Request):
     request_id: str | None = None                # the id, unless X-Request-Id names it
     cache_salt: str | None = None
     priority: Int = 0
+    #: most output tokens inside the <think> block, then </think> is forced (-1: no limit;
+    #: null: the server's --reasoning-budget on chat)
+    thinking_token_budget: Int | None = None
     # Structured outputs (server/structured.py): OpenAI's field, vLLM's, and vLLM's older ones.
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None

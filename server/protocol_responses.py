@@ -206,6 +206,7 @@ class ResponsesRequest(_Strict):
     request_id: str | None = None
     priority: Int = 0
     cache_salt: str | None = None
+    thinking_token_budget: Int | None = None     # vLLM's; null: --reasoning-budget
 
 
 # ---- the response -----------------------------------------------------------------------

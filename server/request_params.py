@@ -113,6 +113,7 @@ class RequestParameters:
                 spaces_between_special_tokens=body.spaces_between_special_tokens,
                 logit_bias=logit_bias or None, allowed_token_ids=body.allowed_token_ids,
                 bad_words=body.bad_words, structured_outputs=structured_outputs_params(body),
+                thinking_token_budget=body.thinking_token_budget,
                 output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
         except SamplingParamsError as e:
             raise sampling_error(e, param_names) from None

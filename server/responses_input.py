@@ -125,7 +125,7 @@ def chat_request(body: ResponsesRequest, items: list[InputItem]) -> ChatCompleti
         top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
         seed=body.seed, stop=body.stop, ignore_eos=body.ignore_eos,
         request_id=body.request_id, priority=body.priority, cache_salt=body.cache_salt,
-        user=body.user)
+        user=body.user, thinking_token_budget=body.thinking_token_budget)
 
 
 def renamed(e: APIError) -> APIError:

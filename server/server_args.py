@@ -66,6 +66,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the model's tool-call format (docs/tool_calling.md)")
     g.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                    help="return the model's <think> block as message.reasoning")
+    g.add_argument("--reasoning-budget", type=_reasoning_budget, default=-1, metavar="N",
+                   help="thinking_token_budget of chat, Responses and Messages requests that "
+                        "set none: at most N tokens inside <think>, then </think> is forced "
+                        "(0: no reasoning; default -1: no limit)")
     g.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
                    help='chat template variables of every request, a JSON object (e.g. '
                         '\'{"enable_thinking": false}\'); a request\'s chat_template_kwargs '
@@ -99,6 +103,14 @@ def _json_object(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text}")
+    return value
+
+
+def _reasoning_budget(text: str) -> int:
+    value = int(text)
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, or -1 for no limit, got "
+                                         f"{value}")
     return value
 
 
@@ -185,6 +197,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser,
                         default_chat_template_kwargs=args.default_chat_template_kwargs,
+                        reasoning_budget=args.reasoning_budget,
                         shutdown_timeout=args.shutdown_timeout,
                         responses_store_size=args.responses_store_size,
                         lora_modules=args.lora_modules or [],

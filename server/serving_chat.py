@@ -176,6 +176,9 @@ class OpenAIServingChat(OpenAIServing):
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = self.sampling_params(body, max_tokens, k, body.prompt_logprobs, body.stream,
                                       {"logprobs": "top_logprobs", "max_tokens": limit_param})
+        if body.thinking_token_budget is None and self.config.reasoning_budget != -1:
+            params = dataclasses.replace(      # --reasoning-budget: the server's default
+                params, thinking_token_budget=self.config.reasoning_budget)
         tail = None
         if self.config.reasoning_parser:     # the reasoning parser's initial state reads it
             tail = await off_loop(self.tokenizer.decode, ids[-PROMPT_TAIL_TOKENS:],
