@@ -5,7 +5,10 @@ with ``--responses-store-size``, ``GET`` / ``DELETE /v1/responses/{id}``, ``POST
 /v1/responses/{id}/cancel``) on a generating engine, or ``POST /v1/embeddings`` on a pooling
 engine (``--runner pooling``: one task per server, as vLLM registers only its model's task's
 routes; the other task's routes answer a 404 that says why, ``UNSERVED_ROUTES`` /
-``UNSERVED_BY_POOLING``), ``GET /v1/models``, ``GET /health`` (liveness: 200 only once the
+``UNSERVED_BY_POOLING``); ``POST /score`` and ``POST /rerank`` (also under ``/v1/``, and
+``/v2/rerank``; ``server/serving_score.py``) on a pooling engine, a sequence classifier's or an
+embedding model's (a generating engine answers them with a 400 that says why),
+``GET /v1/models``, ``GET /health`` (liveness: 200 only once the
 model is loaded and warmed up, and while a graceful shutdown drains; 503 while loading and
 from the moment the engine has died; it never waits on the engine), ``GET /ready``
 (readiness: as ``/health``, but 503 from the moment a shutdown begins, so a load balancer
@@ -49,13 +52,14 @@ from jaxpaged.server.protocol_responses import ResponsesRequest
 from jaxpaged.server.serving_completion import OpenAIServingCompletion
 from jaxpaged.server.serving_responses import OpenAIServingResponses
 from jaxpaged.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
+from jaxpaged.server.serving_score import OpenAIServingScore, score_routes
 from jaxpaged.server.serving_models import (LoadLoRAAdapterRequest, ServingModels,
                                             UnloadLoRAAdapterRequest)
 
 logger = logging.getLogger("server")
 
 #: Paths that need the API key (when one is set); health, metrics and version stay open.
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank")
 #: Paths answered in Anthropic's error shape (``server/serving_anthropic.py``).
 ANTHROPIC_PREFIX = "/v1/messages"
 #: OpenAI routes this server does not serve, and why (their 404 says so, not "Not Found").
@@ -74,6 +78,17 @@ UNSERVED_BY_POOLING = {
     "/v1/audio/": "this model accepts text only",
     "/v1/images/": "this model accepts text only",
 }
+#: The same for a server that runs a sequence classifier (``--convert classify``).
+UNSERVED_BY_CLASSIFIER = {
+    **UNSERVED_BY_POOLING,
+    "/v1/embeddings": "this server runs a sequence classifier (rerank and score) and serves "
+                      "no embeddings (start it with --convert embed to serve them)",
+}
+for _route in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"):
+    UNSERVED_BY_CLASSIFIER[_route] = ("this server runs its model as a sequence classifier "
+                                      "(--runner pooling) and does not generate (start it "
+                                      "with --runner generate to generate)")
+SCORE_ROUTES = "/rerank, /v1/rerank, /score and /v1/score"
 
 
 def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
@@ -93,9 +108,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
     responses = OpenAIServingResponses(chat)
     anthropic = AnthropicServingMessages(chat)
     embedding = OpenAIServingEmbedding(engine, config, tokenizer, names)
+    scoring = OpenAIServingScore(engine, config, tokenizer, names)
     pooling = engine.args.pooler is not None
-    unserved = UNSERVED_BY_POOLING if pooling else UNSERVED_ROUTES
-    served = ("/v1/embeddings" if pooling else
+    classify = pooling and engine.args.pooler.task == "classify"
+    unserved = (UNSERVED_BY_CLASSIFIER if classify else UNSERVED_BY_POOLING if pooling
+                else UNSERVED_ROUTES)
+    served = (SCORE_ROUTES if classify else f"/v1/embeddings, {SCORE_ROUTES}" if pooling else
               "/v1/completions, /v1/chat/completions, /v1/responses and /v1/messages")
 
     def too_large() -> APIError:
@@ -249,7 +267,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
     async def openapi(request: Request) -> Response:
         return JSONResponse(openapi_document(version("jaxpaged"), pooling))
 
-    routes = [Route("/v1/embeddings", embeddings, methods=["POST"])] if pooling else [
+    embedding_routes = [] if classify else [Route("/v1/embeddings", embeddings, methods=["POST"])]
+    routes = score_routes(scoring, ready, parse)
+    routes += embedding_routes if pooling else [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
