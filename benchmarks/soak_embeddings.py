@@ -7,15 +7,19 @@ of the same model in this process after the generation part (or targets
 ``--embeddings-base-url``), and this module sends it ``num_requests`` requests, at most
 ``concurrency`` at once: inputs as a string, a list of 1-4 strings, token ids, or a list of
 token-id lists (text prompts repeated, so requests share prefixes), ``encoding_format`` float
-or base64, and a ``disconnect_fraction`` of clients that hang up after a random moment.
+or base64, and a ``disconnect_fraction`` of clients that hang up after a random moment. A
+``RERANK_SHARE`` of the requests go to ``/v1/rerank`` instead (a query and 1-3 documents,
+``top_n`` 0-2), which the pooling server answers by the cosine similarity of embeddings.
 
 It checks that every request not hung up got a 200 with OpenAI's shape (``object: "list"``,
 ``data`` items ``{object: "embedding", index}`` in input order, ``usage.prompt_tokens`` ==
 ``total_tokens`` == the inputs' token count), that each embedding equals offline
 ``LLM.embed`` of the same input on an engine of the same flags within ``TOLERANCE`` (batch
 composition must not change an embedding), and afterwards, for a server in this process,
-that every KV page is free and the engine holds no request. Returns a summary whose
-``problems`` lists each failed check.
+that every KV page is free and the engine holds no request. A rerank answer must hold
+``min(top_n or all, documents)`` distinct results sorted by ``relevance_score``, ``usage``
+counting the query's and documents' tokens, and scores equal to offline ``LLM.score`` within
+``TOLERANCE``. Returns a summary whose ``problems`` lists each failed check.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from jaxpaged.benchmarks.serve import http_client, run_limited, served_model
 #: Largest difference allowed between a served and an offline embedding (float32 rounding of
 #: other step shapes).
 TOLERANCE = 1e-5
+#: The share of requests sent to ``/v1/rerank``.
+RERANK_SHARE = 0.2
 _TEXTS = ("Once upon a time", "Tom and his dog went to the park.", "The cat saw a mouse",
           "Lily had a toy car. She liked to play with it in the garden every morning.",
           "One day, a big red ball", "Ben said,")
@@ -49,6 +55,7 @@ class EmbeddingsRequest:
     body: dict
     token_ids: list[list[int]]
     hang_up_after: float | None
+    route: str = "/v1/embeddings"
 
 
 def make_embeddings_workload(num_requests: int, tokenizer, seed: int,
@@ -61,6 +68,14 @@ def make_embeddings_workload(num_requests: int, tokenizer, seed: int,
                                             else "")
                  for _ in range(int(rng.integers(1, 5)))]
         ids = [tokenizer.encode(t) for t in texts]
+        if rng.random() < RERANK_SHARE:     # ids: the query's, then each document's
+            body = {"query": texts[0], "documents": texts[1:] or texts[:1],
+                    "top_n": int(rng.integers(3))}
+            hang_up = float(rng.uniform(0, 0.05)) if rng.random() < disconnect_fraction \
+                else None
+            out.append(EmbeddingsRequest(i, body, ids if ids[1:] else ids * 2, hang_up,
+                                         "/v1/rerank"))
+            continue
         kind = rng.integers(4)
         inputs = (texts[0] if kind == 0 else texts if kind == 1 else ids[0] if kind == 2
                   else ids)
@@ -75,7 +90,7 @@ def make_embeddings_workload(num_requests: int, tokenizer, seed: int,
 async def _send(client: httpx.AsyncClient, req: EmbeddingsRequest, model: str):
     """(status or None for a hang-up, the JSON body or the error text)."""
     async def post():
-        r = await client.post("/v1/embeddings", json={"model": model, **req.body})
+        r = await client.post(req.route, json={"model": model, **req.body})
         try:
             return r.status_code, r.json()
         except ValueError:
@@ -100,6 +115,8 @@ def check_response(req: EmbeddingsRequest, status, body, model: str) -> list[str
     if status != 200:
         return [f"status {status}: {str(body)[:300]}"]
     n, tokens = len(req.token_ids), sum(map(len, req.token_ids))
+    if req.route == "/v1/rerank":
+        return _check_rerank(req, body, model, tokens)
     problems = []
     if body.get("object") != "list" or body.get("model") != model:
         problems.append(f"object {body.get('object')!r}, model {body.get('model')!r}")
@@ -107,6 +124,23 @@ def check_response(req: EmbeddingsRequest, status, body, model: str) -> list[str
     if [d.get("index") for d in data] != list(range(n)) or any(
             d.get("object") != "embedding" for d in data):
         problems.append(f"data items {[(d.get('object'), d.get('index')) for d in data]}")
+    if body.get("usage") != {"prompt_tokens": tokens, "total_tokens": tokens}:
+        problems.append(f"usage {body.get('usage')}, expected {tokens} prompt tokens")
+    return problems
+
+
+def _check_rerank(req: EmbeddingsRequest, body, model: str, tokens: int) -> list[str]:
+    """What is wrong with one rerank answer, offline comparison aside."""
+    num_docs, top_n = len(req.body["documents"]), req.body["top_n"]
+    results = body.get("results", [])
+    indices = [r.get("index") for r in results]
+    scores = [r.get("relevance_score", 0.0) for r in results]
+    problems = [] if body.get("model") == model else [f"model {body.get('model')!r}"]
+    if len(set(indices)) != min(top_n or num_docs, num_docs) or not set(indices) <= set(
+            range(num_docs)):
+        problems.append(f"result indices {indices} for {num_docs} documents, top_n {top_n}")
+    if scores != sorted(scores, reverse=True):
+        problems.append(f"results not sorted by relevance_score: {scores}")
     if body.get("usage") != {"prompt_tokens": tokens, "total_tokens": tokens}:
         problems.append(f"usage {body.get('usage')}, expected {tokens} prompt tokens")
     return problems
@@ -147,6 +181,19 @@ def run_embeddings_soak(base_url: str, llm, num_requests: int, concurrency: int,
         if status is not None:
             for p in check_response(req, status, body, model):
                 problem(req, p)
+    compared_scores = 0
+    for req, body in answered:
+        if req.route != "/v1/rerank" or not isinstance(body, dict) or "results" not in body:
+            continue
+        offline = llm.score(req.body["query"], req.body["documents"], use_tqdm=False)
+        for r in body["results"]:
+            j = r.get("index")
+            if isinstance(j, int) and 0 <= j < len(offline):
+                diff = abs(r["relevance_score"] - offline[j].outputs.score)
+                compared_scores += 1
+                if diff > TOLERANCE:
+                    problem(req, f"relevance_score differs from offline LLM.score by "
+                                 f"{diff:.3g}")
     good = [(q, b) for q, b in answered if isinstance(b, dict) and "data" in b
             and len(b["data"]) == len(q.token_ids)]
     flat = [ids for q, _ in good for ids in q.token_ids]
@@ -176,15 +223,17 @@ def run_embeddings_soak(base_url: str, llm, num_requests: int, concurrency: int,
             problem(None, "/health is not 200 after the embeddings soak")
     return {"num_requests": num_requests, "concurrency": concurrency,
             "answered": len(answered), "hung_up": len(requests) - len(answered),
-            "compared_embeddings": k, "max_abs_diff": worst, "duration": duration,
+            "compared_embeddings": k, "compared_scores": compared_scores,
+            "max_abs_diff": worst, "duration": duration,
             "leaked_pages": leaked, "problems": problems[:50], "num_problems": len(problems)}
 
 
 def add_cli_args(parser) -> None:
     """The embeddings part's flags of ``jaxpaged bench soak``."""
     parser.add_argument("--embeddings-requests", type=int, default=None,
-                        help="/v1/embeddings requests sent to a pooling server after the "
-                             "generation part (default: a tenth of --num-requests; 0: none)")
+                        help="/v1/embeddings (and a fifth of them /v1/rerank) requests sent "
+                             "to a pooling server after the generation part (default: a "
+                             "tenth of --num-requests; 0: none)")
     parser.add_argument("--embeddings-base-url", default=None,
                         help="a running --runner pooling server (default: start one of the "
                              "engine flags' model here)")
