@@ -132,3 +132,16 @@ def test_rerank_and_score_side_by_side_lose_nothing(cls_http, classify_server):
                if path == "/rerank" else body["data"][0]["score"])
         assert abs(got - r["score"]) < TOLERANCE
     wait_engine_empty(classify_server)
+
+
+def test_the_chat_template_is_the_score_template(cls_http, classify_server):
+    from tests.test_score import TEMPLATE
+
+    ref = reference("qwen3_reranker")[0]        # (the same tokenizer renders the same ids)
+    with classify_server.configured(chat_template=TEMPLATE):
+        body = cls_http.post("/score", json={"text_1": ref["query"],
+                                             "text_2": ref["document"]}).json()
+        assert body["usage"]["prompt_tokens"] == len(ref["input_ids"])
+    with classify_server.configured(chat_template="{{ messages[0]['content'] | nofilter }}"):
+        r = cls_http.post("/score", json={"text_1": "a", "text_2": "b"})
+        assert r.status_code == 400 and "does not render" in r.json()["error"]["message"]
