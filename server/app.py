@@ -265,7 +265,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         return Response(names.unload(body.lora_name), 200)
 
     async def openapi(request: Request) -> Response:
-        return JSONResponse(openapi_document(version("jaxpaged"), pooling))
+        return JSONResponse(openapi_document(version("jaxpaged"), pooling, classify))
 
     embedding_routes = [] if classify else [Route("/v1/embeddings", embeddings, methods=["POST"])]
     routes = score_routes(scoring, ready, parse)

@@ -18,6 +18,8 @@ from jaxpaged.server.protocol_chat import (ChatCompletionChunk, ChatCompletionRe
                                            ChatCompletionResponse, TokenizeRequest)
 from jaxpaged.server.protocol_responses import ResponseObject, ResponsesRequest
 from jaxpaged.server.serving_embedding import EmbeddingRequest, EmbeddingResponse
+from jaxpaged.server.serving_score import (RERANK_PATHS, SCORE_PATHS, RerankRequest,
+                                          RerankResponse, ScoreRequest, ScoreResponse)
 
 #: (method, path, summary, request schema or None, response schema or None)
 OPERATIONS = [
@@ -44,6 +46,12 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 #: What a pooling server (``--runner pooling``) serves instead of the generation routes.
 EMBEDDINGS_OPERATION = ("post", "/v1/embeddings", "Create embeddings (float or base64)",
                         EmbeddingRequest, EmbeddingResponse)
+#: A pooling server's score and rerank routes (``server/serving_score.py``).
+SCORE_OPERATIONS = [
+    *[("post", p, "Score text pairs (a classifier's score, or embeddings' cosine similarity)",
+       ScoreRequest, ScoreResponse) for p in SCORE_PATHS],
+    *[("post", p, "Rerank documents by relevance to a query", RerankRequest, RerankResponse)
+      for p in RERANK_PATHS]]
 
 #: Error statuses of the operations that take a request body, and what they mean.
 REQUEST_ERRORS = {
@@ -94,6 +102,7 @@ FIELD_RANGES = {
     "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "stop": {"minLength": 1}, "cache_salt": {"minLength": 1},
     "truncate_prompt_tokens": {"minimum": -1, "not": {"const": 0}},
+    "thinking_token_budget": {"minimum": -1},
 }
 #: Constraints on the items of list (and map) fields.
 ITEM_RANGES = {"stop": {"minLength": 1}, "bad_words": {"minLength": 1},
@@ -108,11 +117,12 @@ UNSUPPORTED = {
 }
 
 
-def openapi_document(app_version: str, pooling: bool = False) -> dict:
+def openapi_document(app_version: str, pooling: bool = False, classify: bool = False) -> dict:
     """The OpenAPI document (``GET /openapi.json``) of a generating server, or of a pooling
-    one (``pooling``: ``/v1/embeddings`` instead of the generation routes)."""
-    operations = ([EMBEDDINGS_OPERATION, *OPERATIONS[len(GENERATION_PATHS):]] if pooling
-                  else OPERATIONS)
+    one (``pooling``: ``/v1/embeddings``, unless it runs a classifier (``classify``), and the
+    score and rerank routes instead of the generation routes)."""
+    operations = ([*([] if classify else [EMBEDDINGS_OPERATION]), *SCORE_OPERATIONS,
+                   *OPERATIONS[len(GENERATION_PATHS):]] if pooling else OPERATIONS)
     models = {m for op in operations for m in op[3:] if m is not None}
     models |= {ErrorResponse} if pooling else {ChatCompletionChunk, ErrorResponse}
     keyed = [(m, "validation" if m in {op[3] for op in operations} else "serialization")
@@ -138,7 +148,7 @@ def openapi_document(app_version: str, pooling: bool = False) -> dict:
             op["responses"]["200"]["content"].update(EVENT_STREAM)
             op["responses"].update({code: error(text) for code, text in GENERATION_ERRORS.items()})
             op["parameters"] = [REQUEST_ID_HEADER]
-        if path == "/v1/embeddings":
+        if path == "/v1/embeddings" or path in SCORE_PATHS + RERANK_PATHS:
             op["responses"].update({code: error(text) for code, text in GENERATION_ERRORS.items()})
             op["parameters"] = [REQUEST_ID_HEADER]
         if path in ("/health", "/ready"):

@@ -145,3 +145,12 @@ def test_the_chat_template_is_the_score_template(cls_http, classify_server):
     with classify_server.configured(chat_template="{{ messages[0]['content'] | nofilter }}"):
         r = cls_http.post("/score", json={"text_1": "a", "text_2": "b"})
         assert r.status_code == 400 and "does not render" in r.json()["error"]["message"]
+
+
+def test_openapi_documents_the_score_routes(cls_http, pooling_server, http):
+    paths = cls_http.get("/openapi.json").json()["paths"]
+    assert {"/rerank", "/v1/rerank", "/score", "/v1/score"} <= set(paths)
+    assert "/v1/embeddings" not in paths and "/v1/completions" not in paths
+    assert set(paths["/rerank"]["post"]["responses"]) >= {"200", "400", "429"}
+    assert "/rerank" in httpx.get(pooling_server.url + "/openapi.json").json()["paths"]
+    assert "/rerank" not in http.get("/openapi.json").json()["paths"]   # generating
