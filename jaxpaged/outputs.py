@@ -192,10 +192,19 @@ class EmbeddingRequestOutput:
         Raises:
             RuntimeError: the request failed (its ``error``).
         """
-        if out.error is not None or out.outputs is None:
-            raise RuntimeError(f"request {out.request_id} failed: {out.error}")
-        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()),
-                   out.prompt_token_ids, out.finished)
+        return cls(out.request_id, EmbeddingOutput(pooled_values(out)), out.prompt_token_ids,
+                   out.finished)
+
+
+def pooled_values(out: PoolingRequestOutput) -> list[float]:
+    """A finished pooling output's values as a list of floats.
+
+    Raises:
+        RuntimeError: the request failed (its ``error``).
+    """
+    if out.error is not None or out.outputs is None:
+        raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+    return out.outputs.data.tolist()
 
 
 @dataclass(slots=True)
@@ -230,9 +239,7 @@ class ClassificationRequestOutput:
         Raises:
             RuntimeError: the request failed (its ``error``).
         """
-        if out.error is not None or out.outputs is None:
-            raise RuntimeError(f"request {out.request_id} failed: {out.error}")
-        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()),
+        return cls(out.request_id, ClassificationOutput(pooled_values(out)),
                    out.prompt_token_ids, out.finished)
 
 
