@@ -66,6 +66,36 @@ class RequiredToolParser(LeadingCallsParser):
             used = end
 
 
+    def _finish(self) -> None:
+        # The grammar admits nothing but the array, so a remainder holding no complete JSON
+        # value where the next element starts is an element cut by max_tokens: dropped, never
+        # shown as content (a complete but malformed element still is content).
+        if self._mode != "calls":
+            super()._finish()
+            return
+        taken = self.take_calls(self._buffer, final=True)
+        if taken is not None:
+            for name, arguments in taken[0]:
+                self._call(name, arguments)
+            self._content(self._buffer[taken[1]:])
+        elif not _cut_short(self._buffer):
+            self._content(self._buffer)
+        self._buffer = ""
+
+
+def _cut_short(text: str) -> bool:
+    """Whether ``text``, what follows a call array's last complete element (or its
+    opening), holds no complete JSON value where the next element starts."""
+    pos = skip_blank(text, 0)
+    if text[pos:pos + 1] in ("[", ","):
+        pos = skip_blank(text, pos + 1)
+    try:
+        json.JSONDecoder().raw_decode(text, pos)
+    except ValueError:
+        return True
+    return False
+
+
 class NamedToolParser(ToolParser):
     """The whole output is the arguments of the named function: the call's header (id,
     name) when its arguments begin (the first text that is not blank), then every text

@@ -134,6 +134,16 @@ def test_required_parser_reads_the_enforced_array():
     assert parse(RequiredToolParser, '[{"name": "a"}]')[:2] == ('[{"name": "a"}]', [])
 
 
+@pytest.mark.parametrize("cut", ['[{"name":"get_', '[\n  {"', '[{"name": "a", "parameters": {}}, ',
+                                 '[{"name": "a", "parameters": {}},{"name":"b","parameters":'
+                                 '{"city":"Rome","country":"IT'])
+def test_required_array_cut_by_max_tokens_shows_no_grammar_as_content(cut):
+    """An array cut short keeps its complete calls; the element it was writing is dropped,
+    not returned as content (the grammar admits nothing else, so only max_tokens cuts it)."""
+    calls = [("a", "{}")] if '"a"' in cut else []
+    assert parse(RequiredToolParser, cut)[:2] == ("", calls)
+
+
 def test_named_parser_takes_the_output_as_the_arguments():
     assert parse(lambda: NamedToolParser("get_weather"), PARIS)[:2] == \
         ("", [("get_weather", PARIS)])
