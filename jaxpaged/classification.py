@@ -53,22 +53,29 @@ class ClassifierSpec:
     method: str | None = None
 
 
+def json_object(value: str | dict, name: str) -> dict:
+    """A flag's JSON-object value (JSON text or a dict) as a new dict.
+
+    Raises:
+        ValueError: not valid JSON, or not a JSON object (naming the flag ``name``).
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    return dict(value)
+
+
 def parse_hf_overrides(value: str | dict | None) -> dict:
     """``--hf-overrides``: JSON text or a dict (None: no overrides) as a dict.
 
     Raises:
         ValueError: not valid JSON, or not a JSON object.
     """
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"hf_overrides is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"hf_overrides must be a JSON object, got {value!r}")
-    return dict(value)
+    return {} if value is None else json_object(value, "hf_overrides")
 
 
 def classifier_spec(cfg: dict) -> ClassifierSpec | None:

@@ -31,7 +31,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from jaxpaged.classification import classifier_spec, parse_hf_overrides
+from jaxpaged.classification import classifier_spec, json_object, parse_hf_overrides
 
 #: ``--runner`` choices.
 RUNNERS = ("auto", "generate", "pooling")
@@ -86,18 +86,11 @@ class PoolerConfig:
         """
         if value is None or isinstance(value, PoolerConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"pooler_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler_config must be a JSON object, got {value!r}")
+        value = json_object(value, "pooler_config")
         unknown = set(value) - {"pooling_type", "normalize"}
         if unknown:
             raise ValueError(f"pooler_config has unknown keys {sorted(unknown)}; it takes "
                              "pooling_type and normalize")
-        value = dict(value)
         if isinstance(value.get("pooling_type"), str):
             value["pooling_type"] = value["pooling_type"].upper()
         return cls(**value)
