@@ -21,7 +21,6 @@ began is an ``error`` event). Contract: Anthropic's API reference and vLLM's
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import AsyncIterator
 
@@ -34,9 +33,9 @@ from jaxpaged.server.errors import APIError, anthropic_error_body
 from jaxpaged.server.protocol_anthropic import (CountTokensRequest, CountTokensResponse,
                                                 MessagesRequest, MessagesResponse,
                                                 MessagesUsage, OutputTokensDetails)
-from jaxpaged.server.serving import CLIENT_GONE, off_loop
+from jaxpaged.server.serving import CLIENT_GONE
 from jaxpaged.server.serving_chat import ChatRun, OpenAIServingChat
-from jaxpaged.server.serving_responses import count_reasoning_tokens
+from jaxpaged.server.serving_responses import ParsedOutput
 
 
 @dataclasses.dataclass
@@ -108,35 +107,25 @@ class AnthropicServingMessages:
         """Drive one engine request: yields ``message_start`` at its first output, the
         content events as they come and ``message_delta`` once the engine finishes it;
         ``outcome`` is finished in place (content, stop reason, usage)."""
-        parser, builder = run.parser(), ContentBuilder(omit_thinking)
-        message, token_ids, reasoned, seq = outcome.message, [], False, None
+        parsed, builder = ParsedOutput(run), ContentBuilder(omit_thinking)
+        message = outcome.message
         async for out in stream:
-            if seq is None:
+            if parsed.seq is None:
                 self._usage(run, message, out.num_cached_tokens, 0)
                 yield {"type": "message_start", "message": message.model_dump()}
                 yield {"type": "ping"}
-            seq = out.outputs[0]
-            delta = parser.feed(seq.text)
-            if seq.finish_reason is not None:
-                delta.extend(parser.finish())
-            token_ids += seq.token_ids
-            reasoned = reasoned or bool(delta.reasoning)
-            for event in builder.add(delta):
+            for event in builder.add(parsed.feed(out)):
                 yield event
-        if seq is None or seq.finish_reason is None:     # aborted: nothing is finished
+        if not parsed.finished:                          # aborted: nothing is finished
             return
         for event in builder.finish():
             yield event
         message.content = builder.blocks
         message.stop_reason, message.stop_sequence = stop_reason(
-            seq.finish_reason, seq.stop_reason, builder.has_tool_use)
-        thinking = None
-        if reasoned:
-            decode = functools.partial(self.chat.tokenizer.decode,
-                                       skip_special_tokens=run.params.skip_special_tokens)
-            thinking = await off_loop(count_reasoning_tokens, decode, token_ids,
-                                      parser.reasoning.end)
-        self._usage(run, message, out.num_cached_tokens, len(token_ids), thinking)
+            parsed.seq.finish_reason, parsed.seq.stop_reason, builder.has_tool_use)
+        thinking = (await parsed.reasoning_tokens(self.chat.tokenizer)) if parsed.reasoned \
+            else None
+        self._usage(run, message, parsed.num_cached, len(parsed.token_ids), thinking)
         outcome.finished = True
         yield {"type": "message_delta",
                "delta": {"stop_reason": message.stop_reason,

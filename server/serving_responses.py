@@ -167,32 +167,20 @@ class OpenAIServingResponses:
                    ) -> AsyncIterator[dict]:
         """Drive one engine request: yields the output events as they come; ``response``
         is finished in place (output, status, usage) once the engine finishes it."""
-        parser, builder = run.parser(), OutputBuilder()
-        token_ids, cached, reasoned, seq = [], 0, False, None
+        parsed, builder = ParsedOutput(run), OutputBuilder()
         async for out in stream:
-            cached = out.num_cached_tokens
-            seq = out.outputs[0]
-            delta = parser.feed(seq.text)
-            if seq.finish_reason is not None:
-                delta.extend(parser.finish())
-            token_ids += seq.token_ids
-            reasoned = reasoned or bool(delta.reasoning)
-            for event in builder.add(delta):
+            for event in builder.add(parsed.feed(out)):
                 yield event
-        if seq is None or seq.finish_reason is None:    # aborted: nothing is finished
+        if not parsed.finished:                          # aborted: nothing is finished
             return
-        status = "incomplete" if seq.finish_reason == "length" else "completed"
+        status = "incomplete" if parsed.seq.finish_reason == "length" else "completed"
         for event in builder.finish(status):
             yield event
         response.output, response.status = builder.items, status
         if status == "incomplete":
             response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
-        reasoning_tokens = 0
-        if reasoned:
-            decode = functools.partial(self.chat.tokenizer.decode,
-                                       skip_special_tokens=run.params.skip_special_tokens)
-            reasoning_tokens = await off_loop(count_reasoning_tokens, decode, token_ids,
-                                              parser.reasoning.end)
+        reasoning_tokens = await parsed.reasoning_tokens(self.chat.tokenizer)
+        token_ids, cached = parsed.token_ids, parsed.num_cached
         num_input = len(run.prompt.token_ids)
         response.usage = ResponseUsage(
             input_tokens=num_input, input_tokens_details=InputTokensDetails(cached_tokens=cached),
@@ -243,6 +231,43 @@ class OpenAIServingResponses:
         done()
         yield counter.lifecycle("completed" if response.status == "completed" else
                                 "incomplete", response)
+
+
+class ParsedOutput:
+    """One engine request's outputs read through its :class:`ChatRun`'s parser (what the
+    Responses and Anthropic Messages routes build their events from): :meth:`feed` each
+    ``RequestOutput`` as it comes; the tokens, the prefix-cache hits and whether any
+    reasoning came are kept for the usage."""
+
+    def __init__(self, run: ChatRun):
+        self.run, self.parser = run, run.parser()
+        self.token_ids: list[int] = []
+        self.num_cached, self.reasoned, self.seq = 0, False, None
+
+    def feed(self, out):
+        """The parsed delta of ``out`` (its only choice), the parser's tail when it ends."""
+        self.num_cached, self.seq = out.num_cached_tokens, out.outputs[0]
+        delta = self.parser.feed(self.seq.text)
+        if self.seq.finish_reason is not None:
+            delta.extend(self.parser.finish())
+        self.token_ids += self.seq.token_ids
+        self.reasoned = self.reasoned or bool(delta.reasoning)
+        return delta
+
+    @property
+    def finished(self) -> bool:
+        """Whether the engine finished the request (False: aborted, or nothing came)."""
+        return self.seq is not None and self.seq.finish_reason is not None
+
+    async def reasoning_tokens(self, tokenizer) -> int:
+        """How many output tokens the reasoning took (:func:`count_reasoning_tokens`, off
+        the event loop; 0 without reasoning)."""
+        if not self.reasoned:
+            return 0
+        decode = functools.partial(tokenizer.decode,
+                                   skip_special_tokens=self.run.params.skip_special_tokens)
+        return await off_loop(count_reasoning_tokens, decode, self.token_ids,
+                              self.parser.reasoning.end)
 
 
 def count_reasoning_tokens(decode, token_ids: list[int], end: str) -> int:
