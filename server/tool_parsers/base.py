@@ -261,11 +261,15 @@ class LeadingCallsParser(ToolParser):
             return
         self._take_calls(final=False)
 
+    def not_calls(self, text: str) -> str:
+        """What of ``text``, found not to be calls, is content (all of it here)."""
+        return text
+
     def _take_calls(self, final: bool) -> None:
         taken = self.take_calls(self._buffer, final)
         if taken is None:           # not calls after all: the rest is content
             self._mode = "content"
-            self._content(self._buffer)
+            self._content(self.not_calls(self._buffer))
             self._buffer = ""
             return
         calls, used = taken

@@ -65,22 +65,11 @@ class RequiredToolParser(LeadingCallsParser):
             self._parsed += 1
             used = end
 
-
-    def _finish(self) -> None:
+    def not_calls(self, text: str) -> str:
         # The grammar admits nothing but the array, so a remainder holding no complete JSON
         # value where the next element starts is an element cut by max_tokens: dropped, never
         # shown as content (a complete but malformed element still is content).
-        if self._mode != "calls":
-            super()._finish()
-            return
-        taken = self.take_calls(self._buffer, final=True)
-        if taken is not None:
-            for name, arguments in taken[0]:
-                self._call(name, arguments)
-            self._content(self._buffer[taken[1]:])
-        elif not _cut_short(self._buffer):
-            self._content(self._buffer)
-        self._buffer = ""
+        return "" if _cut_short(text) else text
 
 
 def _cut_short(text: str) -> bool:
