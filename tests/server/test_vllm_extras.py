@@ -95,8 +95,9 @@ def test_continuous_usage_stats_in_every_chunk(http, route):
     assert all(e["usage"]["prompt_tokens"] == final["prompt_tokens"] for e in events)
     assert counts == sorted(counts) and counts[-1] == 8
     body["stream_options"] = {"include_usage": True}      # without it: only the last
-    plain = sse_events(http.post(route, json=body))[:-1]   # (chunking follows timing)
-    assert plain[-1]["usage"]["completion_tokens"] == 8 and len(plain) > 2
+    plain = sse_events(http.post(route, json=body))[:-1]   # (chunking follows timing:
+    assert plain[-1]["usage"]["completion_tokens"] == 8    # 8 tokens may come as 1 chunk)
+    assert plain[-1]["choices"] == [] and len(plain) >= 2
     assert all(e["usage"] is None for e in plain[:-1])
 
 
