@@ -19,7 +19,7 @@ printed). Medians and means are taken over the decode steps: the steps after eve
 has its first token (no prompt token left to run). A warm-up pass with the same lengths and
 other token ids compiles every step shape first.
 
-Part 2 feeds :class:`~jaxpaged.engine.detokenizer.IncrementalDetokenizer` one random token
+Part 2 feeds :class:`~jaxpaged.core.detokenizer.IncrementalDetokenizer` one random token
 at a time for outputs of each ``--detok-lengths`` length with a 32000-piece sentencepiece
 tokenizer (``configs/tokenizers/llama2``) and prints the time per token and the ratio of the
 longest to the shortest (goal: <= 1.5, the cost does not grow with the output).
@@ -42,7 +42,7 @@ from jaxpaged.benchmarks.throughput import shifted
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.sampling_params import RequestOutputKind
 from jaxpaged.engine.arg_utils import EngineArgs
-from jaxpaged.engine.detokenizer import IncrementalDetokenizer
+from jaxpaged.core.detokenizer import IncrementalDetokenizer
 from jaxpaged.tokenizer import load_tokenizer
 
 LLAMA2_TOKENIZER = os.path.join(ROOT, "configs", "tokenizers", "llama2")

@@ -26,10 +26,10 @@ def distribution(values_s: list[float], name: str, unit_scale: float = 1000.0) -
 
 
 def spec_decode_totals(llm):
-    """The acceptance counters (a :class:`~jaxpaged.spec_decode.scheduling.SpecDecodingStats`)
+    """The acceptance counters (a :class:`~jaxpaged.core.spec_decode.scheduling.SpecDecodingStats`)
     of ``llm``'s speculative decoding over every pass it ran, data-parallel replicas summed;
     None with speculation off."""
-    from jaxpaged.spec_decode.scheduling import SpecDecodingStats
+    from jaxpaged.core.spec_decode.scheduling import SpecDecodingStats
 
     specs = [r.scheduler.spec for r in getattr(llm.engine, "replicas", [llm.engine])]
     if specs[0] is None:

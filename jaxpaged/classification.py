@@ -16,7 +16,7 @@ hidden state (vLLM's ``as_seq_cls_model``, ``vllm/model_executor/models/adapters
   ``["no", "yes"]`` (vLLM's ``Qwen3ForSequenceClassificationConfig``).
 
 The decoder is the family's causal-LM module (``jaxpaged.models.llama``); the head runs on
-the host (``jaxpaged.engine.classifier_head``). ``hf_overrides`` (vLLM's ``--hf-overrides``:
+the host (``jaxpaged.core.classifier_head``). ``hf_overrides`` (vLLM's ``--hf-overrides``:
 JSON merged over ``config.json``'s top level) is parsed here too. Pure Python (no JAX).
 """
 

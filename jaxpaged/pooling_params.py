@@ -12,9 +12,9 @@ only generation requests, one task per engine as in vLLM. A pooling engine's tas
 ``hf_overrides`` ``classifier_from_token``) pools for ``classify`` (``runner="auto"`` becomes
 ``pooling`` for it, ``convert="classify"``, or its older name ``score``, asks for it
 explicitly): its last token's hidden state goes through the classifier head
-(``jaxpaged.engine.classifier_head``), not normalised.
+(``jaxpaged.core.classifier_head``), not normalised.
 
-Pooling (``jaxpaged.engine.pooling``) reduces the final hidden states (after the model's final
+Pooling (``jaxpaged.core.pooling``) reduces the final hidden states (after the model's final
 norm) of the prompt's tokens to one vector: ``LAST`` (the last token; vLLM's default for
 decoder embedding models) or ``MEAN`` (the average over every prompt token), then L2-normalises
 it unless ``normalize`` is false. The pooling type comes from, in order: ``pooler_config`` (the

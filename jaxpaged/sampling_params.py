@@ -149,7 +149,7 @@ class SamplingParams:
             llguidance's message.
         thinking_token_budget: most output tokens inside the ``<think>`` reasoning block
             (vLLM's name): once they are spent the end-of-think marker's tokens are forced and
-            the answer follows (``jaxpaged.engine.thinking_budget``); 0: no reasoning at all.
+            the answer follows (``jaxpaged.core.thinking_budget``); 0: no reasoning at all.
             None or -1 (normalised to None): unlimited.
 
     The fields are checked on construction and again when a request is added (so a field

@@ -31,10 +31,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from jaxpaged.engine.async_engine import AsyncEngine
-from jaxpaged.engine.request_stream import (EngineDeadError, EngineNotReadyError,
-                                            RequestFailedError, RequestIdInUseError,
-                                            RequestStream, RequestTimeoutError,
-                                            TooManyPendingRequestsError)
+from jaxpaged.engine.exceptions import (EngineDeadError, EngineNotReadyError, RequestFailedError,
+                                        RequestIdInUseError, RequestTimeoutError,
+                                        TooManyPendingRequestsError)
+from jaxpaged.engine.request_stream import RequestStream
 from jaxpaged.outputs import Logprob, RequestOutput
 from jaxpaged.sampling_params import SamplingParams, SamplingParamsError
 from jaxpaged.server.config import ServerConfig

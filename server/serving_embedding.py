@@ -11,7 +11,7 @@ loads supports Matryoshka sizes), ``user``; vLLM's ``add_special_tokens``,
 ``{"object": "list", "data": [{"object": "embedding", "index", "embedding"}], "model",
 "usage": {"prompt_tokens", "total_tokens"}}`` plus vLLM's ``id`` (``embd-...``) and
 ``created``. Empty inputs and inputs longer than ``max_model_len`` tokens are 400s that say
-so. Each input runs as one pooling request of the engine (``jaxpaged.engine.pooling``).
+so. Each input runs as one pooling request of the engine (``jaxpaged.core.pooling``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.engine.detokenizer import IncrementalDetokenizer
+from jaxpaged.core.detokenizer import IncrementalDetokenizer
 from jaxpaged.sampling_params import RequestOutputKind
 from tests.conftest import LLAMA2_TOKENIZER, STORIES, STORIES_REFERENCE, TOKENIZERS
 from tests.helpers.force import force_tokens, run_engine

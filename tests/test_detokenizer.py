@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from jaxpaged import SamplingParams
-from jaxpaged.engine.detokenizer import IncrementalDetokenizer
+from jaxpaged.core.detokenizer import IncrementalDetokenizer
 from tests.conftest import LLAMA2_TOKENIZER, STORIES, TOKENIZERS
 
 TEXTS = [

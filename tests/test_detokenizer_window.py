@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer, ByT5Tokenizer
 
-from jaxpaged.engine.detokenizer import (INITIAL_OFFSET, IncrementalDetokenizer,
+from jaxpaged.core.detokenizer import (INITIAL_OFFSET, IncrementalDetokenizer,
                                          byte_fallback_ids, fast_backend, special_ids)
 from tests.conftest import LLAMA2_TOKENIZER, STORIES, TOKENIZERS
 

@@ -1,21 +1,17 @@
-"""The host side of the engine imports no JAX, and ``layers/`` does not import ``engine/``."""
+"""``jaxpaged.core``, the host step contract, imports without JAX (DESIGN.md: host bookkeeping is
+plain Python). The other floors' rules are import-linter contracts (``tests/test_layering.py``)."""
 
 import pathlib
 import subprocess
 import sys
 import textwrap
 
-#: The modules of ``jaxpaged/engine/`` that drive the device (they build or run a
-#: ``ModelRunner``); every other module there is host code and must load without JAX.
-DEVICE_ENGINE_MODULES = {"engine", "startup", "async_engine", "data_parallel", "follower"}
-ENGINE_DIR = pathlib.Path(__file__).resolve().parents[1] / "jaxpaged" / "engine"
+CORE_DIR = pathlib.Path(__file__).resolve().parents[1] / "jaxpaged" / "core"
 
-#: The host modules that must load without JAX (DESIGN.md: host bookkeeping is plain Python):
-#: the scheduler, KV cache manager, requests, output processor and detokenizer, and every
-#: other module of ``engine/`` but the device-driving ones, plus the host types they share.
-HOST_MODULES = sorted(f"jaxpaged.engine.{p.stem}" for p in ENGINE_DIR.glob("*.py")
-                      if p.stem not in DEVICE_ENGINE_MODULES | {"__init__"}) + [
-    "jaxpaged.runner.output", "jaxpaged.constants"]
+#: Every module of ``jaxpaged/core/``, found on disk (no list to keep).
+CORE_MODULES = sorted(
+    ".".join(("jaxpaged", "core", *p.relative_to(CORE_DIR).with_suffix("").parts))
+    .removesuffix(".__init__") for p in CORE_DIR.rglob("*.py"))
 
 
 def _loaded_after_import(modules: list[str]) -> set[str]:
@@ -31,22 +27,13 @@ def _loaded_after_import(modules: list[str]) -> set[str]:
     return set(out.stdout.split())
 
 
-def test_host_modules_import_no_jax():
-    # The list is the host side the architecture names, not an empty or partial glob.
-    assert {"jaxpaged.engine.scheduler", "jaxpaged.engine.kv_cache_manager",
-            "jaxpaged.engine.request", "jaxpaged.engine.output_processor",
-            "jaxpaged.engine.detokenizer", "jaxpaged.engine.scheduler_output"} <= set(HOST_MODULES)
-    assert all((ENGINE_DIR / f"{m}.py").exists() for m in DEVICE_ENGINE_MODULES)
-    loaded = _loaded_after_import(HOST_MODULES)
+def test_core_imports_no_jax():
+    # The glob found the step contract, not an empty or partial folder.
+    assert {"jaxpaged.core.scheduler", "jaxpaged.core.kv_cache_manager",
+            "jaxpaged.core.request", "jaxpaged.core.output_processor",
+            "jaxpaged.core.detokenizer", "jaxpaged.core.scheduler_output",
+            "jaxpaged.core.runner_output", "jaxpaged.core.spec_decode.scheduling"
+            } <= set(CORE_MODULES)
+    loaded = _loaded_after_import(CORE_MODULES)
     assert "jaxpaged" in loaded                 # the imports did run
     assert not loaded & {"jax", "jaxlib", "flax", "pallas_kernels"}, loaded
-
-
-def test_layers_do_not_import_engine():
-    code = textwrap.dedent("""
-        import sys
-        import jaxpaged.layers.attention, jaxpaged.models.llama
-        print(sorted(m for m in sys.modules if m.startswith("jaxpaged.engine")))
-    """)
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    assert out.stdout.strip() == "[]"

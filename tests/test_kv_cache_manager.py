@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxpaged.engine.kv_cache_manager import KVCacheManager
+from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.layers.attention import NULL_PAGE
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.engine import kv_cache_manager
+from jaxpaged.core import kv_cache_manager
 from tests.conftest import STORIES_REFERENCE
 
 PAGE = 16

@@ -2,11 +2,11 @@
 model: each step's ``ModelRunnerOutput`` is written by the test."""
 
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL
-from jaxpaged.engine.kv_cache_manager import KVCacheManager
-from jaxpaged.engine.output_processor import OutputProcessor
-from jaxpaged.engine.request import Request, RequestStatus
-from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
-from jaxpaged.runner.output import ModelRunnerOutput
+from jaxpaged.core.kv_cache_manager import KVCacheManager
+from jaxpaged.core.output_processor import OutputProcessor
+from jaxpaged.core.request import Request, RequestStatus
+from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.core.runner_output import ModelRunnerOutput
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.tokenizer import load_tokenizer
 

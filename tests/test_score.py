@@ -16,7 +16,7 @@ import pytest
 from jaxpaged import LLM, PoolingParams
 from jaxpaged.classification import ClassifierSpec, classifier_spec
 from jaxpaged.config import ModelConfig, UnsupportedModelError
-from jaxpaged.engine.classifier_head import ClassifierHead, load_classifier_head
+from jaxpaged.core.classifier_head import ClassifierHead, load_classifier_head
 from jaxpaged.pooling_params import PoolerConfig, resolve_pooler
 from jaxpaged.scoring import score_pairs
 from jaxpaged.tokenizer import load_tokenizer

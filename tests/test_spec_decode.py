@@ -14,9 +14,9 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from jaxpaged.sampling.sampler import SamplingMetadata, sample
-from jaxpaged.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
-from jaxpaged.spec_decode.ngram import NgramProposer
-from jaxpaged.spec_decode.rejection import verify
+from jaxpaged.core.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+from jaxpaged.core.spec_decode.ngram import NgramProposer
+from jaxpaged.sampling.rejection import verify
 from tests.conftest import STORIES
 from tests.helpers.distributions import assert_same_first_tokens
 from tests.test_continuous_batching import random_prompts
@@ -142,7 +142,7 @@ def test_speculating_runners_add_verification_shapes():
 
 
 def test_adaptive_rule_weighs_a_measured_cost_ratio_against_expected_tokens():
-    from jaxpaged.spec_decode import adaptive
+    from jaxpaged.core.spec_decode import adaptive
     now = [0.0]
     rule = adaptive.AdaptiveSpeculation(acceptance_is_free=True, clock=lambda: now[0])
 
@@ -207,7 +207,7 @@ def test_adaptive_rule_weighs_a_measured_cost_ratio_against_expected_tokens():
 
 
 def test_a_sequences_acceptance_follows_its_checked_proposals():
-    from jaxpaged.spec_decode import adaptive
+    from jaxpaged.core.spec_decode import adaptive
     state = adaptive.SpecState()
     assert state.alpha == adaptive.PRIOR_ACCEPTANCE == 1.0
     state.record(1, 4)          # one accepted, the second rejected
@@ -219,9 +219,9 @@ def test_a_sequences_acceptance_follows_its_checked_proposals():
 
 
 def test_shadow_ngram_proposals_measure_acceptance_in_plain_steps(tmp_path):
-    from jaxpaged.engine.request import Request
-    from jaxpaged.spec_decode.config import SpeculativeConfig
-    from jaxpaged.spec_decode.scheduling import SpecDecodeScheduling
+    from jaxpaged.core.request import Request
+    from jaxpaged.core.spec_decode.config import SpeculativeConfig
+    from jaxpaged.core.spec_decode.scheduling import SpecDecodeScheduling
     spec = SpecDecodeScheduling(SpeculativeConfig.from_dict(
         {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}), 100)
     req = Request("r", None, [5, 6, 7, 8, 5, 6], SamplingParams(), seed=0, max_tokens=20)
@@ -253,7 +253,7 @@ def test_adaptive_rule_times_a_step_of_a_class_it_was_not_asked_about():
     # The engine decides over the running sequences before the previous step's finished
     # ones leave, so a step can be scheduled with fewer sequences (another class) than the
     # decision saw (a fresh-user run: 40 then 20 requests, KeyError in done()).
-    from jaxpaged.spec_decode import adaptive
+    from jaxpaged.core.spec_decode import adaptive
     now = [0.0]
     rule = adaptive.AdaptiveSpeculation(acceptance_is_free=True, clock=lambda: now[0])
     assert rule.choose([5.0] * 40) is False

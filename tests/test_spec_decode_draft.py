@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.engine.arg_utils import EngineArgs
-from jaxpaged.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+from jaxpaged.core.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from tests.conftest import STORIES
 from tests.helpers.distributions import assert_same_first_tokens
 from tests.helpers.random_llama import write_random_llama

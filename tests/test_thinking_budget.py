@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from jaxpaged import SamplingParams
-from jaxpaged.engine.thinking_budget import ThinkingBudget, ThinkMarkers, marker_ids
+from jaxpaged.core.thinking_budget import ThinkingBudget, ThinkMarkers, marker_ids
 from jaxpaged.sampling_params import SamplingParamsError
 
 #: A prompt that leaves a think block open (as a template that pre-fills ``<think>``).

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from jaxpaged.config import QUANTIZATION_METHODS
 from jaxpaged.lora.config import LoRAConfig, add_lora_cli_args
-from jaxpaged.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+from jaxpaged.core.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from jaxpaged.constants import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES,  # noqa: F401
                                 SCHEDULING_POLICIES)
 from jaxpaged.pooling_params import CONVERTS, RUNNERS, PoolerConfig, resolve_pooler
@@ -74,7 +74,7 @@ class EngineArgs:
             (0: no cap beyond the step budget).
         scheduling_policy: ``fcfs``, ``priority`` (lower ``priority`` first; preemption
             takes the lowest-priority, newest request) or ``sjf`` (shortest job first, aged:
-            ``jaxpaged.engine.scheduler``).
+            ``jaxpaged.core.scheduler``).
         sjf_aging_requests: under ``sjf``, the most requests that arrived after a request
             and are scheduled before it (a request of ``max_model_len`` tokens is overtaken
             by at most this many later arrivals; 0 is fcfs).
@@ -117,7 +117,7 @@ class EngineArgs:
             ``--hf-overrides``), e.g. ``{"architectures": ["Qwen3ForSequenceClassification"],
             "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}`` to
             run Qwen3-Reranker as a classifier.
-        speculative_config: speculative decoding (``jaxpaged.spec_decode.config``): a dict
+        speculative_config: speculative decoding (``jaxpaged.core.spec_decode.config``): a dict
             or its JSON text with vLLM's fields (``method="ngram"`` with
             ``prompt_lookup_max``, ``prompt_lookup_min``; or ``method="draft_model"`` with
             ``model``, a smaller model of the same vocabulary, not combinable with LoRA,

@@ -43,11 +43,11 @@ from jaxpaged.engine.data_parallel import DataParallelEngine, make_engine
 from jaxpaged.engine.engine import Engine
 from jaxpaged.engine.commands import AbortRequest, AddRequest, EngineCommand, StopEngine
 from jaxpaged.engine.follower import warm_up
-from jaxpaged.engine.input_processor import Prompt
-from jaxpaged.engine.request_stream import (EngineDeadError, EngineNotReadyError,
-                                            EngineStoppedError, RequestFailedError,
-                                            RequestIdInUseError, RequestStream,
-                                            RequestTimeoutError, TooManyPendingRequestsError)
+from jaxpaged.core.input_processor import Prompt
+from jaxpaged.engine.exceptions import (EngineDeadError, EngineNotReadyError, EngineStoppedError,
+                                        RequestFailedError, RequestIdInUseError,
+                                        RequestTimeoutError, TooManyPendingRequestsError)
+from jaxpaged.engine.request_stream import RequestStream
 from jaxpaged.metrics.stats import StatLogger
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from jaxpaged.engine.input_processor import Prompt
+from jaxpaged.core.input_processor import Prompt
 from jaxpaged.sampling_params import SamplingParams
 
 

@@ -27,7 +27,7 @@ from jaxpaged.distributed.tensor_parallel import TensorParallelError, request_ho
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.engine import Engine
 from jaxpaged.metrics.stats import EngineStats
-from jaxpaged.engine.input_processor import Prompt
+from jaxpaged.core.input_processor import Prompt
 from jaxpaged.metrics.stats import IterationStats, SchedulerStats, StatLogger
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.sampling_params import SamplingParams

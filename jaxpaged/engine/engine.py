@@ -27,15 +27,15 @@ from jaxpaged.config import ModelConfig
 from jaxpaged.runner.device_memory import device_memory_used
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.gc_heap import CompileAwareHeapFreezer
-from jaxpaged.engine.generation_config import (eos_token_ids, generation_defaults,
+from jaxpaged.core.generation_config import (eos_token_ids, generation_defaults,
                                                load_generation_config)
-from jaxpaged.engine.input_processor import InputProcessor, Prompt
-from jaxpaged.engine.kv_cache_manager import KVCacheManager
-from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup
-from jaxpaged.engine.classifier_head import load_classifier_head
-from jaxpaged.engine.pooling import POOLING_SAMPLING, pooling_state
-from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
-from jaxpaged.engine.scheduler_output import SchedulerOutput
+from jaxpaged.core.input_processor import InputProcessor, Prompt
+from jaxpaged.core.kv_cache_manager import KVCacheManager
+from jaxpaged.core.output_processor import OutputProcessor, RequestGroup
+from jaxpaged.core.classifier_head import load_classifier_head
+from jaxpaged.core.pooling import POOLING_SAMPLING, pooling_state
+from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.core.scheduler_output import SchedulerOutput
 from jaxpaged.engine.startup import join_processes, load_and_compile
 from jaxpaged.lora.config import LoRAConfig
 from jaxpaged.lora.manager import LoRAManager
@@ -43,10 +43,10 @@ from jaxpaged.metrics.recorder import StatsRecorder
 from jaxpaged.metrics.stats import EngineStats, StatLogger
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.pooling_params import PoolingParams
-from jaxpaged.runner.output import ModelRunnerOutput
+from jaxpaged.core.runner_output import ModelRunnerOutput
 from jaxpaged.sampling.logits_adjust import needs_adjustment
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.spec_decode.config import SpeculativeConfig
+from jaxpaged.core.spec_decode.config import SpeculativeConfig
 from jaxpaged.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class Engine:
         loaded = load_and_compile(args, cfg, self.max_model_len, speculative_config, devices,
                                   background_compile)
         worker, self.tokenizer = loaded.worker, loaded.tokenizer
-        #: A classify engine's classifier head (``jaxpaged.engine.classifier_head``), else None.
+        #: A classify engine's classifier head (``jaxpaged.core.classifier_head``), else None.
         self.classifier_head = (
             load_classifier_head(args.model, cfg, self.tokenizer, args.load_format, args.seed)
             if self.pooler is not None and self.pooler.task == "classify" else None)
@@ -194,7 +194,7 @@ class Engine:
                 ``"cache_salt"`` that isolates its prefix-cache entries.
             params: sampling parameters (default ``SamplingParams()``), or, on a pooling
                 engine (``EngineArgs.runner``), ``PoolingParams`` (default too): the request
-                then yields one ``PoolingRequestOutput`` (``jaxpaged.engine.pooling``).
+                then yields one ``PoolingRequestOutput`` (``jaxpaged.core.pooling``).
             priority: lower runs first under ``--scheduling-policy priority``.
             lora_request: a ``jaxpaged.lora.request.LoRARequest`` (None: the base model).
 

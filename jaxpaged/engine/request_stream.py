@@ -1,5 +1,5 @@
-"""Per-request output streams of the :class:`~jaxpaged.engine.async_engine.AsyncEngine`, and
-the errors a request can end with.
+"""Per-request output streams of the :class:`~jaxpaged.engine.async_engine.AsyncEngine` (the
+errors a request can end with are in :mod:`jaxpaged.engine.exceptions`).
 
 A :class:`RequestStream` holds at most one output: outputs that arrive while the consumer is
 busy (a slow streaming client) are folded into it, so memory never grows with the consumer's
@@ -12,48 +12,8 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from jaxpaged.engine.exceptions import RequestFailedError, RequestTimeoutError
 from jaxpaged.outputs import PoolingRequestOutput, RequestOutput
-
-
-class EngineNotReadyError(RuntimeError):
-    """The engine is still loading (or warming up)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread failed; no request can run until the process restarts."""
-
-
-class EngineStoppedError(EngineNotReadyError):
-    """The engine is shutting down: running requests were ended, new ones are refused."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed this request: a model step that ran it raised, or the engine died
-    while it was running. The message says why."""
-
-
-class RequestTimeoutError(RuntimeError):
-    """The request passed its deadline before it finished (it is aborted)."""
-
-
-class RequestIdInUseError(ValueError):
-    """Refused: a request with this id is still running (ids are unique while in flight)."""
-
-
-class TooManyPendingRequestsError(RuntimeError):
-    """Refused: admitting the request would take the sequences waiting to be scheduled past
-    ``max_pending_requests``.
-
-    Attributes:
-        num_waiting: sequences waiting when the request was refused.
-        limit: the limit.
-    """
-
-    def __init__(self, num_waiting: int, requested: int, limit: int):
-        super().__init__(f"the server is overloaded: {num_waiting} sequences are waiting to be "
-                         f"scheduled and this request adds {requested}, beyond "
-                         f"--max-pending-requests={limit}; retry later")
-        self.num_waiting, self.limit = num_waiting, limit
 
 
 _OPEN = object()    # a stream that has not ended

@@ -22,7 +22,7 @@ from jaxpaged.distributed.tensor_parallel import request_host_devices
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.runner.background_compile import SERVE, BackgroundCompile, compile_plan
 from jaxpaged.runner.worker import Worker, build_worker
-from jaxpaged.spec_decode.config import SpeculativeConfig
+from jaxpaged.core.spec_decode.config import SpeculativeConfig
 from jaxpaged.spec_decode.draft_model import DraftModel, DraftModelProposer
 from jaxpaged.tokenizer import load_tokenizer
 

@@ -14,7 +14,7 @@ from jaxpaged.distributed.multihost import (JobFailed, check_same_everywhere, di
 from jaxpaged.distributed.step_sync import JobStopped, sync_step
 from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs
 from jaxpaged.engine.data_parallel import make_engine
-from jaxpaged.engine.input_processor import Prompt
+from jaxpaged.core.input_processor import Prompt
 from jaxpaged.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput,
                               RequestOutput, ScoringOutput, ScoringRequestOutput)
 from jaxpaged.pooling_params import PoolingParams

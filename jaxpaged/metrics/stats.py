@@ -76,7 +76,7 @@ class IterationStats:
         step_tokens: tokens (prefill and decode) of each engine step dispatched
             (vLLM's ``iteration_tokens_total``).
         spec_decoding: speculative decoding's acceptance counters
-            (``jaxpaged.spec_decode.scheduling.SpecDecodingStats``), None when no sequence
+            (``jaxpaged.core.spec_decode.scheduling.SpecDecodingStats``), None when no sequence
             drafted.
     """
 

@@ -62,7 +62,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
                      ".input_scale", ".output_scale", ".k_scale", ".v_scale", ".kv_scale")
 
 #: Tensors a sequence classifier's head is made from, read by
-#: ``jaxpaged.engine.classifier_head`` instead of the model (which has no LM head then).
+#: ``jaxpaged.core.classifier_head`` instead of the model (which has no LM head then).
 _CLASSIFIER_TENSORS = ("score.weight", "score.bias", "lm_head.weight")
 
 

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jaxpaged.constants import NULL_PAGE
-from jaxpaged.engine.scheduler_output import SchedulerOutput
+from jaxpaged.core.scheduler_output import SchedulerOutput
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout
 from jaxpaged.sampling.logits_adjust import (LogitsAdjustment, needs_adjustment, no_adjustment,
                                              pack, row_adjustment)

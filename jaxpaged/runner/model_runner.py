@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from jaxpaged.distributed.multihost import to_host
 from jaxpaged.runner.kv_scales import KVScales, set_kv_scales
-from jaxpaged.engine.scheduler_output import SchedulerOutput
+from jaxpaged.core.scheduler_output import SchedulerOutput
 from jaxpaged.layers import cpu_matmul
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, allocate_kv_pool
 from jaxpaged.layers.layer_stack import distinct_leaves
@@ -46,7 +46,7 @@ from jaxpaged.runner.dummy_step import dummy_inputs, dummy_layout
 from jaxpaged.runner.executable_store import ExecutableStore, fingerprint, model_digest
 from jaxpaged.runner.host_memory import release_freed_memory
 from jaxpaged.runner.input_batch import PreparedStep, StepInputs, attention_metadata, prepare_step
-from jaxpaged.runner.output import ModelRunnerOutput
+from jaxpaged.core.runner_output import ModelRunnerOutput
 from jaxpaged.runner.pending_step import PendingStep, copy_indices
 from jaxpaged.runner.step_programs import (build_programs, build_verify_program,
                                            forward_inputs, is_plain_greedy, sample_inputs)
@@ -166,7 +166,7 @@ class ModelRunner:
         """From now on run steps whose sequences all decode, with up to
         ``num_speculative_tokens`` proposals each, as verification steps of their own
         shapes (``ShapeBuckets(verify_block_q=1 + k)``; precompile after this), sampled by
-        the rejection sampler (``jaxpaged.spec_decode.rejection``), a row per token; every
+        the rejection sampler (``jaxpaged.sampling.rejection``), a row per token; every
         other step samples as without speculation."""
         self._verify = build_verify_program(self._replicated)
         self._verify_block_q = 1 + num_speculative_tokens

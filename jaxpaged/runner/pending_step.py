@@ -13,10 +13,10 @@ import numpy as np
 
 from jaxpaged.constants import NULL_PAGE
 from jaxpaged.distributed.multihost import to_host
-from jaxpaged.engine.scheduler_output import SchedulerOutput
+from jaxpaged.core.scheduler_output import SchedulerOutput
 from jaxpaged.runner.buckets import bucket_sizes, pick_bucket
 from jaxpaged.runner.input_batch import PreparedStep
-from jaxpaged.runner.output import ModelRunnerOutput
+from jaxpaged.core.runner_output import ModelRunnerOutput
 from jaxpaged.runner.pooling import read_pooled
 from jaxpaged.runner.read_output import read_output
 from jaxpaged.sampling.sampler import SamplerOutput

@@ -5,7 +5,7 @@ Efficient Training of Giant Neural Networks using Pipeline Parallelism", 2019, s
 forward half only): the step's sequences are cut into ``pp`` micro-batches of about equal
 token counts (:func:`split_micro_batches`), and micro-batch ``m`` goes through stage 0, then
 stage 1, ..., each stage a jitted program on its own devices
-(``jaxpaged.distributed.pipeline_stage``), its activations copied to the next stage's
+(``jaxpaged.runner.pipeline_stage``), its activations copied to the next stage's
 devices with ``jax.device_put``; the last stage samples. Every launch is asynchronous, and
 each device group runs its own queue in order, so while stage 1 runs micro-batch 0, stage 0
 already runs micro-batch 1: with ``pp`` micro-batches over ``pp`` stages the step takes
@@ -33,15 +33,15 @@ import numpy as np
 from flax import nnx
 
 from jaxpaged.distributed.pipeline_parallel import PipelineParallel, PipelineParallelError
-from jaxpaged.distributed.pipeline_stage import PipelineStage, build_stage_program
-from jaxpaged.engine.scheduler_output import SchedulerOutput
+from jaxpaged.runner.pipeline_stage import PipelineStage, build_stage_program
+from jaxpaged.core.scheduler_output import SchedulerOutput
 from jaxpaged.layers.attention import BatchLayout
 from jaxpaged.layers.attention.tensor_parallel import TensorParallelAttention
 from jaxpaged.models.loader import param_path
 from jaxpaged.runner.input_batch import StepInputs
 from jaxpaged.runner.model_runner import ModelRunner, _shape_key
 from jaxpaged.runner.pending_step import PendingStep, copy_indices
-from jaxpaged.runner.output import ModelRunnerOutput
+from jaxpaged.core.runner_output import ModelRunnerOutput
 from jaxpaged.runner.step_programs import build_programs, forward_inputs, sample_inputs
 
 

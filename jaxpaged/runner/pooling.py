@@ -8,7 +8,7 @@ sequence's last token in the step (the token its sampling row reads, ``logits_in
 the sequence's first row), row 1 the sum of the hidden states of the sequence's tokens in the
 step (a segment sum over ``query_start_loc``). Zeros otherwise. The host
 (:func:`read_pooled`) hands each pooling sequence its two rows, and
-``jaxpaged.engine.pooling`` pools across chunks (vLLM's ``LastPool`` / ``MeanPool``,
+``jaxpaged.core.pooling`` pools across chunks (vLLM's ``LastPool`` / ``MeanPool``,
 ``vllm/model_executor/layers/pooler.py``, compute the same from the flat hidden states).
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 from jaxpaged.sampling.sampler import when
 
 if TYPE_CHECKING:
-    from jaxpaged.engine.scheduler_output import SchedulerOutput
+    from jaxpaged.core.scheduler_output import SchedulerOutput
     from jaxpaged.runner.input_batch import PreparedStep
 
 

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxpaged.engine.scheduler_output import SchedulerOutput
-from jaxpaged.runner.output import ModelRunnerOutput, TokenLogprob
+from jaxpaged.core.scheduler_output import SchedulerOutput
+from jaxpaged.core.runner_output import ModelRunnerOutput, TokenLogprob
 
 if TYPE_CHECKING:
     from jaxpaged.runner.input_batch import PreparedStep

@@ -149,10 +149,10 @@ class StepPrograms:
 def build_verify_program(replicated: jax.sharding.Sharding) -> jax.stages.Wrapped:
     """The speculative-decoding sampler, jitted: ``(logits, sample_inputs, draft_ids [B])
     -> (SamplerOutput without prompt logprobs, accepted [B] bool)``
-    (``jaxpaged.spec_decode.rejection.verify``). Built only when speculation is configured;
+    (``jaxpaged.sampling.rejection.verify``). Built only when speculation is configured;
     it samples verification steps (finished synchronously: the next step's proposals need
     their tokens, so no ``prev_tokens``); every other step keeps ``sample``."""
-    from jaxpaged.spec_decode.rejection import verify
+    from jaxpaged.sampling.rejection import verify
 
     def verify_rows(logits, inputs: dict, draft_ids):
         return verify(logits, inputs["sampling"], inputs["with_logprobs"], inputs["adjust"],

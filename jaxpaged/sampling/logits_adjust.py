@@ -5,7 +5,7 @@ The host sends only sparse lists (a few token ids per row), padded to a bucket; 
 scatters them into the [B, V] logits. Order, as vLLM v1's sampler applies them
 (``vllm/v1/sample/sampler.py``, ``vllm/model_executor/layers/utils.py::apply_penalties``):
 
-A token forced by the thinking budget (``jaxpaged.engine.thinking_budget``: the next token
+A token forced by the thinking budget (``jaxpaged.core.thinking_budget``: the next token
 of the end-of-think marker) is the row's only allowed token, and the row has no other entry.
 
 1. allowed-token mask (``allowed_token_ids``), then additive ``pre`` terms: ``logit_bias`` and

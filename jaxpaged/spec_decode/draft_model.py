@@ -15,7 +15,7 @@ sample on the device) and read once at the end. It writes positions up to ``T + 
 sequence's tokens), inside the ``T + m`` slots allocated.
 
 Proposals are the argmax, so q is a point mass at each and the rejection sampler
-(``jaxpaged.spec_decode.rejection``) stays exact unchanged: vLLM v1 does the same (its
+(``jaxpaged.sampling.rejection``) stays exact unchanged: vLLM v1 does the same (its
 ``EagleProposer.propose``, ``vllm/v1/spec_decode/eagle.py``, takes the argmax of the draft
 logits, and ``GPUModelRunner`` passes no draft probabilities to its ``RejectionSampler``).
 The draft's own sampling parameters are greedy and its own; the request's seed, penalties
@@ -46,15 +46,15 @@ from dataclasses import dataclass
 from jaxpaged.config import ModelConfig, UnsupportedModelError
 from jaxpaged.distributed.tensor_parallel import TensorParallel
 from jaxpaged.engine.arg_utils import EngineArgs
-from jaxpaged.engine.request import Request
-from jaxpaged.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxpaged.core.request import Request
+from jaxpaged.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxpaged.layers.attention import allocate_kv_pool, get_attention_backend, kv_bytes_per_page
 from jaxpaged.models.loader import MissingWeightsError, has_weights, load_model
 from jaxpaged.runner.compile_cache import resolve_cache_dir
 from jaxpaged.runner.model_runner import ModelRunner, RunnerLimits
 from jaxpaged.runner.worker import Worker, resolve_dtype
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+from jaxpaged.core.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 
 logger = logging.getLogger(__name__)
 

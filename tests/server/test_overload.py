@@ -12,7 +12,8 @@ import pytest
 from jaxpaged.cli import build_parser
 from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.engine.async_engine import AsyncEngine
-from jaxpaged.engine.request_stream import RequestFailedError, RequestStream, RequestTimeoutError
+from jaxpaged.engine.exceptions import RequestFailedError, RequestTimeoutError
+from jaxpaged.engine.request_stream import RequestStream
 from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.server.server_args import server_config
 from jaxpaged.server.serving import ServerConfig, merge_streams

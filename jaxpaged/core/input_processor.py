@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxpaged.engine.request import Request
-from jaxpaged.engine.thinking_budget import ThinkingBudget, prompt_opens_block, think_markers
+from jaxpaged.core.request import Request
+from jaxpaged.core.thinking_budget import ThinkingBudget, prompt_opens_block, think_markers
 from jaxpaged.sampling_params import SamplingParams, SamplingParamsError
 
 #: A prompt: text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``

@@ -2,7 +2,7 @@
 what a verified step does to their progress and to the acceptance counters.
 
 A decoding sequence that may speculate gets up to ``num_speculative_tokens`` proposals
-(:class:`~jaxpaged.spec_decode.ngram.NgramProposer`; with a draft model, placeholders that
+(:class:`~jaxpaged.core.spec_decode.ngram.NgramProposer`; with a draft model, placeholders that
 the engine's ``DraftModelProposer`` fills once the step is scheduled, because the draft
 writes its K/V into the pages allocated here) appended to its one decode token, so the
 step computes ``1 + m`` tokens for it and samples ``1 + m`` rows (one per position, vLLM v1's
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxpaged.engine.request import Request
-from jaxpaged.engine.scheduler_output import ScheduledRequest
-from jaxpaged.spec_decode.adaptive import AdaptiveSpeculation, SpecState, expected_tokens
-from jaxpaged.spec_decode.config import SpeculativeConfig
-from jaxpaged.spec_decode.ngram import NgramProposer
+from jaxpaged.core.request import Request
+from jaxpaged.core.scheduler_output import ScheduledRequest
+from jaxpaged.core.spec_decode.adaptive import AdaptiveSpeculation, SpecState, expected_tokens
+from jaxpaged.core.spec_decode.config import SpeculativeConfig
+from jaxpaged.core.spec_decode.ngram import NgramProposer
 
 
 @dataclass
@@ -90,7 +90,7 @@ class SpecDecodeScheduling:
     def wants_speculation(self, running: list[Request]) -> bool:
         """Whether the next step over ``running`` speculates (decided once, and kept for
         :meth:`begin_step`): with ``disable_by_batch_size``, when there are at most that
-        many; else when :class:`~jaxpaged.spec_decode.adaptive.AdaptiveSpeculation`
+        many; else when :class:`~jaxpaged.core.spec_decode.adaptive.AdaptiveSpeculation`
         expects it to pay, from the sequences' acceptance rates. The engine asks before
         scheduling, to finish an in-flight step first (proposals need the last tokens on
         the host)."""

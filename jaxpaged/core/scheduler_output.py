@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxpaged.engine.request import Request
+from jaxpaged.core.request import Request
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ Pure Python, no JAX.
 from __future__ import annotations
 
 from jaxpaged.constants import SCHEDULING_POLICIES
-from jaxpaged.engine.request import Request
+from jaxpaged.core.request import Request
 
 
 class QueuePolicy:

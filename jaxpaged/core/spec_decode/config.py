@@ -2,7 +2,7 @@
 
 Field names are vLLM's (``vllm/config/speculative.py``): ``method``, ``num_speculative_tokens``,
 ``prompt_lookup_max``, ``prompt_lookup_min`` and, for a draft model, ``model``:
-``method="ngram"`` proposes by prompt lookup (``jaxpaged.spec_decode.ngram``),
+``method="ngram"`` proposes by prompt lookup (``jaxpaged.core.spec_decode.ngram``),
 ``method="draft_model"`` by a smaller model's greedy tokens
 (``jaxpaged.spec_decode.draft_model``). Pure Python.
 """

@@ -61,13 +61,13 @@ class Request:
             is set (``jaxpaged.structured_output.manager.StructuredOutputRequest``: waits
             in the queue until compiled, advances by each appended token), else None.
         pooling: for a pooling (embedding) request, its
-            ``jaxpaged.engine.pooling.PoolingState`` (prefilled only, never sampled); else
+            ``jaxpaged.core.pooling.PoolingState`` (prefilled only, never sampled); else
             None.
-        thinking: its ``jaxpaged.engine.thinking_budget.ThinkingBudget`` when
+        thinking: its ``jaxpaged.core.thinking_budget.ThinkingBudget`` when
             ``params.thinking_token_budget`` is set (the token the budget forces next), else
             None.
         spec_state: with speculative decoding, its drafting record
-            (``jaxpaged.spec_decode.adaptive.SpecState``: acceptance rate, shadow
+            (``jaxpaged.core.spec_decode.adaptive.SpecState``: acceptance rate, shadow
             proposal), made at its first decode; else None.
         finish_reason, stop_reason: set when it finishes (vLLM's meanings).
     """

@@ -1,7 +1,7 @@
 """A sequence classifier's head, applied on the host to the pooled last hidden state.
 
 A classify engine (``PoolerConfig.task == "classify"``) pools each prompt like an embedding
-engine (``jaxpaged.engine.pooling``: the final hidden state, after the final norm, of the
+engine (``jaxpaged.core.pooling``: the final hidden state, after the final norm, of the
 last prompt token, not normalised), then :class:`ClassifierHead` computes
 ``logits = W h (+ b)`` in float64 and its activation: a sigmoid for one label, a softmax over
 several (vLLM's ``ClassifierPooler`` default; transformers' ``*ForSequenceClassification``

@@ -9,7 +9,7 @@ the next step; finished ones leave at once. A waiting request first takes the lo
 prefix of its tokens (automatic prefix caching) and computes only the rest.
 
 When a running sequence cannot get a page, a victim is preempted by recompute, chosen by
-the scheduling policy (``jaxpaged.engine.queue_policy``: the newest running sequence under
+the scheduling policy (``jaxpaged.core.queue_policy``: the newest running sequence under
 ``fcfs``): its pages are released and it goes back to the waiting queue, in the policy's order,
 with ``num_computed_tokens = 0`` and its generated tokens kept, so nothing is lost or doubled
 when it resumes.
@@ -26,15 +26,15 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from jaxpaged.engine.kv_cache_manager import KVCacheManager
-from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup
-from jaxpaged.engine.queue_policy import QueuePolicy
-from jaxpaged.engine.request import Request, RequestStatus
-from jaxpaged.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxpaged.core.kv_cache_manager import KVCacheManager
+from jaxpaged.core.output_processor import OutputProcessor, RequestGroup
+from jaxpaged.core.queue_policy import QueuePolicy
+from jaxpaged.core.request import Request, RequestStatus
+from jaxpaged.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxpaged.lora.scheduling import LoRAScheduling
-from jaxpaged.runner.output import ModelRunnerOutput
-from jaxpaged.spec_decode.config import SpeculativeConfig
-from jaxpaged.spec_decode.scheduling import SpecDecodeScheduling
+from jaxpaged.core.runner_output import ModelRunnerOutput
+from jaxpaged.core.spec_decode.config import SpeculativeConfig
+from jaxpaged.core.spec_decode.scheduling import SpecDecodeScheduling
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +70,7 @@ class Scheduler:
         output_processor: stop rules, detokenization and the requests' output state; the
             scheduler hands it every sampled token.
         speculative_config: speculative decoding (None: off); decoding sequences then get
-            proposals to verify (``jaxpaged.spec_decode.scheduling``).
+            proposals to verify (``jaxpaged.core.spec_decode.scheduling``).
         lora: multi-LoRA rules (None: off; ``jaxpaged.lora.scheduling``).
 
     Raises:

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxpaged.engine.detokenizer import IncrementalDetokenizer
-from jaxpaged.engine.pooling import pooling_output
-from jaxpaged.engine.request import Request, RequestStatus
+from jaxpaged.core.detokenizer import IncrementalDetokenizer
+from jaxpaged.core.pooling import pooling_output
+from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxpaged.runner.output import TokenLogprob
+from jaxpaged.core.runner_output import TokenLogprob
 from jaxpaged.sampling_params import RequestOutputKind
 
 #: Why a sequence stops: (``finish_reason``, ``stop_reason``), vLLM's meanings.

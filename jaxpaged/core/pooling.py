@@ -11,7 +11,7 @@ chunk's last token and the sum of its tokens' hidden states (``jaxpaged.runner.p
 last prompt token's state, ``MEAN`` the sum over all prompt tokens divided by their count,
 then (``normalize``) divided by its L2 norm (``torch.nn.functional.normalize``'s rule, as
 vLLM's ``PoolerNormalize``: ``x / max(||x||, 1e-12)``). On a classify engine the pooled
-vector then goes through the classifier head (``jaxpaged.engine.classifier_head``): the
+vector then goes through the classifier head (``jaxpaged.core.classifier_head``): the
 result is its ``[num_labels]`` probabilities (or logits).
 
 Pooling requests never take prefix-cache hits (the mean needs every token's hidden state, and
@@ -30,7 +30,7 @@ from jaxpaged.pooling_params import PoolerConfig, PoolingParams
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from jaxpaged.engine.classifier_head import ClassifierHead
+    from jaxpaged.core.classifier_head import ClassifierHead
 
 #: The sampling parameters a pooling request carries through the scheduler and the runner
 #: (it is never sampled: its one sampling row computes nothing that is read).
