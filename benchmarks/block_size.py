@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()[0]
     sizes = [s if s == "auto" else int(s) for s in args.sizes.split(",") if s]
     if args.small:
-        from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+        from jaxpaged.arg_utils import DEFAULT_MODEL
         model, max_len = DEFAULT_MODEL, 128
         requests = random_requests(8, (8, 24), 8, seed=0, token_range=(3, 512))
     else:

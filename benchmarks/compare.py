@@ -49,7 +49,7 @@ from jaxpaged.benchmarks.plots import plot_throughput_by_engine, plot_throughput
 from jaxpaged.benchmarks.results import machine, plot_next_to, write_outputs
 from jaxpaged.benchmarks.throughput import measure, run_requests, shifted, start_engine
 from jaxpaged.config import ModelConfig
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.distributed.tensor_parallel import request_host_devices
 from jaxpaged.runner.compile_cache import configure_compilation_cache, jax_cache_dir
 
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
     w = load_w1()
     page, max_len = 16, 1024
     if args.small:
-        from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+        from jaxpaged.arg_utils import DEFAULT_MODEL
         model, max_len = DEFAULT_MODEL, 128
         requests = random_requests(8, (8, 24), 8, seed=0, token_range=(3, 512))
     else:

@@ -41,7 +41,7 @@ from jaxpaged.benchmarks.results import add_cost, add_cost_arg, cpu_model, write
 from jaxpaged.benchmarks.throughput import shifted
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.sampling_params import RequestOutputKind
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.core.detokenizer import IncrementalDetokenizer
 from jaxpaged.tokenizer import load_tokenizer
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.benchmarks.datasets import load_w1, w1_requests
-from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+from jaxpaged.arg_utils import DEFAULT_MODEL
 
 ROOT = os.path.join(os.path.dirname(os.path.realpath(__file__)), "..")
 PAGE = 16

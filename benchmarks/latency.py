@@ -24,7 +24,7 @@ from jaxpaged.benchmarks.plots import plot_grouped_bars
 from jaxpaged.benchmarks.results import (PERCENTILES, add_cost, add_cost_arg, add_spec_decode,
                                          plot_next_to, write_outputs)
 from jaxpaged.benchmarks.throughput import run_requests
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

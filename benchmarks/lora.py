@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     load_before = os.getloadavg()[0]
     if args.small:
-        from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+        from jaxpaged.arg_utils import DEFAULT_MODEL
         model, max_len = DEFAULT_MODEL, 128
         requests = random_requests(8, (8, 24), 8, seed=0, token_range=(3, 512))
     else:

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+from jaxpaged.arg_utils import DEFAULT_MODEL
 
 #: Engine settings of each row, on top of the common ones; the first row is the reference.
 VARIANTS = [

@@ -22,7 +22,7 @@ import numpy as np
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.benchmarks.datasets import SampleRequest, random_requests
 from jaxpaged.benchmarks.results import add_cost, add_cost_arg, cpu_model, write_outputs
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

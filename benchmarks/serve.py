@@ -30,7 +30,7 @@ from jaxpaged.benchmarks.datasets import (CHAT_DATASETS, SampleRequest, add_data
 from jaxpaged.benchmarks.plots import plot_serve_latencies
 from jaxpaged.benchmarks.results import (add_cost, add_cost_arg, distribution, plot_next_to,
                                          write_outputs)
-from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+from jaxpaged.arg_utils import DEFAULT_MODEL
 from jaxpaged.tokenizer import load_tokenizer
 
 

@@ -73,7 +73,7 @@ from jaxpaged.benchmarks.soak_checks import (check_answer, compare, first_diverg
 from jaxpaged.benchmarks.soak_client import Latencies, send
 from jaxpaged.benchmarks.soak_workload import (SoakConfig, SoakRequest, injecting_faults,
                                                make_workload)
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 
 __all__ = ["SoakConfig", "main", "near_tie", "run_soak"]
 
@@ -303,7 +303,7 @@ def main(args: argparse.Namespace) -> dict:
         RuntimeError: a check failed (the message lists the first problems).
     """
     from jaxpaged import LLM
-    from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+    from jaxpaged.arg_utils import DEFAULT_MODEL
     from jaxpaged.server.launcher import ServerThread
     from jaxpaged.server.serving import ServerConfig
 

@@ -246,7 +246,7 @@ def soak_from_flags(args, engine_args, seed: int) -> dict | None:
     import dataclasses
 
     from jaxpaged import LLM
-    from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+    from jaxpaged.arg_utils import DEFAULT_MODEL
     from jaxpaged.server.launcher import ServerThread
     from jaxpaged.server.serving import ServerConfig
 

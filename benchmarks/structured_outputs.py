@@ -22,7 +22,7 @@ import time
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.benchmarks.datasets import random_requests
 from jaxpaged.benchmarks.results import add_cost, add_cost_arg, cpu_model, write_outputs
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.sampling_params import StructuredOutputsParams
 
 #: An object whose one string never has to close: every token is constrained (a JSON string).

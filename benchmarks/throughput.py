@@ -24,7 +24,7 @@ import time
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.benchmarks.datasets import SampleRequest, add_dataset_args, requests_from_args
 from jaxpaged.benchmarks.results import add_cost, add_cost_arg, add_spec_decode, write_outputs
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.runner.compile_cache import resolve_cache_dir
 
 

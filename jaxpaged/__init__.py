@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "jaxpaged.entrypoints.llm",
     "Engine": "jaxpaged.engine.engine",
-    "EngineArgs": "jaxpaged.engine.arg_utils",
+    "EngineArgs": "jaxpaged.arg_utils",
     "SamplingParams": "jaxpaged.sampling_params",
     "RequestOutput": "jaxpaged.outputs",
     "CompletionOutput": "jaxpaged.outputs",

@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 
-from jaxpaged.engine.arg_utils import EngineArgs, cli_error_message
+from jaxpaged.arg_utils import EngineArgs, cli_error_message
 
 
 @contextlib.contextmanager

@@ -11,6 +11,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from jaxpaged import gguf_config
+from jaxpaged.errors import UnsupportedModelError
 from jaxpaged.classification import (SEQ_CLS_ARCHITECTURES, ClassifierSpec, causal_architectures,
                                      classifier_spec, parse_hf_overrides)
 
@@ -33,10 +35,6 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 QUANTIZATION_METHODS = ("int8", "fp8", "awq")
 #: AWQ group size when a float checkpoint is quantized with ``--quantization awq``.
 DEFAULT_AWQ_GROUP_SIZE = 128
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture or configuration is not supported."""
 
 
 @dataclass(frozen=True)
@@ -196,17 +194,15 @@ class ModelConfig:
     def from_pretrained(cls, model_dir: str, hf_overrides: str | dict | None = None
                         ) -> "ModelConfig":
         """Read ``<model_dir>/config.json``, or the metadata of a GGUF file when ``model_dir``
-        is one (``jaxpaged.models.gguf_loader.gguf_config``), with ``hf_overrides`` (vLLM's
+        is one (:func:`jaxpaged.gguf_config.gguf_config`), with ``hf_overrides`` (vLLM's
         ``--hf-overrides``: JSON text or a dict) merged over its top level.
 
         Raises:
             FileNotFoundError: no such path, or the directory has no ``config.json``.
             UnsupportedModelError: invalid JSON (or ``hf_overrides`` that is not a JSON
                 object), or see :meth:`from_dict`.
-            jaxpaged.models.gguf_loader.BadGGUFError: an unreadable or inconsistent GGUF.
+            jaxpaged.gguf_config.BadGGUFError: an unreadable or inconsistent GGUF.
         """
-        from jaxpaged.models import gguf_loader   # its package imports this module
-
         if not os.path.exists(model_dir):
             raise FileNotFoundError(f"the model path {model_dir!r} does not exist (jaxpaged "
                                     "loads a local model directory or .gguf file)")
@@ -214,8 +210,8 @@ class ModelConfig:
             overrides = parse_hf_overrides(hf_overrides)
         except ValueError as e:
             raise UnsupportedModelError(str(e)) from None
-        if gguf_loader.is_gguf(model_dir):
-            return cls.from_dict({**gguf_loader.gguf_config(model_dir), **overrides})
+        if gguf_config.is_gguf(model_dir):
+            return cls.from_dict({**gguf_config.gguf_config(model_dir), **overrides})
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no config.json in model directory {model_dir!r}")

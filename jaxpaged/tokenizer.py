@@ -10,7 +10,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 
-from jaxpaged.models.gguf_loader import is_gguf
+from jaxpaged.gguf_config import is_gguf
 from jaxpaged.models.gguf_tokenizer import gguf_tokenizer
 
 if TYPE_CHECKING:   # transformers is imported when a tokenizer is loaded, not with jaxpaged
@@ -47,7 +47,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
     Raises:
         FileNotFoundError: ``path`` is not a directory or holds no loadable tokenizer (or
             only one that needs ``trust_remote_code``).
-        jaxpaged.models.gguf_loader.BadGGUFError: an unreadable GGUF file.
+        jaxpaged.gguf_config.BadGGUFError: an unreadable GGUF file.
     """
     key = (os.path.realpath(path), _mtime(path), trust_remote_code)
     with _LOADING:

@@ -23,7 +23,7 @@ import uvicorn
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.multihost import abandon, job_formed, leave_failed_job
 from jaxpaged.distributed.step_sync import request_job_stop
-from jaxpaged.engine.arg_utils import EngineArgs, cli_error_message
+from jaxpaged.arg_utils import EngineArgs, cli_error_message
 from jaxpaged.engine.async_engine import AsyncEngine
 from jaxpaged.engine.follower import run_follower
 from jaxpaged.metrics.loggers import LoggingStatLogger, PrometheusStatLogger

@@ -26,7 +26,7 @@ shares must add up to at most 1), or, where ``--kv-cache-memory-bytes`` is given
 bytes x share; on a CPU without ``--kv-cache-memory-bytes`` it caps the engine's KV pool at
 share x the CPU's default KV budget (``jaxpaged.runner.kv_sizing``). The start-up log says
 which applied to each model. ``engine_args`` override the server's engine flags for that model (any
-:class:`~jaxpaged.engine.arg_utils.EngineArgs` field).
+:class:`~jaxpaged.arg_utils.EngineArgs` field).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from prometheus_client import generate_latest
 from prometheus_client.core import Metric
 from starlette.responses import JSONResponse, Response
 
-from jaxpaged.engine.arg_utils import NOT_FLAGS, EngineArgs
+from jaxpaged.arg_utils import NOT_FLAGS, EngineArgs
 from jaxpaged.server.app import APIKeyMiddleware
 from jaxpaged.runner import kv_sizing
 from jaxpaged.server.errors import error_response

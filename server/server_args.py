@@ -1,6 +1,6 @@
 """``jaxpaged serve``'s HTTP-layer flags and the :class:`ServerConfig` they make.
 
-The engine's flags are :class:`jaxpaged.engine.arg_utils.EngineArgs`'; these are the server's
+The engine's flags are :class:`jaxpaged.arg_utils.EngineArgs`'; these are the server's
 (vLLM's names), checked when parsed or in :func:`server_config`, before anything loads.
 """
 
@@ -13,8 +13,8 @@ import os
 
 import jinja2
 
-from jaxpaged.engine.arg_utils import DEFAULT_MODEL
-from jaxpaged.models.gguf_loader import is_gguf
+from jaxpaged.arg_utils import DEFAULT_MODEL
+from jaxpaged.gguf_config import is_gguf
 from jaxpaged.server.reasoning import REASONING_PARSERS
 from jaxpaged.server.serving import ServerConfig
 from jaxpaged.server.serving_models import (RUNTIME_LORA_ENV, LoRAModulePath,

@@ -20,7 +20,7 @@ if "JAXPAGED_CACHE_ROOT" not in os.environ:
 
 import pytest  # noqa: E402
 
-from jaxpaged.engine.arg_utils import DEFAULT_MODEL  # noqa: E402
+from jaxpaged.arg_utils import DEFAULT_MODEL  # noqa: E402
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 STORIES = DEFAULT_MODEL

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import SamplingParams
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.engine.engine import Engine
 from jaxpaged.sampling_params import RequestOutputKind
 

@@ -10,7 +10,7 @@ import pytest
 
 from jaxpaged import LLM
 from jaxpaged.cli import build_parser
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.runner.page_size import (CANDIDATES, DEFAULT_PAGE_SIZE, choose_page_size,
                                        find_entry, load_table)
 

@@ -201,7 +201,7 @@ def test_whole_harness_on_the_bundled_model_and_a_stand_in(fake_binary, tmp_path
     binary, log = fake_binary
     monkeypatch.setenv("FAKE_ALLOC_MB", "50")
     monkeypatch.setenv("FAKE_TOKEN_S", "0.005")
-    from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+    from jaxpaged.arg_utils import DEFAULT_MODEL
     out_json = tmp_path / "out" / "chat.json"
     args = parse(DEFAULT_MODEL, "--llama-server", binary, "--serve-args",
                  f"--enforce-eager --max-model-len 128 --chat-template {PLAIN_TEMPLATE}",

@@ -5,7 +5,7 @@ import os
 import numpy as np
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+from jaxpaged.arg_utils import DEFAULT_MODEL
 from tests.conftest import FIXTURES
 
 GREEDY_32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

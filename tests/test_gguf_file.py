@@ -1,4 +1,4 @@
-"""``jaxpaged.models.gguf_file.read_gguf`` against ``gguf.GGUFReader`` (the reference it
+"""``jaxpaged.gguf_file.read_gguf`` against ``gguf.GGUFReader`` (the reference it
 replaces on the start-up path): the same metadata values and types, and the same tensor names,
 types, shapes and bytes, on a file holding every value type and every supported tensor type."""
 
@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from jaxpaged.models.gguf_file import GGUFFormatError, read_gguf
+from jaxpaged.gguf_file import GGUFFormatError, read_gguf
 from tests.test_gguf_loader import write_random_llama
 
 

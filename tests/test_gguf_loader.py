@@ -227,7 +227,7 @@ def test_other_architectures_are_refused_by_name(tmp_path):
 def test_served_model_name_of_a_gguf_is_its_file_name():
     import argparse
 
-    from jaxpaged.engine.arg_utils import EngineArgs
+    from jaxpaged.arg_utils import EngineArgs
     from jaxpaged.server.server_args import add_server_args, server_config
 
     parser = add_server_args(EngineArgs.add_cli_args(argparse.ArgumentParser()))

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.server.launcher import ServerThread
 from jaxpaged.server.server_args import add_server_args, server_config
 from jaxpaged.tokenizer import load_tokenizer

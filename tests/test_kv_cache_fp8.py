@@ -30,7 +30,7 @@ import pytest
 from jaxpaged import LLM, EngineArgs, SamplingParams
 from jaxpaged.cli import build_parser
 from jaxpaged.config import ModelConfig
-from jaxpaged.engine.arg_utils import cli_error_message
+from jaxpaged.arg_utils import cli_error_message
 from jaxpaged.runner.kv_scales import (K_SCALE_CONSTANT, V_SCALE_CONSTANT, attention_modules,
                                        calibration_token_ids, set_kv_scales)
 from jaxpaged.layers.attention import get_attention_backend, resolve_kv_cache_dtype

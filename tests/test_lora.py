@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.distributed.tensor_parallel import TensorParallel
-from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+from jaxpaged.arg_utils import DEFAULT_MODEL
 from jaxpaged.layers.lora import lora_token_slots
 from jaxpaged.lora.config import LoRAConfig
 from jaxpaged.lora.device import LoRASlotWriter, add_lora_slots

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import ModelConfig
-from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs
+from jaxpaged.arg_utils import DEFAULT_MODEL, EngineArgs
 from jaxpaged.lora.config import LoRAConfigError
 from jaxpaged.lora.manager import LoRANotEnabledError
 from jaxpaged.lora.peft import LoRAAdapterError, LoRAAdapterNotFoundError, load_adapter

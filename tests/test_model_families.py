@@ -8,7 +8,7 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
-from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+from jaxpaged.arg_utils import DEFAULT_MODEL
 from jaxpaged.models.registry import MODEL_CLASSES
 from tests.conftest import FIXTURES
 from tests.test_model_logits import full_sequence_logits

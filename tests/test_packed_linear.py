@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.layers import packed_linear
 from jaxpaged.models import llama
 from jaxpaged.layers.cpu_build import packed_int8_dots

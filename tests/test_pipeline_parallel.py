@@ -8,7 +8,7 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.pipeline_parallel import (PipelineParallel, PipelineParallelError,
                                                     stage_layer_ranges)
-from jaxpaged.engine.arg_utils import EngineArgs, cli_error_message
+from jaxpaged.arg_utils import EngineArgs, cli_error_message
 from jaxpaged.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxpaged.core.runner_output import ModelRunnerOutput
 from jaxpaged.runner.pipeline_runner import merge_outputs, split_micro_batches

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import ModelConfig, UnsupportedModelError
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.layers.attention import get_attention_backend
 from jaxpaged.layers.linear import linear
 from jaxpaged.layers.quantization import QuantizedLinear, per_channel_scale, quantize_weight

@@ -1,7 +1,7 @@
 """The scheduler's decisions and ``update_from_output``, checked token by token without a
 model: each step's ``ModelRunnerOutput`` is written by the test."""
 
-from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+from jaxpaged.arg_utils import DEFAULT_MODEL
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.output_processor import OutputProcessor
 from jaxpaged.core.request import Request, RequestStatus

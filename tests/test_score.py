@@ -136,7 +136,7 @@ def test_runner_resolution_for_classifiers():
 
 def test_serve_flags_make_a_classify_engine():
     from jaxpaged.cli import build_parser
-    from jaxpaged.engine.arg_utils import EngineArgs
+    from jaxpaged.arg_utils import EngineArgs
 
     args = build_parser().parse_args(["serve", "--model", RERANKER, "--convert", "classify",
                                       "--hf-overrides", json.dumps(RERANKER_OVERRIDES)])

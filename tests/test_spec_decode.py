@@ -11,7 +11,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from jaxpaged.sampling.sampler import SamplingMetadata, sample
 from jaxpaged.core.spec_decode.config import SpeculativeConfig, SpeculativeConfigError

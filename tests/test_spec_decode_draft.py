@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.core.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from tests.conftest import STORIES
 from tests.helpers.distributions import assert_same_first_tokens

@@ -38,7 +38,7 @@ def test_engine_fills_the_cache_and_a_second_engine_reuses_it(tmp_path):
     import jax
 
     from jaxpaged.benchmarks.throughput import start_engine
-    from jaxpaged.engine.arg_utils import EngineArgs
+    from jaxpaged.arg_utils import EngineArgs
 
     cache = str(tmp_path / "cache")
     try:

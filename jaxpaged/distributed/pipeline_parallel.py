@@ -22,12 +22,8 @@ import jax
 import numpy as np
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.distributed.tensor_parallel import TensorParallel, TensorParallelError
-
-
-class PipelineParallelError(TensorParallelError):
-    """``pipeline_parallel_size`` does not fit the devices or the model, or is combined with
-    a feature that pipeline parallelism does not support."""
+from jaxpaged.distributed.tensor_parallel import TensorParallel
+from jaxpaged.errors import PipelineParallelError
 
 
 def stage_layer_ranges(num_layers: int, pp: int) -> list[tuple[int, int]]:

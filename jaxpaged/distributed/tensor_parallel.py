@@ -40,16 +40,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.errors import TensorParallelError
 
 #: The mesh axis tensor parallelism splits over.
 TP_AXIS = "tp"
 
 _COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW_PARALLEL = ("o_proj", "down_proj")
-
-
-class TensorParallelError(ValueError):
-    """``tensor_parallel_size`` does not fit the devices or the model's heads."""
 
 
 def request_host_devices(n: int) -> None:

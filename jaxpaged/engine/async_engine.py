@@ -37,7 +37,7 @@ import time
 
 from jaxpaged.distributed.multihost import first_line
 from jaxpaged.distributed.step_sync import JobStopped, sync_step
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.runner.background_compile import SERVE
 from jaxpaged.engine.data_parallel import DataParallelEngine, make_engine
 from jaxpaged.engine.engine import Engine

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from jaxpaged.distributed.tensor_parallel import TensorParallelError, request_host_devices
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.engine.engine import Engine
 from jaxpaged.metrics.stats import EngineStats
 from jaxpaged.core.input_processor import Prompt

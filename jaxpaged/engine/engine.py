@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.runner.device_memory import device_memory_used
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.engine.gc_heap import CompileAwareHeapFreezer
 from jaxpaged.core.generation_config import (eos_token_ids, generation_defaults,
                                                load_generation_config)

@@ -15,7 +15,7 @@ import logging
 
 from jaxpaged.distributed.multihost import leave_failed_job
 from jaxpaged.distributed.step_sync import JobStopped, sync_step
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.engine.commands import AddRequest, StopEngine
 from jaxpaged.engine.data_parallel import DataParallelEngine, make_engine
 from jaxpaged.engine.engine import Engine

@@ -19,7 +19,7 @@ from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.multihost import check_same_everywhere, initialize as initialize_multihost
 from jaxpaged.distributed.step_sync import install_signal_handlers, stop_requested_anywhere
 from jaxpaged.distributed.tensor_parallel import request_host_devices
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.runner.background_compile import SERVE, BackgroundCompile, compile_plan
 from jaxpaged.runner.worker import Worker, build_worker
 from jaxpaged.core.spec_decode.config import SpeculativeConfig

@@ -12,7 +12,7 @@ from jaxpaged.chat_utils import encode_chat, render_chat
 from jaxpaged.distributed.multihost import (JobFailed, check_same_everywhere, digest,
                                            first_line, is_leader)
 from jaxpaged.distributed.step_sync import JobStopped, sync_step
-from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs
+from jaxpaged.arg_utils import DEFAULT_MODEL, EngineArgs
 from jaxpaged.engine.data_parallel import make_engine
 from jaxpaged.core.input_processor import Prompt
 from jaxpaged.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput,

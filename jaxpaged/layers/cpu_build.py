@@ -36,7 +36,7 @@ import tempfile
 
 import jax
 
-from jaxpaged.runner.compile_cache import cache_root
+from jaxpaged.constants import cache_root
 
 logger = logging.getLogger(__name__)
 

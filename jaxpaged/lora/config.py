@@ -52,7 +52,7 @@ class LoRAConfig:
 
     @classmethod
     def from_engine_args(cls, args) -> "LoRAConfig | None":
-        """The config of an :class:`~jaxpaged.engine.arg_utils.EngineArgs` (None unless
+        """The config of an :class:`~jaxpaged.arg_utils.EngineArgs` (None unless
         ``enable_lora``)."""
         if not args.enable_lora:
             return None

@@ -53,7 +53,7 @@ def decode_blocks(data: np.ndarray, type_name: str, cols: int
     """Split a quantized tensor into integers and per-group scales and offsets.
 
     Args:
-        data: [rows, bytes per row] uint8, the tensor as ``jaxpaged.models.gguf_file`` maps it.
+        data: [rows, bytes per row] uint8, the tensor as ``jaxpaged.gguf_file`` maps it.
         type_name: one of :data:`PACKABLE_TYPES`.
         cols: weights per row (the input width).
 

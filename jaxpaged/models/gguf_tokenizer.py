@@ -3,7 +3,7 @@
 transformers builds a tokenizer from a GGUF's ``tokenizer.*`` metadata
 (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``), but its GGUF file reader imports torch,
 which jaxpaged does not depend on. So the metadata is read here
-(:mod:`jaxpaged.models.gguf_file`) and handed to transformers' own converter
+(:mod:`jaxpaged.gguf_file`) and handed to transformers' own converter
 (``transformers.integrations.gguf.gguf_tokenizer_mapping``: the key mapping ``GGUF_TOKENIZER_MAPPING`` and ``convert_gguf_tokenizer``, which needs no torch);
 the result is the ``TokenizersBackend`` that ``from_pretrained`` makes for a Llama GGUF, with the
 same special tokens, BOS/EOS flags and ``chat_template`` (checked against it token for token by
@@ -12,7 +12,7 @@ same special tokens, BOS/EOS flags and ``chat_template`` (checked against it tok
 The conversion (and the import of transformers' GGUF mapping that it needs) took 0.7 s of each
 start-up for SmolLM2 on an AMD EPYC Zen 4 core; its result, the ``tokenizer.json`` text and the
 tokenizer's arguments, is kept under ``<cache root>/tokenizers`` named by the file's metadata
-digest (:attr:`jaxpaged.models.gguf_file.GGUFFile.metadata_digest`), and later loads build the
+digest (:attr:`jaxpaged.gguf_file.GGUFFile.metadata_digest`), and later loads build the
 tokenizer from it (0.1 s; the same ids: ``tests/test_gguf_tokenizer_cache.py``).
 ``JAXPAGED_DISABLE_COMPILE_CACHE=1`` turns the cache off, as it does the compile cache.
 """
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 from jaxpaged.atomic_file import write_text_atomically
-from jaxpaged.models.gguf_loader import BadGGUFError, metadata, open_gguf
+from jaxpaged.gguf_config import BadGGUFError, metadata, open_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def _convert(path: str, meta: dict) -> tuple[str, dict]:
 def _cache_path(digest: str) -> str | None:
     """The cache entry of a GGUF whose metadata digest is ``digest``; None while the cache
     is off."""
-    from jaxpaged.runner.compile_cache import DISABLE_ENV, cache_root
+    from jaxpaged.constants import DISABLE_ENV, cache_root
 
     if os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes"):
         return None

@@ -43,7 +43,8 @@ from jaxpaged.layers.packed_layout import LANES, PACKED_LEAVES
 from jaxpaged.layers.packed_linear import PackedEmbedding, PackedLinear
 from jaxpaged.layers.quantization import (QUANTIZED_DTYPES, QuantizedLinear, per_channel_scale,
                                           quantize_weight)
-from jaxpaged.models.gguf_loader import GGUFCheckpoint, forget_gguf_files, is_gguf
+from jaxpaged.gguf_config import forget_gguf_files, is_gguf
+from jaxpaged.models.gguf_loader import GGUFCheckpoint
 from jaxpaged.models.mixtral import ExpertScales, ExpertWeights
 from jaxpaged.models.registry import model_class
 

@@ -24,23 +24,9 @@ import os
 
 import jax
 
+from jaxpaged.constants import CACHE_ROOT_ENV, DISABLE_ENV, cache_root  # noqa: F401  (re-exported)
+
 logger = logging.getLogger(__name__)
-
-#: Set to 1 (or true/yes) to turn the cache off whatever the flag says.
-DISABLE_ENV = "JAXPAGED_DISABLE_COMPILE_CACHE"
-#: Overrides the cache root (vLLM's ``VLLM_CACHE_ROOT``).
-CACHE_ROOT_ENV = "JAXPAGED_CACHE_ROOT"
-
-
-def cache_root() -> str:
-    """``$JAXPAGED_CACHE_ROOT``, defaulting to ``$XDG_CACHE_HOME/jaxpaged`` or
-    ``~/.cache/jaxpaged`` (also where the CPU kernels are built,
-    ``jaxpaged.layers.cpu_build``)."""
-    root = os.environ.get(CACHE_ROOT_ENV)
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(xdg, "jaxpaged")
-    return root
 
 
 def default_cache_dir() -> str:

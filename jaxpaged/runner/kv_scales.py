@@ -33,8 +33,7 @@ attention modules.
 from __future__ import annotations
 
 import math
-
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import jax.numpy as jnp
 from flax import nnx
@@ -43,8 +42,14 @@ from jaxpaged.distributed.multihost import to_host
 from jaxpaged.layers.attention import AttentionBackend
 from pallas_kernels.kv_quant import is_fp8
 
-if TYPE_CHECKING:   # the runner imports this module (set_kv_scales)
-    from jaxpaged.runner.model_runner import ModelRunner
+
+class PrefillRunner(Protocol):
+    """What calibration needs of a runner (``ModelRunner`` has it; the runner imports this
+    module for :func:`set_kv_scales`, so this one names no runner class)."""
+
+    def run_prefill(self, token_ids: list[int]) -> tuple[Any, list]:
+        """One prefill of ``token_ids`` on a scratch pool: (logits, ``[(k_pages, v_pages)]``
+        per layer), as :meth:`jaxpaged.runner.model_runner.ModelRunner.run_prefill`."""
 
 #: vLLM's ``K_SCALE_CONSTANT``: a calibrated key scale maps the largest |K| seen to this value.
 K_SCALE_CONSTANT = 200.0
@@ -81,7 +86,7 @@ def calibration_token_ids(tokenizer, max_tokens: int, vocab_size: int) -> list[i
     return ids
 
 
-def calibrate_kv_scales(runner: ModelRunner, token_ids: list[int]) -> KVScales:
+def calibrate_kv_scales(runner: PrefillRunner, token_ids: list[int]) -> KVScales:
     """Per-layer ``(k_scale, v_scale)`` from one prefill of ``token_ids``.
 
     Args:

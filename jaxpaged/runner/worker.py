@@ -25,7 +25,7 @@ import numpy as np
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.pipeline_parallel import PipelineParallel
 from jaxpaged.distributed.tensor_parallel import TensorParallel
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.runner.kv_scales import KVScales, calibrate_kv_scales, calibration_token_ids
 from jaxpaged.runner.kv_sizing import check_pool_fits, num_kv_pages
 from jaxpaged.layers.attention import (allocate_kv_pool, get_attention_backend,
@@ -35,7 +35,8 @@ from jaxpaged.layers.cpu_build import cpu_flags
 from jaxpaged.lora.config import LoRAConfig
 from jaxpaged.lora.device import LoRASlotWriter, add_lora_slots
 from jaxpaged.models.mixtral import use_expert_parallelism
-from jaxpaged.models.gguf_loader import is_gguf, keeps_packed
+from jaxpaged.gguf_config import is_gguf
+from jaxpaged.models.gguf_loader import keeps_packed
 from jaxpaged.models.loader import load_model
 from jaxpaged.runner.compile_cache import configure_compilation_cache, resolve_cache_dir
 from jaxpaged.runner.model_runner import ModelRunner, RunnerLimits

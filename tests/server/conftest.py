@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.server.launcher import ServerThread
 from jaxpaged.server.serving import ServerConfig
 

@@ -102,7 +102,7 @@ def test_openapi_documents_the_served_task(pooling_http, http):
 
 def test_serve_flags_make_a_pooling_engine():
     from jaxpaged.cli import build_parser
-    from jaxpaged.engine.arg_utils import EngineArgs
+    from jaxpaged.arg_utils import EngineArgs
     from jaxpaged.pooling_params import PoolerConfig
 
     args = build_parser().parse_args(["serve", "--runner", "pooling", "--pooler-config",

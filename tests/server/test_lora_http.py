@@ -123,7 +123,7 @@ def test_lora_modules_forms(text, want):
 def test_lora_modules_are_checked_at_start_up(tmp_path):
     """vLLM loads --lora-modules before serving: a repeated name, the base model's name or
     an adapter that does not load stops the server from starting."""
-    from jaxpaged.engine.arg_utils import DEFAULT_MODEL
+    from jaxpaged.arg_utils import DEFAULT_MODEL
     from jaxpaged.server.serving_models import check_lora_modules
 
     good = LoRAModulePath("a", A)

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.engine.arg_utils import DEFAULT_MODEL, EngineArgs, cli_error_message
+from jaxpaged.arg_utils import DEFAULT_MODEL, EngineArgs, cli_error_message
 from jaxpaged.runner import kv_sizing
 from jaxpaged.server.launcher import serving_lines
 from jaxpaged.server.multi_model import entry_engine_args, load_models_config

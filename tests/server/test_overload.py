@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from jaxpaged.cli import build_parser
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.engine.async_engine import AsyncEngine
 from jaxpaged.engine.exceptions import RequestFailedError, RequestTimeoutError
 from jaxpaged.engine.request_stream import RequestStream

@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 
 from jaxpaged import LLM
 from jaxpaged.cli import build_parser
-from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.server.launcher import make_server
 from jaxpaged.server.server_args import server_config
 from jaxpaged.server.serving import ServerConfig

@@ -44,7 +44,7 @@ def record_path(check: dict) -> str | None:
     import jaxlib
 
     from jaxpaged.layers.cpu_build import CXX_ENV, cpu_flags
-    from jaxpaged.runner.compile_cache import DISABLE_ENV, cache_root
+    from jaxpaged.constants import DISABLE_ENV, cache_root
 
     if os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes"):
         return None

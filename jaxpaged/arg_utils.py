@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from jaxpaged.config import QUANTIZATION_METHODS
+from jaxpaged.errors import PipelineParallelError
 from jaxpaged.lora.config import LoRAConfig, add_lora_cli_args
 from jaxpaged.core.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
 from jaxpaged.constants import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES,  # noqa: F401
@@ -21,7 +22,7 @@ from jaxpaged.constants import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES,  # 
 from jaxpaged.pooling_params import CONVERTS, RUNNERS, PoolerConfig, resolve_pooler
 
 #: The model shipped inside the package (stories260K, MIT licence); the default ``--model``.
-DEFAULT_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "model_files",
+DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "model_files",
                              "stories260K")
 #: EngineArgs fields with no command-line flag (set by the server, not by a user's flag).
 NOT_FLAGS = ("kv_cache_memory_share",)
@@ -264,7 +265,6 @@ class EngineArgs:
             ("data_parallel_size > 1", self.data_parallel_size > 1),
             ("num_processes > 1", self.num_processes > 1)) if on]
         if refused:
-            from jaxpaged.distributed.pipeline_parallel import PipelineParallelError
             raise PipelineParallelError(
                 f"EngineArgs.pipeline_parallel_size={self.pipeline_parallel_size} cannot be "
                 f"combined with {refused[0]} (not supported with pipeline parallelism)")

@@ -1,0 +1,150 @@
+"""The model description a GGUF file carries (its ``config.json`` dict), read without loading any
+weights: a leaf module, so that :meth:`jaxpaged.config.ModelConfig.from_pretrained` reads a
+``.gguf`` file's config without importing the weight loader (``jaxpaged.models.gguf_loader``),
+which imports it back.
+
+The header is read once by :func:`jaxpaged.gguf_file.read_gguf` (memory-mapped; the last two
+files opened are kept, so the config, tokenizer and weights of one start-up share it).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+
+from jaxpaged.errors import UnsupportedModelError
+from jaxpaged.gguf_file import GGUFFile, GGUFFormatError, read_gguf
+
+#: GGUF ``general.architecture`` -> the Hugging Face class jaxpaged builds for it.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+#: ggml tensor types the loader dequantizes (``gguf.GGMLQuantizationType`` names).
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+
+class BadGGUFError(ValueError):
+    """A GGUF file that cannot be read (truncated, corrupt) or contradicts itself (e.g. a
+    vocabulary whose size is not the embedding's row count)."""
+
+
+def is_gguf(path: str) -> bool:
+    """Whether ``path`` names a GGUF file (vLLM's rule: a file ending in ``.gguf``)."""
+    return path.endswith(".gguf") and not os.path.isdir(path)
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """The file's metadata and tensor table (:func:`jaxpaged.gguf_file.read_gguf`:
+    memory-mapped; the last two files opened are kept, so the config, tokenizer and weights
+    of one start-up read the header once).
+
+    Raises:
+        FileNotFoundError: no such file.
+        UnsupportedModelError: a tensor type id ``gguf`` does not know.
+        BadGGUFError: anything else that stops the file from being read (no GGUF magic, a
+            truncated file whose tensors run past its end).
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path!r} does not exist")
+    stat = os.stat(path)
+    return _open_gguf(os.path.realpath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    """:func:`open_gguf` of one version of a file (``mtime_ns`` and ``size`` key the cache)."""
+    try:
+        return read_gguf(path)
+    except GGUFFormatError as e:
+        if "unknown ggml type" in str(e):
+            raise UnsupportedModelError(f"{path!r} holds a tensor of unknown ggml type ({e}); "
+                                        f"supported: {list(SUPPORTED_TENSOR_TYPES)}") from e
+        raise BadGGUFError(f"{path!r} is not a readable GGUF file (truncated or corrupt): "
+                           f"{e}") from e
+    except (OSError, ValueError, struct.error, EOFError) as e:
+        raise BadGGUFError(f"{path!r} is not a readable GGUF file (truncated or corrupt): "
+                           f"{type(e).__name__}: {e}") from e
+
+
+def forget_gguf_files() -> None:
+    """Drop the files :func:`open_gguf` keeps, so that each one's mapping closes once nothing
+    else holds its tensors (after the weights are copied out: SmolLM2's 93 MB of mapped
+    file pages no longer count in the process's resident memory)."""
+    _open_gguf.cache_clear()
+
+
+def metadata(reader: GGUFFile) -> dict:
+    """The file's key/value metadata as Python values (strings, numbers, lists)."""
+    return reader.metadata
+
+
+def gguf_config(path: str) -> dict:
+    """The ``config.json`` dict (transformers' Llama keys) of the GGUF model at ``path``.
+
+    Read: ``general.architecture``; ``llama.{block_count, embedding_length, feed_forward_length,
+    attention.head_count, attention.head_count_kv, attention.key_length, rope.freq_base,
+    rope.dimension_count, attention.layer_norm_rms_epsilon, context_length, vocab_size}``; the
+    tokenizer's BOS/EOS ids; the tensor names (``output.weight`` absent: tied embeddings;
+    ``blk.0.attn_q.bias`` present: attention biases).
+
+    Raises:
+        UnsupportedModelError: an architecture other than ``llama``, RoPE scaling, a partial
+            rotary dimension, or a tensor type outside :data:`SUPPORTED_TENSOR_TYPES` (all
+            named).
+        BadGGUFError: unreadable file, missing size keys, or a vocabulary (``vocab_size`` or the
+            tokenizer's token list) that does not match the embedding's rows.
+    """
+    reader = open_gguf(path)
+    meta = reader.metadata
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported; supported: "
+                                    f"{list(GGUF_ARCHITECTURES)}")
+    tensors = {t.name: t for t in reader.tensors}
+    bad = sorted({t.tensor_type.name for t in reader.tensors} - set(SUPPORTED_TENSOR_TYPES))
+    if bad:
+        names = [t.name for t in reader.tensors if t.tensor_type.name in bad]
+        raise UnsupportedModelError(f"{path!r} stores tensors as {bad} (e.g. {names[0]}), "
+                                    f"which jaxpaged cannot dequantize; supported: "
+                                    f"{list(SUPPORTED_TENSOR_TYPES)}")
+    for key in ("rope.scaling.type", "rope.scaling.factor"):
+        if meta.get(f"{arch}.{key}") not in (None, "none", 1.0):
+            raise UnsupportedModelError(f"GGUF {arch}.{key}={meta[f'{arch}.{key}']!r}: RoPE "
+                                        "scaling from GGUF metadata is not supported")
+    if "rope_freqs.weight" in tensors:
+        raise UnsupportedModelError("the GGUF holds rope_freqs.weight (Llama 3 RoPE frequency "
+                                    "scaling), which the GGUF loader does not read")
+    need = ["block_count", "embedding_length", "feed_forward_length", "attention.head_count"]
+    missing = [f"{arch}.{k}" for k in need if f"{arch}.{k}" not in meta]
+    if missing or "token_embd.weight" not in tensors:
+        raise BadGGUFError(f"{path!r} lacks {missing or ['token_embd.weight']}")
+    hidden, heads = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.attention.head_count"])
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    rotary = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rotary != head_dim:
+        raise UnsupportedModelError(f"GGUF {arch}.rope.dimension_count={rotary} rotates part of "
+                                    f"each head (head_dim {head_dim}); not supported")
+    rows = int(tensors["token_embd.weight"].shape[-1])    # ggml dims: [hidden, vocab]
+    vocab = int(meta.get(f"{arch}.vocab_size", rows))
+    tokens = len(meta["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in meta else None
+    if vocab != rows or (tokens is not None and tokens != rows):
+        raise BadGGUFError(f"{path!r}: the vocabulary ({arch}.vocab_size {vocab}, "
+                           f"{'no' if tokens is None else tokens} tokenizer tokens) does not "
+                           f"match the embedding's {rows} rows (token_embd.weight)")
+    return {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "vocab_size": rows,
+        "hidden_size": hidden,
+        "intermediate_size": int(meta[f"{arch}.feed_forward_length"]),
+        "num_hidden_layers": int(meta[f"{arch}.block_count"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+    }
