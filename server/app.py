@@ -195,9 +195,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
     def cards() -> list[ModelCard]:
         facts = {}
         if engine.is_ready:
-            e = engine.engine
-            facts = dict(max_model_len=e.max_model_len, vocab_size=e.model_config.vocab_size,
-                         eos_token_ids=sorted(e.output_processor.eos_token_ids))
+            info = engine.model_info
+            facts = dict(max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+                         eos_token_ids=sorted(info.eos_token_ids))
         return [ModelCard(id=name, root=engine.args.model, **facts)
                 for name in config.served_model_names] + [
             ModelCard(**card) for card in names.adapter_cards()]
@@ -240,14 +240,15 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
             ids = await off_loop(tokenizer.encode, body.prompt, add_special_tokens=special)
         else:
             ids = await chat.render_request(body, bool(body.add_special_tokens))
+        max_model_len = engine.model_info.max_model_len
         return JSONResponse(TokenizeResponse(count=len(ids), tokens=ids,
-                                             max_model_len=engine.engine.max_model_len).model_dump())
+                                             max_model_len=max_model_len).model_dump())
 
     async def detokenize(request: Request) -> Response:
         ready()
         body = await parse(request, DetokenizeRequest)
         completion.check_model(body.model)
-        vocab = engine.engine.model_config.vocab_size
+        vocab = engine.model_info.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})",

@@ -82,7 +82,7 @@ def make_model_server(engine_args: EngineArgs, config: ServerConfig, log_stats: 
             engine.join()
         raise
     prometheus.watch_device_memory(
-        lambda: engine.engine.device_memory_used() if engine.is_ready else {})
+        engine.device_memory_used)
     return engine, build_app(engine, config, tokenizer, prometheus.registry,
                              manage_engine), prometheus.registry
 

@@ -53,7 +53,7 @@ class RequestParameters:
         Raises:
             APIError 400: the prompt or prompt + requested tokens do not fit the context.
         """
-        limit = self.engine.engine.max_model_len
+        limit = self.engine.model_info.max_model_len
         room = limit - num_prompt_tokens
         if room < 0:
             raise bad_request(f"This model's maximum context length is {limit} tokens, but the "
@@ -88,7 +88,7 @@ class RequestParameters:
         Raises:
             APIError 400: naming the parameter and its allowed range.
         """
-        defaults = self.engine.engine.generation_defaults
+        defaults = self.engine.model_info.generation_defaults
 
         def pick(name, fallback):
             value = getattr(body, name)

@@ -110,7 +110,7 @@ class OpenAIServing(RequestParameters):
             APIError: 400 when ``text`` has more characters than ``max_model_len`` tokens of
                 the longest piece could cover (times a safety factor).
         """
-        max_model_len = self.engine.engine.max_model_len
+        max_model_len = self.engine.model_info.max_model_len
         limit = max_model_len * self.max_token_chars * _CHARS_SAFETY_FACTOR
         if len(text) > limit:
             raise bad_request(f"the prompt has {len(text)} characters: more than any "

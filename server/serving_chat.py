@@ -164,13 +164,13 @@ class OpenAIServingChat(OpenAIServing):
                                   f"{body.top_logprobs}", "top_logprobs")
         tool_choice = tool_choice_of(body, self.config)
         ids = truncate_prompt(await self.render_request(body, body.add_special_tokens),
-                              body.truncate_prompt_tokens, self.engine.engine.max_model_len)
+                              body.truncate_prompt_tokens, self.engine.model_info.max_model_len)
         if body.max_completion_tokens is not None:
             limit_param, requested = "max_completion_tokens", body.max_completion_tokens
         else:
             limit_param, requested = "max_tokens", body.max_tokens
         max_tokens = self.resolve_max_tokens(
-            len(ids), requested, self.engine.engine.generation_defaults.get("max_tokens"),
+            len(ids), requested, self.engine.model_info.generation_defaults.get("max_tokens"),
             "messages", limit_param)
         prompt = PreparedPrompt(None, ids, max_tokens)
         k = (body.top_logprobs or 0) if body.logprobs else None

@@ -88,12 +88,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     raise bad_request("prompt must not be empty (no token ids)", "prompt")
                 text, ids = None, list(p)
             truncated = truncate_prompt(ids, body.truncate_prompt_tokens,
-                                        self.engine.engine.max_model_len)
+                                        self.engine.model_info.max_model_len)
             if len(truncated) < len(ids):     # echo the prompt that ran
                 text, ids = None, truncated
             max_tokens = self.resolve_max_tokens(
                 len(ids), body.max_tokens,
-                self.engine.engine.generation_defaults.get("max_tokens", DEFAULT_MAX_TOKENS),
+                self.engine.model_info.generation_defaults.get("max_tokens", DEFAULT_MAX_TOKENS),
                 "prompt", "max_tokens")
             prepared.append(PreparedPrompt(text, ids, max_tokens))
         return prepared

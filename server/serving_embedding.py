@@ -94,7 +94,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         if body.dimensions is not None:
             raise bad_request("dimensions is not supported: this model does not support "
                               "Matryoshka embeddings (its embeddings have its hidden size, "
-                              f"{self.engine.engine.model_config.hidden_size})", "dimensions")
+                              f"{self.engine.model_info.hidden_size})", "dimensions")
         prompts = await off_loop(self._prepare_prompts, body)
         params = [PoolingParams(normalize=body.normalize)] * len(prompts)
         request_id = self.request_id(raw_request, "embd", body.request_id)
@@ -107,7 +107,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             inputs = [inputs]
         if not inputs:
             raise bad_request("input must not be empty", "input")
-        max_model_len = self.engine.engine.max_model_len
+        max_model_len = self.engine.model_info.max_model_len
         prepared = []
         for i, item in enumerate(inputs):
             if not item:

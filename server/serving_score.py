@@ -217,7 +217,7 @@ class OpenAIServingScore(OpenAIServing):
             return [PreparedPrompt(t, self._ids(self.tokenizer.encode(t), name, body,
                                                 name.split("[")[0]), 0)
                     for name, t in zip(names_1 + names_2, texts_1 + texts_2)]
-        cfg = self.engine.engine.model_config
+        cfg = self.engine.model_info.model_config
         concatenate = bool(cfg.classifier and cfg.classifier.from_tokens)
         prompts = []
         for i, j in pairs:
@@ -231,7 +231,7 @@ class OpenAIServingScore(OpenAIServing):
         return prompts
 
     def _ids(self, ids: list[int], what: str, body, param: str) -> list[int]:
-        max_model_len = self.engine.engine.max_model_len
+        max_model_len = self.engine.model_info.max_model_len
         ids = truncate_prompt(ids, body.truncate_prompt_tokens, max_model_len)
         if not ids:
             raise bad_request(f"{what} tokenizes to no tokens", param)

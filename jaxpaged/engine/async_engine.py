@@ -47,6 +47,7 @@ from jaxpaged.core.input_processor import Prompt
 from jaxpaged.engine.exceptions import (EngineDeadError, EngineNotReadyError, EngineStoppedError,
                                         RequestFailedError, RequestIdInUseError,
                                         RequestTimeoutError, TooManyPendingRequestsError)
+from jaxpaged.engine.protocol import ModelInfo
 from jaxpaged.engine.request_stream import RequestStream
 from jaxpaged.metrics.stats import StatLogger
 from jaxpaged.outputs import RequestOutput
@@ -130,6 +131,21 @@ class AsyncEngine:
         if not self._ready.is_set():
             raise EngineNotReadyError("the model is still loading")
         return self.engine
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """The served model (:class:`~jaxpaged.engine.protocol.ModelInfo`), once it is loaded.
+
+        Raises:
+            EngineNotReadyError: still loading (no engine yet).
+        """
+        if self.engine is None:
+            raise EngineNotReadyError("the model is still loading")
+        return self.engine.model_info
+
+    def device_memory_used(self) -> dict[str, int]:
+        """Bytes in use on each of the engine's devices; empty unless :attr:`is_ready`."""
+        return self.engine.device_memory_used() if self.is_ready else {}
 
     @property
     def is_draining(self) -> bool:

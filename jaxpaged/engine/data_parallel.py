@@ -73,6 +73,7 @@ class DataParallelEngine:
         self.model_config = first.model_config
         self.max_model_len = first.max_model_len
         self.generation_defaults = first.generation_defaults
+        self.model_info = first.model_info
         #: The loggers every replica's statistics reach, merged.
         self.stat_loggers: list[StatLogger] = []
         merger = _StatsMerger(self.stat_loggers, dp)

@@ -36,6 +36,7 @@ from jaxpaged.core.classifier_head import load_classifier_head
 from jaxpaged.core.pooling import POOLING_SAMPLING, pooling_state
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.core.scheduler_output import SchedulerOutput
+from jaxpaged.engine.protocol import ModelInfo
 from jaxpaged.engine.startup import join_processes, load_and_compile
 from jaxpaged.lora.config import LoRAConfig
 from jaxpaged.lora.manager import LoRAManager
@@ -131,6 +132,9 @@ class Engine:
         self.output_processor = OutputProcessor(
             self.tokenizer, eos_token_ids(cfg, generation_config, self.tokenizer),
             self.max_model_len)
+        #: The served model as callers see it (``jaxpaged.engine.protocol``).
+        self.model_info = ModelInfo(cfg, self.max_model_len, self.output_processor.eos_token_ids,
+                                    self.generation_defaults)
         #: Compiles structured-output grammars off the engine thread (at the first request).
         self.structured_outputs = StructuredOutputManager(
             self.tokenizer, cfg.vocab_size, self.output_processor.eos_token_ids)
