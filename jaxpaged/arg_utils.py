@@ -13,10 +13,9 @@ import os
 import re
 from dataclasses import dataclass
 
+from jaxpaged.arg_checks import check_engine_args
 from jaxpaged.config import QUANTIZATION_METHODS
-from jaxpaged.errors import PipelineParallelError
-from jaxpaged.lora.config import LoRAConfig, add_lora_cli_args
-from jaxpaged.core.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+from jaxpaged.lora.config import add_lora_cli_args
 from jaxpaged.constants import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES,  # noqa: F401
                                 SCHEDULING_POLICIES)
 from jaxpaged.pooling_params import CONVERTS, RUNNERS, PoolerConfig, resolve_pooler
@@ -175,99 +174,7 @@ class EngineArgs:
     max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
-        def positive(name):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value < 1):
-                raise ValueError(f"EngineArgs.{name} must be a positive integer, got {value!r}")
-
-        if self.block_size != "auto" and (not isinstance(self.block_size, int)
-                                          or isinstance(self.block_size, bool)
-                                          or self.block_size < 1):
-            raise ValueError("EngineArgs.block_size must be a positive integer or 'auto', got "
-                             f"{self.block_size!r}")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                     "num_gpu_blocks_override", "kv_cache_memory_bytes",
-                     "max_num_partial_prefills", "tensor_parallel_size", "data_parallel_size",
-                     "num_processes", "pipeline_parallel_size"):
-            positive(name)
-        self._check_pipeline_parallel()
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) \
-                or not 0 <= self.seed < 2**32:
-            raise ValueError(f"EngineArgs.seed must be an integer in [0, 2**32), got {self.seed!r}")
-        if self.tensor_parallel_size % self.num_processes:
-            raise ValueError(f"EngineArgs.tensor_parallel_size={self.tensor_parallel_size} must be "
-                             f"a multiple of num_processes={self.num_processes} (every process "
-                             "holds the same number of devices)")
-        if self.data_parallel_size > 1 and self.num_processes > 1:
-            raise ValueError("EngineArgs.data_parallel_size > 1 runs in one process; it cannot "
-                             "be combined with num_processes > 1")
-        if not isinstance(self.trust_remote_code, bool):
-            raise ValueError("EngineArgs.trust_remote_code must be True or False, got "
-                             f"{self.trust_remote_code!r}")
-        if self.block_size != "auto" and self.block_size & (self.block_size - 1):
-            raise ValueError(f"EngineArgs.block_size must be a power of two, got {self.block_size}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"EngineArgs.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if not isinstance(self.long_prefill_token_threshold, int) or \
-                self.long_prefill_token_threshold < 0:
-            raise ValueError("EngineArgs.long_prefill_token_threshold must be an integer >= 0, "
-                             f"got {self.long_prefill_token_threshold!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"EngineArgs.scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-                             f"got {self.scheduling_policy!r}")
-        if not isinstance(self.sjf_aging_requests, int) or self.sjf_aging_requests < 0:
-            raise ValueError("EngineArgs.sjf_aging_requests must be an integer >= 0, got "
-                             f"{self.sjf_aging_requests!r}")
-        if not (isinstance(self.gpu_memory_utilization, (int, float))
-                and 0 < self.gpu_memory_utilization <= 1):
-            raise ValueError("EngineArgs.gpu_memory_utilization must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization!r}")
-        if isinstance(self.kv_cache_memory_share, bool) or not (
-                isinstance(self.kv_cache_memory_share, (int, float))
-                and 0 < self.kv_cache_memory_share <= 1):
-            raise ValueError("EngineArgs.kv_cache_memory_share must be in (0, 1], "
-                             f"got {self.kv_cache_memory_share!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"EngineArgs.quantization must be one of {QUANTIZATION_METHODS} or "
-                             f"None, got {self.quantization!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"EngineArgs.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
-                             f"got {self.kv_cache_dtype!r}")
-        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
-            raise ValueError("EngineArgs.calculate_kv_scales needs an fp8 kv_cache_dtype (scales "
-                             "only apply to an fp8 KV cache); set kv_cache_dtype to fp8")
-        spec = SpeculativeConfig.from_dict(self.speculative_config)   # its own typed errors
-        if spec is not None:
-            spec.check_engine(enable_lora=self.enable_lora,
-                              tensor_parallel_size=self.tensor_parallel_size,
-                              num_processes=self.num_processes)
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"EngineArgs.attention_backend must be one of {ATTENTION_BACKENDS}, "
-                             f"got {self.attention_backend!r}")
-        pooler = resolve_pooler(self.model, self.runner, self.convert, self.pooler_config,
-                                self.hf_overrides)
-        if spec is not None and pooler is not None:
-            raise SpeculativeConfigError("<config>", "a pooling engine (EngineArgs.runner="
-                                         f"{self.runner!r}, convert or pooler_config) "
-                                         "generates no tokens to speculate on")
-        LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)   # typed errors
-
-    def _check_pipeline_parallel(self) -> None:
-        """Refuse, by name, what pipeline parallelism does not support."""
-        if self.pipeline_parallel_size == 1:
-            return
-        refused = [name for name, on in (
-            ("speculative_config", self.speculative_config is not None),
-            ("calculate_kv_scales", self.calculate_kv_scales),
-            ("enable_expert_parallel", self.enable_expert_parallel),
-            ("enable_lora", self.enable_lora),
-            ("data_parallel_size > 1", self.data_parallel_size > 1),
-            ("num_processes > 1", self.num_processes > 1)) if on]
-        if refused:
-            raise PipelineParallelError(
-                f"EngineArgs.pipeline_parallel_size={self.pipeline_parallel_size} cannot be "
-                f"combined with {refused[0]} (not supported with pipeline parallelism)")
+        check_engine_args(self)     # every field's type and range (jaxpaged.arg_checks)
 
     @property
     def pooler(self) -> PoolerConfig | None:

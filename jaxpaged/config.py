@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from jaxpaged import gguf_config
 from jaxpaged.errors import UnsupportedModelError
+from jaxpaged.hf_config import (DEFAULT_AWQ_GROUP_SIZE, RopeScaling, checkpoint_quantization,
+                                optional_float, rope_parameters, sliding_windows)
 from jaxpaged.classification import (SEQ_CLS_ARCHITECTURES, ClassifierSpec, causal_architectures,
                                      classifier_spec, parse_hf_overrides)
 
@@ -33,8 +35,6 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 #: Weight-only quantization methods (``--quantization``; ``jaxpaged.layers.quantization`` for
 #: int8/fp8, ``jaxpaged.layers.awq`` for 4-bit AWQ).
 QUANTIZATION_METHODS = ("int8", "fp8", "awq")
-#: AWQ group size when a float checkpoint is quantized with ``--quantization awq``.
-DEFAULT_AWQ_GROUP_SIZE = 128
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class ModelConfig:
             raise UnsupportedModelError(f"unsupported hidden_act {act!r}; supported: "
                                         f"{list(ACTIVATIONS)}")
         cfg = {**_FAMILY_DEFAULTS.get(arch, {}), **cfg}
-        rope_theta, rope_scaling = _rope(cfg)
+        rope_theta, rope_scaling = rope_parameters(cfg)
         if cfg.get("mlp_bias", False):
             raise UnsupportedModelError("mlp_bias=true is not supported")
         num_heads = int(cfg["num_attention_heads"])
@@ -151,7 +151,7 @@ class ModelConfig:
         attention_bias = bool(cfg.get("attention_bias", False))
         num_experts = int(cfg.get("num_local_experts") or 0)
         top_k = int(cfg.get("num_experts_per_tok") or 0)
-        quantization, group_size = _checkpoint_quantization(cfg.get("quantization_config"))
+        quantization, group_size = checkpoint_quantization(cfg.get("quantization_config"))
         if num_experts and quantization == "awq":
             raise UnsupportedModelError("AWQ checkpoints of mixture-of-experts models are not "
                                         "supported")
@@ -177,14 +177,14 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             rope_scaling=rope_scaling,
-            sliding_windows=_sliding_windows(cfg, arch),
+            sliding_windows=sliding_windows(cfg, arch),
             qk_norm=arch == "Qwen3ForCausalLM",
             num_experts=num_experts,
             num_experts_per_tok=top_k if num_experts else 0,
             hidden_act=act,
-            query_pre_attn_scalar=_optional_float(cfg, "query_pre_attn_scalar"),
-            attn_logit_softcapping=_optional_float(cfg, "attn_logit_softcapping"),
-            final_logit_softcapping=_optional_float(cfg, "final_logit_softcapping"),
+            query_pre_attn_scalar=optional_float(cfg, "query_pre_attn_scalar"),
+            attn_logit_softcapping=optional_float(cfg, "attn_logit_softcapping"),
+            final_logit_softcapping=optional_float(cfg, "final_logit_softcapping"),
             quantization=quantization,
             quantization_group_size=group_size,
             classifier=classifier,
@@ -264,140 +264,3 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         """Query heads sharing one KV head (the GQA group size)."""
         return self.num_heads // self.num_kv_heads
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3's RoPE frequency scaling (``rope_type: llama3``).
-
-    Frequencies whose wavelength exceeds ``original_max_position_embeddings /
-    low_freq_factor`` are divided by ``factor``, those shorter than ``... /
-    high_freq_factor`` are kept, and the band between is interpolated (Meta's Llama 3.1
-    release, as implemented by transformers' ``_compute_llama3_parameters``).
-    """
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-
-def _rope(cfg: dict) -> tuple[float, RopeScaling | None]:
-    """RoPE theta and scaling from either layout.
-
-    transformers < 5 writes ``rope_theta`` and ``rope_scaling``; transformers 5 writes one
-    ``rope_parameters`` dict holding ``rope_theta``, ``rope_type`` and the scaling fields.
-
-    Raises:
-        UnsupportedModelError: a non-positive theta, a scaling type other than ``default``
-            and ``llama3``, or a llama3 scaling that lacks a field or has
-            ``high_freq_factor <= low_freq_factor``.
-    """
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    else:
-        params = cfg.get("rope_scaling") if isinstance(cfg.get("rope_scaling"), dict) else {}
-        theta = cfg.get("rope_theta", 10000.0)
-    rope_type = params.get("rope_type", params.get("type"))
-    if not float(theta) > 0:
-        raise UnsupportedModelError(f"rope_theta must be positive, got {theta!r}")
-    if rope_type in (None, "default"):
-        return float(theta), None
-    if rope_type != "llama3":
-        raise UnsupportedModelError(f"unsupported rope scaling type {rope_type!r}; "
-                                    "supported: default, llama3")
-    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [f for f in fields if f not in params]
-    if missing:
-        raise UnsupportedModelError(f"llama3 rope scaling lacks {missing}")
-    if not float(params["high_freq_factor"]) > float(params["low_freq_factor"]):
-        raise UnsupportedModelError("llama3 rope scaling needs high_freq_factor > "
-                                    f"low_freq_factor, got {params['high_freq_factor']!r} and "
-                                    f"{params['low_freq_factor']!r}")
-    return float(theta), RopeScaling(float(params["factor"]), float(params["low_freq_factor"]),
-                                     float(params["high_freq_factor"]),
-                                     int(params["original_max_position_embeddings"]))
-
-
-def _sliding_windows(cfg: dict, arch: str) -> tuple[int | None, ...]:
-    """Each layer's sliding window (None: full attention).
-
-    transformers 5 writes ``layer_types`` (``sliding_attention`` / ``full_attention``) for the
-    families that mix them; older configs are read as transformers did: Qwen2/3 slide only
-    with ``use_sliding_window`` and from layer ``max_window_layers`` on, Gemma 2 slides on
-    even layers, Mistral and Mixtral on every layer whenever ``sliding_window`` is set.
-
-    Raises:
-        UnsupportedModelError: ``layer_types`` of the wrong length or with unknown kinds, or
-            a ``sliding_window`` that is not a positive integer.
-    """
-    n = int(cfg["num_hidden_layers"])
-    window = cfg.get("sliding_window")
-    if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
-        window = None
-    if window is None:
-        return (None,) * n
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise UnsupportedModelError(f"sliding_window must be a positive integer, got {window!r}")
-    kinds = cfg.get("layer_types")
-    if kinds is None:
-        if arch.startswith("Qwen"):
-            first = int(cfg.get("max_window_layers", n))
-            kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-        elif arch == "Gemma2ForCausalLM":
-            kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
-        else:
-            kinds = ["sliding_attention"] * n
-    if len(kinds) != n or not set(kinds) <= {"sliding_attention", "full_attention"}:
-        raise UnsupportedModelError(f"layer_types {kinds!r} must name sliding_attention or "
-                                    f"full_attention for each of the {n} layers")
-    return tuple(window if k == "sliding_attention" else None for k in kinds)
-
-
-def _optional_float(cfg: dict, key: str) -> float | None:
-    return None if cfg.get(key) is None else float(cfg[key])
-
-
-def _checkpoint_quantization(qc: dict | None) -> tuple[str | None, int]:
-    """The quantization a checkpoint is stored in and its AWQ group size, from ``config.json``'s
-    ``quantization_config``: None for a float checkpoint, ``"fp8"`` for fp8 weights with
-    per-tensor or per-channel scales (``quant_method`` ``"fp8"``, or ``"compressed-tensors"``
-    in its ``float-quantized`` format), ``"awq"`` for AutoAWQ's format (``bits`` 4,
-    ``zero_point`` true, ``version`` ``gemm``; its ``group_size``).
-
-    Raises:
-        UnsupportedModelError: any other layout, naming its ``quant_method``.
-    """
-    if qc is None:
-        return None, DEFAULT_AWQ_GROUP_SIZE
-    method = qc.get("quant_method")
-    if method == "awq":
-        settings = (qc.get("bits", qc.get("w_bit")), qc.get("zero_point", True),
-                    str(qc.get("version", "gemm")).lower())
-        group = qc.get("group_size", qc.get("q_group_size"))
-        if settings != (4, True, "gemm") or not isinstance(group, int) or group < 8:
-            raise UnsupportedModelError(
-                f"AWQ checkpoint with bits/zero_point/version {settings} and group_size "
-                f"{group!r} is not supported; jaxpaged reads AutoAWQ's 4-bit GEMM format "
-                "with zero points and a positive group size")
-        return "awq", group
-    if method == "fp8":
-        block = qc.get("weight_block_size")
-        problem = f"block-wise scales (weight_block_size {block})" if block else None
-    elif method == "compressed-tensors":
-        schemes = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
-        fp8 = schemes and all((w.get("type"), w.get("num_bits")) == ("float", 8)
-                              and w.get("strategy") in ("tensor", "channel") for w in schemes)
-        problem = (f"format {qc.get('format')!r}" if qc.get("format") != "float-quantized" else
-                   None if fp8 else f"weight schemes {schemes}")
-    else:
-        problem = "this method"
-    if problem is None:
-        return "fp8", DEFAULT_AWQ_GROUP_SIZE
-    raise UnsupportedModelError(
-        f"quantized checkpoint with quant_method {method!r} is not supported ({problem}); "
-        "jaxpaged loads fp8 checkpoints with per-tensor or per-channel scales (quant_method "
-        "'fp8', or 'compressed-tensors' in format 'float-quantized') and AutoAWQ checkpoints "
-        "(quant_method 'awq'), and quantizes float checkpoints itself with --quantization "
-        "int8, fp8 or awq")

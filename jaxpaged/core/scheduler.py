@@ -24,40 +24,17 @@ formulation, the policies and recompute preemption.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.output_processor import OutputProcessor, RequestGroup
 from jaxpaged.core.queue_policy import QueuePolicy
 from jaxpaged.core.request import Request, RequestStatus
+from jaxpaged.core.scheduler_config import SchedulerConfig
 from jaxpaged.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxpaged.lora.scheduling import LoRAScheduling
 from jaxpaged.core.runner_output import ModelRunnerOutput
 from jaxpaged.core.spec_decode.config import SpeculativeConfig
 from jaxpaged.core.spec_decode.scheduling import SpecDecodeScheduling
-
-
-@dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    """Limits and policy of one step.
-
-    Attributes:
-        max_num_seqs: most sequences in one step.
-        max_num_batched_tokens: most tokens (prefill + decode) in one step.
-        max_model_len: most tokens (prompt + output) of one sequence.
-        max_num_partial_prefills: most prompts mid-prefill at once.
-        long_prefill_token_threshold: most prompt tokens one request prefills per step (0 = no cap).
-        policy: ``fcfs``, ``priority`` or ``sjf``.
-        sjf_aging_requests: ``sjf``'s K (the module docstring).
-    """
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    max_num_partial_prefills: int = 1
-    long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
-    sjf_aging_requests: int = 64
 
 
 class Scheduler:
