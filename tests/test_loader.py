@@ -161,6 +161,6 @@ def test_tensor_of_an_unloadable_dtype_is_named(tmp_path):
     header += b" " * (-len(header) % 8)
     (tmp_path / "model.safetensors").write_bytes(
         len(header).to_bytes(8, "little") + header + bytes(64))
-    from jaxpaged.models.loader import _SafetensorsReader
+    from jaxpaged.models.safetensors_reader import SafetensorsReader as _SafetensorsReader
     with pytest.raises(UnsupportedModelError, match=r"model\.norm\.weight.*F8_E5M2"):
         _SafetensorsReader(str(tmp_path)).get("model.norm.weight")

@@ -24,7 +24,6 @@ at a time.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
@@ -33,7 +32,6 @@ import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy before safetensors reads it)
 import numpy as np
 from flax import nnx
-from safetensors import SafetensorError, safe_open
 
 from jaxpaged.config import ModelConfig, UnsupportedModelError
 from jaxpaged.distributed.tensor_parallel import TensorParallel
@@ -47,6 +45,8 @@ from jaxpaged.gguf_config import forget_gguf_files, is_gguf
 from jaxpaged.models.gguf_loader import GGUFCheckpoint
 from jaxpaged.models.mixtral import ExpertScales, ExpertWeights
 from jaxpaged.models.registry import model_class
+from jaxpaged.models.safetensors_reader import (SAFETENSORS_FILE, SAFETENSORS_INDEX,
+                                                MissingWeightsError, SafetensorsReader)
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,6 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 #: An :class:`AWQLinear`'s parameters, all read from ``<projection>.{qweight,qzeros,scales}``.
 _AWQ_LEAVES = ("qweight", "qzeros", "scales")
 _QUANTIZED_LEAVES = ("kernel", "scale") + _AWQ_LEAVES
-#: safetensors dtypes its numpy reader cannot build (it looks them up on numpy itself).
-_RAW_DTYPES = {"F8_E4M3": QUANTIZED_DTYPES["fp8"]}
 #: Checkpoint tensors no model reads, as vLLM skips them: rotary caches, and the activation
 #: and KV-cache scales of fp8 checkpoints (jaxpaged quantizes weights only and takes KV
 #: scales from ``--calculate-kv-scales``).
@@ -65,10 +63,6 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 #: Tensors a sequence classifier's head is made from, read by
 #: ``jaxpaged.core.classifier_head`` instead of the model (which has no LM head then).
 _CLASSIFIER_TENSORS = ("score.weight", "score.bias", "lm_head.weight")
-
-
-class MissingWeightsError(ValueError):
-    """The checkpoint lacks tensors the model needs, or holds them with the wrong shape."""
 
 
 def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: AttentionBackend,
@@ -120,7 +114,7 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
     flat = nnx.to_flat_state(abstract_state)
     reader = (GGUFCheckpoint(model_dir, config.num_heads, config.num_kv_heads,
                              packed_cache_dir)
-              if is_gguf(model_dir) else _SafetensorsReader(model_dir))
+              if is_gguf(model_dir) else SafetensorsReader(model_dir))
     quantized_modules = {p for p, node in nnx.iter_graph(abstract)
                          if isinstance(node, (QuantizedLinear, AWQLinear))}
     packed_modules = {p: node for p, node in nnx.iter_graph(abstract)
@@ -276,7 +270,7 @@ def _hf_name(path: tuple) -> str:
     return f"{base}.weight"
 
 
-def _quantized_weight(reader: "_SafetensorsReader", name: str, method: str,
+def _quantized_weight(reader: "SafetensorsReader", name: str, method: str,
                       group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, np.ndarray]:
     """``kernel`` [in, out] and ``scale`` [out] of the :class:`QuantizedLinear` whose
     checkpoint weight ([out, in]) is ``name``, or for ``awq`` the :class:`AWQLinear` parts of
@@ -339,75 +333,8 @@ def _awq_weight(reader, base: str, group_size: int) -> dict[str, np.ndarray]:
     return {"qweight": qweight, "qzeros": qzeros, "scales": scales.astype(np.float32)}
 
 
-#: A checkpoint directory's weights: one file, or an index of shards.
-SAFETENSORS_FILE, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
-
-
 def has_weights(path: str) -> bool:
     """Whether ``path`` is a GGUF file or a directory holding :data:`SAFETENSORS_FILE` or
     :data:`SAFETENSORS_INDEX` (what :func:`load_model` reads outside ``dummy``)."""
     return is_gguf(path) or any(os.path.isfile(os.path.join(path, name))
                                 for name in (SAFETENSORS_FILE, SAFETENSORS_INDEX))
-
-
-class _SafetensorsReader:
-    """Tensors of a single-file or sharded safetensors checkpoint, read lazily by name."""
-
-    def __init__(self, model_dir: str):
-        index = os.path.join(model_dir, SAFETENSORS_INDEX)
-        single = os.path.join(model_dir, SAFETENSORS_FILE)
-        if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            self._where = {k: os.path.join(model_dir, v) for k, v in weight_map.items()}
-        elif os.path.isfile(single):
-            with _open_safetensors(single) as f:
-                self._where = {k: single for k in f.keys()}
-        else:
-            raise FileNotFoundError(
-                f"no model.safetensors or model.safetensors.index.json in {model_dir!r}")
-        self._open: dict[str, object] = {}
-        self._read: set[str] = set()
-
-    def unread(self) -> list[str]:
-        """The checkpoint's tensors no :meth:`get` asked for, sorted."""
-        return sorted(set(self._where) - self._read)
-
-    def get(self, name: str) -> np.ndarray | None:
-        path = self._where.get(name)
-        if path is None:
-            return None
-        self._read.add(name)
-        if path not in self._open:
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"checkpoint shard {path!r} (holding {name}) is missing")
-            self._open[path] = _open_safetensors(path)
-        try:
-            stored = self._open[path].get_slice(name).get_dtype()
-            dtype = _RAW_DTYPES.get(stored)
-            return self._open[path].get_tensor(name) if dtype is None else \
-                _read_raw(path, name, dtype)
-        except SafetensorError as e:
-            raise MissingWeightsError(f"cannot read tensor {name} from {path!r}: {e}") from e
-        except (AttributeError, TypeError, ValueError) as e:   # a dtype numpy cannot hold
-            raise UnsupportedModelError(f"tensor {name} in {path!r} is stored as {stored}, "
-                                        f"which jaxpaged cannot load ({e})") from e
-
-
-def _read_raw(path: str, name: str, dtype) -> np.ndarray:
-    """Tensor ``name`` of the safetensors file ``path``, read from its bytes (the format: an
-    8-byte little-endian header size, a JSON header giving each tensor's dtype, shape and
-    ``data_offsets`` into the data that follows)."""
-    with open(path, "rb") as f:
-        header_size = int.from_bytes(f.read(8), "little")
-        entry = json.loads(f.read(header_size))[name]
-        begin, end = entry["data_offsets"]
-        f.seek(8 + header_size + begin)
-        return np.frombuffer(f.read(end - begin), dtype).reshape(entry["shape"])
-
-
-def _open_safetensors(path: str):
-    try:
-        return safe_open(path, framework="numpy")
-    except (SafetensorError, OSError) as e:
-        raise MissingWeightsError(f"{path!r} is not a readable safetensors file: {e}") from e
