@@ -13,13 +13,10 @@ themselves (``add_request`` / ``step`` / ``abort_request``) or through :class:`j
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import weakref
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,11 +28,11 @@ from jaxpaged.core.generation_config import (eos_token_ids, generation_defaults,
                                                load_generation_config)
 from jaxpaged.core.input_processor import InputProcessor, Prompt
 from jaxpaged.core.kv_cache_manager import KVCacheManager
-from jaxpaged.core.output_processor import OutputProcessor, RequestGroup
+from jaxpaged.core.output_processor import OutputProcessor
 from jaxpaged.core.classifier_head import load_classifier_head
 from jaxpaged.core.pooling import POOLING_SAMPLING, pooling_state
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
-from jaxpaged.core.scheduler_output import SchedulerOutput
+from jaxpaged.engine.engine_step import EngineSteps, InFlightStep
 from jaxpaged.engine.protocol import ModelInfo
 from jaxpaged.engine.startup import join_processes, load_and_compile
 from jaxpaged.lora.config import LoRAConfig
@@ -44,7 +41,6 @@ from jaxpaged.metrics.recorder import StatsRecorder
 from jaxpaged.metrics.stats import EngineStats, StatLogger
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.pooling_params import PoolingParams
-from jaxpaged.core.runner_output import ModelRunnerOutput
 from jaxpaged.sampling.logits_adjust import needs_adjustment
 from jaxpaged.sampling_params import SamplingParams
 from jaxpaged.core.spec_decode.config import SpeculativeConfig
@@ -53,21 +49,7 @@ from jaxpaged.structured_output.manager import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _InFlight:
-    """A dispatched step: its plan, a call that waits for and returns its
-    ``ModelRunnerOutput``, when it was dispatched (``time.monotonic()`` seconds), whether it
-    samples a parallel-sampling prompt (the next step must wait for its fork), and whether
-    it was failed already (with the step before it)."""
-
-    scheduler_output: SchedulerOutput
-    result: Callable[[], ModelRunnerOutput]
-    scheduled_at: float
-    forks: bool
-    failed: bool = False
-
-
-class Engine:
+class Engine(EngineSteps):
     """The inference engine for one model.
 
     Args:
@@ -168,7 +150,7 @@ class Engine:
         self._num_steps = 0
         #: Async scheduling: the dispatched step whose results are not applied yet, and
         #: outputs made early (an abort) for the next step to return.
-        self._in_flight: _InFlight | None = None
+        self._in_flight: InFlightStep | None = None
         # A multi-host job's processes take their steps in lockstep: synchronously; so do
         # pipelines (a step's micro-batches would each need the previous step's tokens). A
         # speculating engine runs its verification steps synchronously (a step's proposals
@@ -178,6 +160,8 @@ class Engine:
         if args.async_scheduling and args.pipeline_parallel_size > 1:
             logger.info("async scheduling is off with pipeline parallelism: a step's "
                         "micro-batches need the previous step's tokens (docs/distributed.md)")
+        # (The function, not a bound method: no reference cycle keeps a dropped engine alive.)
+        self._step_impl = Engine._step_async if self._async_scheduling else Engine._step_sync
         self._early_outputs: list[RequestOutput] = []
         self.fault_injector: Callable[[int, list[str]], None] | None = None
         self._seed_rng = seed_rng or np.random.default_rng(args.seed)
@@ -320,131 +304,7 @@ class Engine:
             came in (this one; with async scheduling, the previous one): cumulative text and
             ids, ``finished`` set on the last one; and the failed requests' final outputs.
         """
-        outputs, self._early_outputs = self._early_outputs, []
-        previous, self._in_flight = self._in_flight, None
-        spec = self.scheduler.spec
-        if previous is not None and (previous.forks or (
-                spec is not None and spec.wants_speculation(self.scheduler.running))):
-            outputs += self._finish(previous)    # (proposals need the last tokens)
-            previous = None
-        scheduler_output = self.scheduler.schedule()
-        current = None
-        if scheduler_output.scheduled:
-            try:
-                current = self._dispatch(scheduler_output)
-            except Exception as e:
-                if self.args.num_processes > 1:
-                    raise
-                if previous is not None:    # its tokens first, as the synchronous engine
-                    outputs += self._finish(previous)
-                return outputs + self._fail_step(scheduler_output, e)
-        elif previous is None and not self.scheduler.running and (
-                compiling := self.scheduler.waiting_for_grammars()):
-            compiling[0].wait(timeout=0.05)     # nothing else to run: let grammars compile
-        elif previous is None and self.scheduler.waiting and not self.scheduler.running:
-            # Unreachable while add_request's checks hold; never spin silently.
-            raise RuntimeError(f"no waiting request can be scheduled "
-                               f"({len(self.scheduler.waiting)} waiting, {self.stats()})")
-        if previous is not None:
-            outputs += self._finish(previous, scheduler_output, current)
-        if current is not None and not current.failed:
-            scheduled = current.scheduler_output.scheduled
-            # (A structured-output sequence's next mask needs this step's token on the host.)
-            if self._async_scheduling and any(not s.request.is_finished for s in scheduled) \
-                    and not any(s.request.structured_output_request or s.draft_token_ids
-                                for s in scheduled):
-                self._in_flight = current
-            else:   # (async: all its requests finished meanwhile; none is left in flight)
-                outputs += self._finish(current)
-        return outputs
-
-    def _dispatch(self, scheduler_output: SchedulerOutput) -> _InFlight:
-        """Start the device step, after the test hook :attr:`fault_injector`."""
-        step_index, self._num_steps = self._num_steps, self._num_steps + 1
-        if self.fault_injector is not None:
-            self.fault_injector(step_index, list(dict.fromkeys(
-                s.request.group_id for s in scheduler_output.scheduled)))
-        scheduled_at = time.monotonic()
-        self._stats.iteration.step_tokens.append(scheduler_output.num_tokens)
-        if self.drafter is not None:    # fills the step's draft placeholders
-            self.drafter.propose(scheduler_output)
-        pending = self.runner.dispatch(scheduler_output)
-        return _InFlight(scheduler_output, pending.result, scheduled_at, scheduler_output.forks)
-
-    def _finish(self, step: _InFlight, next_output: SchedulerOutput | None = None,
-                next_step: _InFlight | None = None) -> list[RequestOutput]:
-        """Wait for a dispatched step, apply its tokens and make its outputs.
-
-        Args:
-            step: the step.
-            next_output: the step scheduled since (async scheduling), whose preemptions are
-                left out of the counts these outputs report (they came after this step).
-            next_step: that step, if dispatched: it fails too if this one fails.
-        """
-        try:
-            runner_output = step.result()
-        except Exception as e:
-            if self.args.num_processes > 1:
-                raise
-            outputs = self._fail_step(step.scheduler_output, e)
-            if next_step is not None:    # it read this step's tokens
-                next_step.failed = True
-                with contextlib.suppress(Exception):
-                    next_step.result()
-                outputs += self._fail_step(next_step.scheduler_output, e)
-            return outputs
-        self._stats.note_scheduled(self.output_processor.groups,
-                                   step.scheduler_output.scheduled_new_reqs, step.scheduled_at)
-        generated = self.scheduler.num_generation_tokens
-        groups = self.scheduler.update_from_output(step.scheduler_output, runner_output)
-        self._stats.iteration.num_generation_tokens += \
-            self.scheduler.num_generation_tokens - generated
-        return self._outputs(groups, None if next_output is None else Counter(
-            req.group_id for req in next_output.preempted))
-
-    def _outputs(self, groups: list[RequestGroup],
-                 preempted: dict[str, int] | None = None) -> list[RequestOutput]:
-        """The outputs of the requests that got tokens; finished ones are retired.
-        ``preempted``: preemptions since, by request id, left out of the counts reported."""
-        outputs, now = [], time.monotonic()
-        for group in groups:
-            self._stats.note_tokens(group, now)
-            since = preempted.get(group.request_id) if preempted else None
-            out = self.output_processor.make_output(group, None if since is None else sum(
-                seq.request.num_preemptions for seq in group.seqs) - since)
-            if out is not None:
-                outputs.append(out)
-            if out.finished if out is not None else group.finished:
-                self._retire(group, now, group.seqs[0].request.finish_reason)
-        self.record_stats()
-        self._heap.update(self.runner.num_compilations)   # after a step that compiled
-        return outputs
-
-    def _fail_step(self, scheduler_output: SchedulerOutput,
-                   error: Exception) -> list[RequestOutput]:
-        """Fail every request that the step ran, after the step raised ``error`` (see
-        :meth:`step`); returns their final outputs."""
-        groups = self.scheduler.fail_step(scheduler_output)
-        logger.error("a model step failed; failing the requests it ran: %s",
-                     [g.request_id for g in groups], exc_info=error)
-        message = f"the model step running this request failed: {type(error).__name__}: {error}"
-        outputs, now = [], time.monotonic()
-        for group in groups:
-            group.error = message
-            outputs.append(self.output_processor.make_output(group))
-            self._retire(group, now, "error")
-        if self.runner.kv_pool_lost:
-            logger.error("the failed step consumed the KV pool: reallocating it; %d running "
-                         "sequences recompute, the prefix cache is emptied",
-                         self.scheduler.reset_kv_cache())
-            self.runner.reallocate_kv_pool()
-        self.record_stats()
-        return outputs
-
-    def _retire(self, group: RequestGroup, now: float, reason: str) -> None:
-        """Forget a finished request and record its statistics."""
-        self.output_processor.remove_request(group.request_id)
-        self._stats.note_finished(group, now, reason)
+        return self._step_impl(self)    # _step_sync or _step_async, chosen in __init__
 
     def record_stats(self) -> None:
         """Hand the scheduler snapshot and the events since the last call to the loggers
