@@ -39,7 +39,8 @@ from jaxpaged.layers.attention import BatchLayout
 from jaxpaged.layers.attention.tensor_parallel import TensorParallelAttention
 from jaxpaged.models.loader import param_path
 from jaxpaged.runner.input_batch import StepInputs
-from jaxpaged.runner.model_runner import ModelRunner, _shape_key
+from jaxpaged.runner.compilation import _shape_key
+from jaxpaged.runner.model_runner import ModelRunner
 from jaxpaged.runner.pending_step import PendingStep, copy_indices
 from jaxpaged.core.runner_output import ModelRunnerOutput
 from jaxpaged.runner.step_programs import build_programs, forward_inputs, sample_inputs
