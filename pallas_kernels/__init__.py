@@ -8,5 +8,6 @@
   (``pallas_kernels.paged_attention_v1``), kept for an A/B.
 - ``write_kv``: new K/V rows into the pool by slot mapping, in place — ``pallas_kernels.kv_write``.
 - References: ``pallas_kernels.reference``. Lowering choices: ``pallas_kernels.lowering``.
-  What the kernels compile to on Hopper, checked on CPU: ``pallas_kernels.schedule_check``.
+  What the kernels compile to on Hopper, checked on CPU (a dev tool outside this package):
+  ``jaxpaged.benchmarks.kernels.schedule_check``.
 """

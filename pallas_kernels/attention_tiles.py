@@ -14,7 +14,7 @@ before the current tile's dots. Triton's loop pipeliner can then issue tile ``i 
 into a second shared-memory buffer while tile ``i`` is computed (``num_stages`` buffers, an
 ``async_wait`` that leaves loads in flight). With the page id loaded inside the iteration
 that uses it (v1), every iteration waits for its own page-table load and then for its own
-K/V loads. ``pallas_kernels.schedule_check`` verifies the difference on the Triton IR.
+K/V loads. ``jaxpaged.benchmarks.kernels.schedule_check`` verifies the difference on the Triton IR.
 
 Softmax: online, in float32 (Milakov & Gimelshein 2018; FlashAttention-2, Dao 2023,
 algorithm 1), the page table as in PagedAttention (Kwon et al., SOSP 2023, section 4.1).

@@ -14,9 +14,9 @@ all present, more than 16 at batch 1). How many slots a sequence uses is decided
 kernel from the real work: the decode KV tokens summed over the step's sequences
 (``kv_tokens``, from the host) give the tiles per program that make the launch about
 :data:`TARGET_PROGRAMS` programs (:data:`NUM_SMS` x :data:`PROGRAMS_PER_SM`, the residency
-``pallas_kernels.schedule_check`` verifies), and each sequence gets ``ceil(its tiles / that)``
-splits. A batch of 33 long sequences therefore runs two splits each (no cliff between 32 and
-48 sequences), a single long sequence up to 64. Unused slots exit at once. Each split writes
+``jaxpaged.benchmarks.kernels.schedule_check`` verifies), and each sequence gets
+``ceil(its tiles / that)`` splits. A batch of 33 long sequences therefore runs two splits
+each (no cliff between 32 and 48 sequences), a single long sequence up to 64. Unused slots exit at once. Each split writes
 its normalised partial output and log-sum-exp for the real rows only; one small Pallas
 program per (sequence, KV head) merges them (:func:`merge_splits`), :data:`MERGE_SLOTS` slots
 an iteration so that their loads are in flight together (vLLM's ``reduce_segments`` loads all

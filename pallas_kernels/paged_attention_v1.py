@@ -3,7 +3,7 @@
 Kept beside v2 (``pallas_kernels.paged_attention``, ``pallas_kernels.prefill_attention``) for
 an A/B (``PallasAttentionBackend(kernel="v1")``). Its loop loads each page id in the
 iteration that uses it, so Triton cannot pipeline it (one buffer, ``async_wait {num = 0}``:
-``pallas_kernels.schedule_check``).
+``jaxpaged.benchmarks.kernels.schedule_check``).
 
 Work decomposition. The caller groups query tokens into *query blocks* (``Bq`` consecutive
 tokens of one sequence; ``Bq = 1`` for decode-only steps). One program handles one

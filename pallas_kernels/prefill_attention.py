@@ -36,7 +36,7 @@ PREFILL_STAGES = 3
 #: The most query rows (block tokens x G) one prefill program holds: 128 rows with 64-key
 #: tiles and 8 warps take 128 registers a thread on sm_90 without spilling; 256 rows (a
 #: 32-token block at Llama-3-70B's G = 8) spilled 144 bytes a thread even at 32-key tiles and
-#: 16 warps (``pallas_kernels.schedule_check``).
+#: 16 warps (``jaxpaged.benchmarks.kernels.schedule_check``).
 MAX_PROGRAM_ROWS = 128
 
 

@@ -156,7 +156,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
     def ready():
         try:
             return engine.check_ready()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - every engine state maps to an API error
             raise engine_error(e) from None
 
     async def completions(request: Request) -> Response:
@@ -214,7 +214,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         async def answer(request: Request) -> Response:
             try:
                 check()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - every engine state maps to an API error
                 return error_response(engine_error(e))
             return Response(status_code=200)
         return answer

@@ -254,7 +254,7 @@ class ModelRouter:
         for _, _, engine, _ in self.routes:
             try:
                 engine.check_alive() if path == "/health" else engine.check_ready()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - every engine state maps to an API error
                 return await error_response(engine_error(e))(scope, receive, send)
         return await Response(status_code=200)(scope, receive, send)
 

@@ -39,7 +39,7 @@ from jaxpaged.outputs import Logprob, RequestOutput
 from jaxpaged.sampling_params import SamplingParams, SamplingParamsError
 from jaxpaged.server.config import ServerConfig
 from jaxpaged.server.errors import APIError, bad_request
-from jaxpaged.server.protocol import TopLogprob
+from jaxpaged.server.protocol import SamplingFields, TopLogprob
 from jaxpaged.server.request_params import RequestParameters, sampling_error
 from jaxpaged.server.serving_models import ServingModels
 

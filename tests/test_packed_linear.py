@@ -19,7 +19,7 @@ from jaxpaged.models import llama
 from jaxpaged.layers.cpu_build import packed_int8_dots
 from jaxpaged.layers.packed_layout import (dequantize, integers, pack_weight, reference_product,
                                            split_activations)
-from jaxpaged.layers.packed_linear import PackedEmbedding, packed_matmul, packed_projections
+from jaxpaged.layers.packed_linear import packed_matmul, packed_projections
 from jaxpaged.layers.rotary import apply_rope, rope_inv_freq
 from jaxpaged.models.gguf_blocks import PACKABLE_TYPES, decode_blocks
 from jaxpaged.models.gguf_loader import GGUFCheckpoint, keeps_packed

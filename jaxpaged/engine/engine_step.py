@@ -70,7 +70,7 @@ class EngineSteps:
         if scheduler_output.scheduled:
             try:
                 current = self._dispatch(scheduler_output)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a failed step fails only its requests
                 if previous is not None:    # its tokens first, as the synchronous engine
                     outputs += self._finish(previous)
                 return outputs + self._fail_step(scheduler_output, e)

@@ -17,7 +17,7 @@ from pallas_kernels.lowering import lower_for_cuda
 from pallas_kernels.paged_attention import paged_decode_attention
 from pallas_kernels.paged_attention_v1 import paged_attention
 from pallas_kernels.prefill_attention import paged_prefill_attention
-from pallas_kernels.schedule_check import capture_ttir
+from jaxpaged.benchmarks.kernels.schedule_check import capture_ttir
 
 # Llama-3-8B attention: 32 query heads, 8 KV heads, head_dim 128, page 16, bf16.
 QH, KVH = 32, 8

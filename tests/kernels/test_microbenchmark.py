@@ -147,7 +147,6 @@ def test_benchmark_step_lowers_for_an_h200_with_pools_donated(name):
     (abstract inputs, no memory): Pallas (Triton) kernels for every variant and for the
     decode kernel's own row, and all four pools of its two input sets aliased to outputs, so
     the KV writes stay in place on the GPU (and the kernel row's pools pass through)."""
-    shape = cases.Shape(32, 8, 128, 16, "bfloat16")
     case = cases.parse_case(name)
     layout, num_pages = cases.build_layout(cases.sequences(case, 2048), 16,
                                            np.random.default_rng(0))

@@ -2,9 +2,9 @@
 
 Captures the Triton IR that Pallas emits for each kernel at Llama-3-8B shapes (cross-lowered
 for an abstract H200) and compiles it for sm_90 with upstream Triton 3.9
-(``pallas_kernels.schedule_check``). XLA bundles its own Triton and compiles the custom call
-with that one, so this checks the kernel's structure (what Triton's pipeliner can overlap,
-and the registers and shared memory it needs), not the final GPU schedule, which only a GPU
+(``jaxpaged.benchmarks.kernels.schedule_check``). XLA bundles its own Triton and compiles the
+custom call with that one, so this checks the kernel's structure (what Triton's pipeliner can
+overlap, and the registers and shared memory it needs), not the final GPU schedule, which only a GPU
 run shows.
 """
 
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.paged_attention import PROGRAMS_PER_SM
-from pallas_kernels.schedule_check import kernel_facts, loop_instructions
+from jaxpaged.benchmarks.kernels.schedule_check import kernel_facts, loop_instructions
 
 if not (sys.platform == "linux" and platform.machine() == "x86_64"):
     pytest.skip("upstream triton (the test extra) is installed on linux x86_64 only",

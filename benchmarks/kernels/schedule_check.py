@@ -295,13 +295,13 @@ def kernel_facts(kernel: str, mode: str, kv_dtype=None,
 
 
 def main(argv=None) -> int:
-    """``python -m pallas_kernels.schedule_check``: print each kernel's facts and a verdict
-    against issue 19's criteria (>= 2 tile buffers, an async_wait with num > 0, and for decode
-    >= 4 programs per SM). Exit status 0 whatever the verdicts (a report, not a test)."""
+    """``python -m jaxpaged.benchmarks.kernels.schedule_check``: print each kernel's facts and a
+    verdict against issue 19's criteria (>= 2 tile buffers, an async_wait with num > 0, and for
+    decode >= 4 programs per SM). Exit status 0 whatever the verdicts (a report, not a test)."""
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m pallas_kernels.schedule_check",
+        prog="python -m jaxpaged.benchmarks.kernels.schedule_check",
         description="Compile the v1 and v2 paged-attention kernels (Llama-3-8B shapes, bf16) "
                     "for sm_90 with upstream triton and report their KV-loop schedule. XLA "
                     "compiles with its own bundled Triton: this shows the kernels' structure, "
