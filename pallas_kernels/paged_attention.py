@@ -18,7 +18,8 @@ kernel from the real work: the decode KV tokens summed over the step's sequences
 ``ceil(its tiles / that)`` splits. A batch of 33 long sequences therefore runs two splits
 each (no cliff between 32 and 48 sequences), a single long sequence up to 64. Unused slots
 exit at once. Each split writes its normalised partial output and log-sum-exp for the real
-rows only; one small Pallas program per (sequence, KV head) merges them (:func:`merge_splits`), :data:`MERGE_SLOTS` slots
+rows only; one small Pallas
+program per (sequence, KV head) merges them (:func:`merge_splits`), :data:`MERGE_SLOTS` slots
 an iteration so that their loads are in flight together (vLLM's ``reduce_segments`` loads all
 segments at once; one slot an iteration paid an L2 round trip each: on sm_90, Triton 3.9, 62
 SASS instructions a slot and no load ahead of its use; 8 at once, 41 a slot, 56 registers).
