@@ -10,6 +10,12 @@ import enum
 import math
 from dataclasses import dataclass
 
+from jaxpaged.errors import SamplingParamsError, check_param as _check  # noqa: F401
+from jaxpaged.structured_output.params import StructuredOutputsParams
+
+# (SamplingParamsError and StructuredOutputsParams are this module's public names too; they
+# live in leaves that the grammar validator imports, so that it does not import this module.)
+
 #: Temperatures below this are treated as greedy decoding (vLLM's ``_SAMPLING_EPS``).
 GREEDY_TEMPERATURE_EPS = 1e-5
 #: Most top log-probabilities a request can ask for (vLLM's default ``max_logprobs``).
@@ -20,83 +26,6 @@ MAX_BAD_WORDS = 1024
 #: float32's largest value: sampling runs in float32, so a larger temperature or penalty
 #: would become infinite.
 FLOAT32_MAX = 3.4028234663852886e38
-
-
-@dataclass(slots=True)
-class StructuredOutputsParams:
-    """A grammar the output must match (vLLM's ``StructuredOutputsParams``,
-    ``vllm/sampling_params.py``); exactly one of the first five fields is set.
-
-    Attributes:
-        json: a JSON schema (a dict, or its JSON text): the output is one JSON value valid
-            under it.
-        regex: a regular expression (Rust ``regex`` syntax) the whole output matches.
-        choice: the output is exactly one of these strings.
-        grammar: a context-free grammar in Lark syntax (llguidance's dialect) or GBNF.
-        json_object: True: the output is any JSON object (``response_format``
-            ``json_object``).
-        disable_any_whitespace: JSON without whitespace between tokens (llguidance's
-            ``whitespace_flexible`` off): the default, unlike vLLM's, as a small or cold
-            model let free fills ``max_tokens`` with blank lines inside ``{ }``. False opts
-            in to flexible whitespace (any amount of JSON whitespace between tokens).
-        disable_additional_properties: objects of the schema that do not say otherwise get
-            ``additionalProperties: false``.
-        whitespace_pattern: a regex for the whitespace allowed between JSON tokens
-            (overrides ``disable_any_whitespace``).
-
-    The grammar is compiled by llguidance (``jaxpaged.structured_output``); its validity is
-    checked when the owning :class:`SamplingParams` is verified.
-
-    Raises:
-        SamplingParamsError (a ValueError): none or more than one of the five kinds is set,
-            or a field of the wrong type; its ``param`` is ``structured_outputs.<field>``.
-    """
-
-    json: str | dict | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = True
-    disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
-
-    def __post_init__(self) -> None:
-        self.verify()
-
-    @property
-    def kind(self) -> str:
-        """The name of the one grammar field set (``"json"``, ``"regex"``, ...)."""
-        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
-
-    def verify(self) -> None:
-        """Check the fields' types and that exactly one kind is set (not the grammar itself:
-        ``jaxpaged.structured_output.grammar.validate`` compiles it).
-
-        Raises:
-            SamplingParamsError: naming the field.
-        """
-        name = "structured_outputs"
-        kinds = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
-        _check(len(kinds) == 1, name, f"must set exactly one of {list(_STRUCTURED_KINDS)}, "
-                                      f"got {kinds or 'none'}")
-        _check(self.json is None or isinstance(self.json, (str, dict)), f"{name}.json",
-               f"must be a JSON schema (an object or its JSON text), got {self.json!r}")
-        for field_ in ("regex", "grammar", "whitespace_pattern"):
-            value = getattr(self, field_)
-            _check(value is None or isinstance(value, str), f"{name}.{field_}",
-                   f"must be a string, got {value!r}")
-        _check(self.choice is None or (isinstance(self.choice, (list, tuple)) and self.choice
-                                       and all(isinstance(c, str) for c in self.choice)),
-               f"{name}.choice", f"must be a non-empty list of strings, got {self.choice!r}")
-        for field_ in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
-            value = getattr(self, field_)
-            _check(value is None or isinstance(value, bool), f"{name}.{field_}",
-                   f"must be a bool, got {value!r}")
-
-
-#: The grammar kinds of :class:`StructuredOutputsParams`, in vLLM's order.
-_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -302,23 +231,3 @@ def _is_int(x) -> bool:
 
 def _is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-class SamplingParamsError(ValueError):
-    """A field of :class:`SamplingParams` is out of range or of the wrong type.
-
-    Attributes:
-        param: the field's name (the OpenAI/vLLM request parameter of the same name).
-        detail: the message without the class prefix (``"top_p must be in (0, 1], ..."``),
-            for callers that name the field their own way.
-    """
-
-    def __init__(self, param: str, message: str):
-        self.param = param
-        self.detail = f"{param}{'' if message.startswith('=') else ' '}{message}"
-        super().__init__(f"SamplingParams.{self.detail}")
-
-
-def _check(ok: bool, name: str, message: str) -> None:
-    if not ok:
-        raise SamplingParamsError(name, message)

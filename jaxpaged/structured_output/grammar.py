@@ -16,7 +16,8 @@ import functools
 import json
 import re
 
-from jaxpaged.sampling_params import SamplingParamsError, StructuredOutputsParams
+from jaxpaged.errors import SamplingParamsError
+from jaxpaged.structured_output.params import StructuredOutputsParams
 
 #: Keys of a JSON schema that hold maps of sub-schemas, and those that hold sub-schemas.
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

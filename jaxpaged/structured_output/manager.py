@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxpaged.sampling_params import SamplingParamsError, StructuredOutputsParams
+from jaxpaged.errors import SamplingParamsError
+from jaxpaged.structured_output.params import StructuredOutputsParams
 from jaxpaged.structured_output.grammar import cache_key, serialize
 
 if TYPE_CHECKING:   # llguidance is imported when a request asks for a grammar
