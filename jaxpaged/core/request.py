@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from jaxpaged.sampling_params import SamplingParams
+
+if TYPE_CHECKING:   # (types only: each feature's module needs nothing of Request at run time)
+    from jaxpaged.core.pooling import PoolingState
+    from jaxpaged.core.spec_decode.adaptive import SpecState
+    from jaxpaged.core.thinking_budget import ThinkingBudget
+    from jaxpaged.lora.request import LoRARequest
+    from jaxpaged.structured_output.manager import StructuredOutputRequest
 
 #: Separates a request id from a parallel-sampling sequence index in internal sequence ids.
 SEQ_SEP = "\x1f"
@@ -83,7 +90,7 @@ class Request:
     index: int = 0
     priority: int = 0
     cache_salt: str | None = None
-    lora_request: Any = None
+    lora_request: LoRARequest | None = None
     n_samples: int = 1
     bad_words_ids: list[list[int]] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -92,10 +99,10 @@ class Request:
     num_preemptions: int = 0
     num_output_placeholders: int = 0
     needs_output_tokens: bool = False
-    structured_output_request: Any = None
-    pooling: Any = None
-    thinking: Any = None
-    spec_state: Any = None
+    structured_output_request: StructuredOutputRequest | None = None
+    pooling: PoolingState | None = None
+    thinking: ThinkingBudget | None = None
+    spec_state: SpecState | None = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
