@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 
-import httpx
 import uvicorn
 
 from jaxpaged.config import ModelConfig
@@ -257,6 +256,8 @@ class ServerThread:
         Raises:
             RuntimeError: not healthy within ``timeout`` seconds (the engine's error, if any).
         """
+        import httpx        # (only this in-process server needs a client: not at start-up)
+
         self.thread.start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -20,9 +20,10 @@ def test_cached_tokenizer_equals_the_converted_one(monkeypatch, tmp_path):
     monkeypatch.delenv(compile_cache.DISABLE_ENV, raising=False)
     path = smollm2_gguf()
     converted = gguf_tokenizer.gguf_tokenizer(path)          # converts, then caches
-    entries = os.listdir(tmp_path / "tokenizers")
-    assert len(entries) == 1 and entries[0].startswith("gguf-")
-    calls = []
+    entries = sorted(os.listdir(tmp_path / "tokenizers"))
+    assert len(entries) == 2 and entries[0].startswith("gguf-")
+    assert entries[1] == entries[0].removesuffix(".json") + ".tokenizer.json"
+    calls, convert = [], gguf_tokenizer._convert
     monkeypatch.setattr(gguf_tokenizer, "_convert", lambda *a: calls.append(a))
     cached = gguf_tokenizer.gguf_tokenizer(path)              # from the cache
     assert calls == [] and type(cached) is type(converted)
@@ -41,6 +42,12 @@ def test_cached_tokenizer_equals_the_converted_one(monkeypatch, tmp_path):
     assert (cached.bos_token_id, cached.eos_token_id, len(cached)) == (
         converted.bos_token_id, converted.eos_token_id, len(converted))
     assert cached.get_vocab() == converted.get_vocab()
+    monkeypatch.setattr(gguf_tokenizer, "_convert", convert)   # cache off: built in memory
+    monkeypatch.setenv(compile_cache.DISABLE_ENV, "1")
+    in_memory = gguf_tokenizer.gguf_tokenizer(path)
+    assert [in_memory.encode(t) for t in TEXTS] == [cached.encode(t) for t in TEXTS]
+    assert render(in_memory) == render(cached)
+    assert in_memory.all_special_tokens == cached.all_special_tokens
 
 
 def test_cache_off_converts_every_time(monkeypatch, tmp_path):

@@ -13,7 +13,8 @@ The conversion (and the import of transformers' GGUF mapping that it needs) took
 start-up for SmolLM2 on an AMD EPYC Zen 4 core; its result, the ``tokenizer.json`` text and the
 tokenizer's arguments, is kept under ``<cache root>/tokenizers`` named by the file's metadata
 digest (:attr:`jaxpaged.gguf_file.GGUFFile.metadata_digest`), and later loads build the
-tokenizer from it (0.1 s; the same ids: ``tests/test_gguf_tokenizer_cache.py``).
+tokenizer from it (0.1 s; the same ids: ``tests/test_gguf_tokenizer_cache.py``), transformers
+reading the ``tokenizer.json`` text from a file of its own beside the entry.
 ``JAXPAGED_DISABLE_COMPILE_CACHE=1`` turns the cache off, as it does the compile cache.
 """
 
@@ -59,7 +60,26 @@ def gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
         parts = _convert(path, metadata(gguf))
         _write_cached(cache, parts)
     text, kwargs = parts
+    file = _tokenizer_file(cache, text)
+    if file is not None:    # (a tokenizer_object is deep-copied: ~0.3 s of a start-up)
+        return TokenizersBackend(tokenizer_file=file, **kwargs)
     return TokenizersBackend(tokenizer_object=Tokenizer.from_str(text), **kwargs)
+
+
+def _tokenizer_file(entry: str | None, text: str) -> str | None:
+    """The ``tokenizer.json`` beside cache entry ``entry``, holding ``text`` (written now if
+    absent), which transformers reads itself; None while the cache is off or when it cannot
+    be written."""
+    if entry is None:
+        return None
+    path = entry.removesuffix(".json") + ".tokenizer.json"
+    if not os.path.exists(path):
+        try:
+            write_text_atomically(path, text)
+        except OSError as e:
+            logger.warning("the GGUF's tokenizer.json is not cached (%s)", e)
+            return None
+    return path
 
 
 def _convert(path: str, meta: dict) -> tuple[str, dict]:

@@ -391,19 +391,29 @@ std::shared_ptr<SplitRows> split_for(const Call& c, const float* x, int64_t m, i
 #endif
 }
 
+// The angles of rows [0, m) for RoPE: cos and sin [m, half] of float(position) * inv_freq[i]
+// (float32, as jaxpaged.layers.rotary.apply_rope), computed once a call for all its outputs.
+struct RopeAngles {
+  std::vector<float> cos, sin;
+  RopeAngles(int64_t m, const int32_t* positions, const float* inv_freq, int64_t half)
+      : cos(m * half), sin(m * half) {
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t i = 0; i < half; ++i) {
+        const float angle = static_cast<float>(positions[r]) * inv_freq[i];
+        cos[r * half + i] = std::cos(angle);
+        sin[r * half + i] = std::sin(angle);
+      }
+    }
+  }
+};
+
 // Rotary position embedding of rows [0, m) of y [m, n], in place: each whole head of D = 2
 // half features (features [hD, (h + 1) D)) rotated as transformers' rotate-half Llama does,
-// y1' = y1 cos - y2 sin, y2' = y2 cos + y1 sin, with angle float(position) * inv_freq[i] for
-// the pair (i, i + D/2) (float32, as jaxpaged.layers.rotary.apply_rope).
-void rotate(float* y, int64_t m, int64_t n, const int32_t* positions, const float* inv_freq,
-            int64_t half) {
-  std::vector<float> cos(half), sin(half);
+// y1' = y1 cos - y2 sin, y2' = y2 cos + y1 sin, for the pair (i, i + D/2).
+void rotate(float* y, int64_t m, int64_t n, const RopeAngles& angles, int64_t half) {
   for (int64_t r = 0; r < m; ++r) {
-    for (int64_t i = 0; i < half; ++i) {
-      const float angle = static_cast<float>(positions[r]) * inv_freq[i];
-      cos[i] = std::cos(angle);
-      sin[i] = std::sin(angle);
-    }
+    const float* cos = angles.cos.data() + r * half;
+    const float* sin = angles.sin.data() + r * half;
     for (int64_t h = 0; h + 2 * half <= n; h += 2 * half) {
       float* a = y + r * n + h;
       for (int64_t i = 0; i < half; ++i) {
@@ -526,9 +536,12 @@ ffi::Error PackedProjectionsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return [shared, scratch = std::vector<float>(valid * kChunkVectors * kLanes)](
                int64_t i) mutable { run_item(*shared, i, scratch); };
   });
-  for (int32_t p = 0; p < rope_outputs; ++p) {
-    rotate(c.weights[p].y, valid, c.weights[p].n, positions.typed_data(), inv_freq.typed_data(),
-           inv_freq.element_count());
+  if (rope_outputs > 0) {
+    const int64_t half = inv_freq.element_count();
+    const RopeAngles angles(valid, positions.typed_data(), inv_freq.typed_data(), half);
+    for (int32_t p = 0; p < rope_outputs; ++p) {
+      rotate(c.weights[p].y, valid, c.weights[p].n, angles, half);
+    }
   }
   return ffi::Error::Success();
 }

@@ -56,6 +56,53 @@ inline bool vnni_shape(int64_t group, bool four_bit) {
   return group <= 32 && group % (four_bit ? 8 : 4) == 0;
 }
 
+// Input index (within 16) of byte o of the 48 that 16 split inputs fill: 4 quads of 12 bytes
+// (4 h, 4 m, 4 l), in the order of 4-bit (nibble-paired) or 8-bit (consecutive) weights.
+inline int64_t quad_input(int64_t o, bool four_bit) {
+  const int64_t quad = o / 12, b = o % 4;
+  return four_bit ? (quad / 2) * 8 + (quad % 2) + 2 * b : 4 * quad + b;
+}
+
+// One row's split where the group is a multiple of 16 inputs, 16 at a time: the scalar
+// split's arithmetic on 16 lanes (round to nearest even, the same clamp and digits), the 48
+// bytes of 4 quads placed by one vpermb. Equal bit for bit to the scalar split (tested).
+inline void split_row_16(const float* xr, int64_t k, int64_t group, bool four_bit,
+                         int8_t* out, float* step, int32_t* sums) {
+  alignas(64) uint8_t idx[64] = {};
+  for (int64_t o = 0; o < 48; ++o) {
+    idx[o] = static_cast<uint8_t>(16 * ((o % 12) / 4) + quad_input(o, four_bit));
+  }
+  const __m512i place = _mm512_load_si512(idx);
+  const __m512i limit = _mm512_set1_epi32(127 * 65536), half = _mm512_set1_epi32(128);
+  const __m512i low_byte = _mm512_set1_epi32(255);
+  for (int64_t g = 0; g < k / group; ++g) {
+    const float* xg = xr + g * group;
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t i = 0; i < group; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xg + i)));
+    const float e = _mm512_reduce_max_ps(amax) / (127.0f * 65536.0f);
+    const __m512 inv = _mm512_set1_ps(e > 0.0f ? 1.0f / e : 0.0f);
+    __m512i sum_h = _mm512_setzero_si512(), sum_ml = _mm512_setzero_si512();
+    for (int64_t i = 0; i < group; i += 16) {
+      __m512i t = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + i), inv));
+      t = _mm512_max_epi32(_mm512_min_epi32(t, limit), _mm512_sub_epi32(_mm512_setzero_si512(), limit));
+      const __m512i l = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(t, half), low_byte), half);
+      t = _mm512_srai_epi32(_mm512_sub_epi32(t, l), 8);
+      const __m512i mid = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(t, half), low_byte), half);
+      const __m512i h = _mm512_srai_epi32(_mm512_sub_epi32(t, mid), 8);
+      sum_h = _mm512_add_epi32(sum_h, h);
+      sum_ml = _mm512_add_epi32(sum_ml, _mm512_add_epi32(_mm512_slli_epi32(mid, 8), l));
+      __m512i bytes = _mm512_castsi128_si512(_mm512_cvtepi32_epi8(h));
+      bytes = _mm512_inserti32x4(bytes, _mm512_cvtepi32_epi8(mid), 1);
+      bytes = _mm512_inserti32x4(bytes, _mm512_cvtepi32_epi8(l), 2);
+      _mm512_mask_storeu_epi8(out + (g * group + i) * 3, 0xFFFFFFFFFFFFull,
+                              _mm512_permutexvar_epi8(place, bytes));
+    }
+    step[g] = e;
+    sums[2 * g] = _mm512_reduce_add_epi32(sum_h);
+    sums[2 * g + 1] = _mm512_reduce_add_epi32(sum_ml);
+  }
+}
+
 // Splits rows [0, m) of x [m, k] for groups of `group` inputs, quads in the order of 4-bit
 // (nibble-paired) or 8-bit (consecutive) weights.
 inline SplitRows split_rows(const float* x, int64_t m, int64_t k, int64_t group,
@@ -67,6 +114,14 @@ inline SplitRows split_rows(const float* x, int64_t m, int64_t k, int64_t group,
   s.quads.assign(m * (k / 4) * 3, 0);
   s.step.assign(m * groups, 0.0f);
   s.sums.assign(m * groups * 2, 0);
+  if (group % 16 == 0) {
+    for (int64_t r = 0; r < m; ++r) {
+      split_row_16(x + r * k, k, group, four_bit,
+                   reinterpret_cast<int8_t*>(s.quads.data() + r * (k / 4) * 3),
+                   s.step.data() + r * groups, s.sums.data() + r * groups * 2);
+    }
+    return s;
+  }
   std::vector<int8_t> digits(3 * k);  // [3][k]: h, m, l
   for (int64_t r = 0; r < m; ++r) {
     const float* xr = x + r * k;
@@ -92,7 +147,7 @@ inline SplitRows split_rows(const float* x, int64_t m, int64_t k, int64_t group,
     for (int64_t q = 0; q < k / 4; ++q) {
       for (int b = 0; b < 4; ++b) {
         // 4 bits: quad 2o is inputs 8o + {0, 2, 4, 6}, quad 2o + 1 is 8o + {1, 3, 5, 7}.
-        const int64_t i = four_bit ? (q / 2) * 8 + (q % 2) + 2 * b : 4 * q + b;
+        const int64_t i = (q / 4) * 16 + quad_input((q % 4) * 12 + b, four_bit);
         for (int d = 0; d < 3; ++d) out[q * 12 + 4 * d + b] = digits[d * k + i];
       }
     }
