@@ -121,7 +121,7 @@ class EngineStats:
 
 
 def finished_request_stats(group, now: float, reason: str) -> FinishedRequestStats:
-    """The statistics of a request (an ``engine.output_processor.RequestGroup``) that
+    """The statistics of a request (a ``core.output_processor.RequestGroup``) that
     ended at ``now`` with ``reason``."""
     scheduled, first = group.first_scheduled_time, group.first_token_time
     return FinishedRequestStats(

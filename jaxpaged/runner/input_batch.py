@@ -6,6 +6,9 @@ one Python pass over the scheduled sequences reads their scalars, everything els
 the page table, the slot mapping, the sampling rows) is computed from those columns, so the
 host cost of a step grows with its sequences only through that one pass. The token ids and
 page ids come from the ``SchedulerOutput`` alone: the KV cache manager is never consulted.
+:func:`prepare_step` composes the pure builders of ``jaxpaged.runner.step_builders`` (the plan,
+token layout, token ids, sampling rows, logit adjustments, grammar masks, prompt-logprob targets
+and verification rows).
 
 References: vLLM V1's ``InputBatch`` / ``GPUModelRunner._prepare_inputs``
 (``vllm/v1/worker/gpu_model_runner.py``) for the same slot-mapping arithmetic:
@@ -16,31 +19,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import chain
 
 import jax
 import numpy as np
 
-from jaxpaged.constants import NULL_PAGE
 from jaxpaged.core.scheduler_output import SchedulerOutput
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout
-from jaxpaged.sampling.logits_adjust import (LogitsAdjustment, needs_adjustment, no_adjustment,
-                                             pack, row_adjustment)
+from jaxpaged.runner.step_builders import (grammar_masks, logit_adjustments, plan_step,
+                                           prompt_targets, sampling_rows, token_ids,
+                                           token_layout, verify_rows)
+from jaxpaged.sampling.logits_adjust import LogitsAdjustment
 from jaxpaged.sampling.sampler import SamplingMetadata
-from jaxpaged.structured_output.manager import grammar_bitmask
-
-_SEED_MASK = 0xFFFFFFFFFFFFFFFF
-_UNKNOWN = [0]      # the stand-in id of a token not on the host yet
-
-
-def _seed_bits(seeds: list[int]) -> np.ndarray:
-    """Python int seeds modulo 2**64 as uint64 (two's complement of an int64 is that residue;
-    seeds outside int64 take the slow path)."""
-    try:
-        return np.array(seeds, np.int64).view(np.uint64)
-    except OverflowError:
-        return np.array([s & _SEED_MASK for s in seeds], object).astype(np.uint64)
-
 
 @dataclass(frozen=True)
 class StepInputs:
@@ -163,146 +152,18 @@ def prepare_step(sched: SchedulerOutput, *, page_size: int, backend: AttentionBa
         ValueError: the step exceeds the largest bucket.
         RuntimeError: a sequence decodes an unknown token the previous step did not sample.
     """
-    seqs = sched.scheduled
-    b = len(seqs)
-    reqs = [s.request for s in seqs]
-    starts_a = np.array([s.start for s in seqs], np.int64)
-    counts_a = np.array([s.num_new_tokens for s in seqs], np.int64)
-    speculative = verify_block_q > 0
-    drafts_a = np.array([len(s.draft_token_ids or ()) for s in seqs], np.int64) \
-        if speculative else np.zeros(b, np.int64)
-    rows = [s.num_samples or 1 for s in seqs]
-    rows_a = np.array(rows, np.int64) + drafts_a
-    rows = rows_a.tolist()
-    page_lens = [len(s.page_ids) for s in seqs]
-    # Sampling parameters per distinct SamplingParams object (a batch often shares a few).
-    index: dict[int, int] = {}
-    param_of = np.array([index.setdefault(id(r.params), len(index)) for r in reqs], np.int64)
-    distinct = list({id(r.params): r.params for r in reqs}.values())
-    with_logprobs = any(p.logprobs is not None for p in distinct)
-    with_prompt = any(p.prompt_logprobs is not None for p in distinct) and any(
-        r.params.prompt_logprobs is not None and s.start < r.num_prompt_tokens - 1
-        for s, r in zip(seqs, reqs))
-    needs = [needs_adjustment(p) for p in distinct]
-    adjusted = [i for i, s in enumerate(seqs) if s.samples and needs[param_of[i]]] \
-        if any(needs) else []
-    num_tokens, num_rows = int(counts_a.sum()), int(rows_a.sum())
-    verify = (speculative and num_tokens > b and bool((counts_a == 1 + drafts_a).all())
-              and num_rows == num_tokens)
-    t_pad, b_pad, p_pad = pad_sizes(num_tokens, b, num_rows, max(page_lens), num_tokens == b,
-                                    verify)
-    r_pad = t_pad if verify else b_pad      # sampling rows
-
-    cu_tokens = np.zeros(b + 1, np.int64)
-    np.cumsum(counts_a, out=cu_tokens[1:])
-    token_seq = np.repeat(np.arange(b), counts_a)
-    token_pos = np.arange(num_tokens) - cu_tokens[token_seq] + starts_a[token_seq]
-    page_table = np.full((b_pad, p_pad), NULL_PAGE, np.int32)
-    page_rows = np.repeat(np.arange(b), page_lens)
-    cu_pages = np.zeros(b + 1, np.int64)
-    np.cumsum(page_lens, out=cu_pages[1:])
-    page_table[page_rows, np.arange(cu_pages[-1]) - cu_pages[page_rows]] = np.fromiter(
-        chain.from_iterable(s.page_ids for s in seqs), np.int32, int(cu_pages[-1]))
-
-    input_ids = np.zeros(t_pad, np.int32)
-    # A decode of a token still being sampled by the previous step (async scheduling): its
-    # id comes from that step's device output; 0 stands in here.
-    unknown = [i for i, (s, r) in enumerate(zip(seqs, reqs)) if s.start >= len(r.all_token_ids)]
-    if num_tokens == b:     # decode-only: one token each
-        input_ids[:b] = [r.all_token_ids[s.start] if s.start < len(r.all_token_ids) else 0
-                         for s, r in zip(seqs, reqs)]
-    else:
-        input_ids[:num_tokens] = np.fromiter(
-            chain.from_iterable(s.request.all_token_ids[s.start:s.end] + s.draft_token_ids
-                                if s.draft_token_ids else
-                                s.request.all_token_ids[s.start:s.end] or _UNKNOWN
-                                for s in seqs), np.int32, num_tokens)
-    prev_token_index = np.full(t_pad, -1, np.int32)
-    if unknown:
-        rows_before = prev_rows()
-        try:
-            prev_token_index[cu_tokens[unknown]] = [rows_before[reqs[i].request_id]
-                                                    for i in unknown]
-        except KeyError as e:
-            raise RuntimeError(f"sequence {e.args[0]!r} decodes a token that the previous "
-                               "step did not sample") from None
-    positions = np.zeros(t_pad, np.int32)
-    positions[:num_tokens] = token_pos
-    slot_mapping = np.full(t_pad, NULL_PAGE * page_size, np.int32)
-    slot_mapping[:num_tokens] = (page_table[token_seq, token_pos // page_size] * page_size
-                                 + token_pos % page_size)
-    seq_lens = np.zeros(b_pad, np.int32)
-    seq_lens[:b] = starts_a + counts_a
-    query_start_loc = np.full(b_pad + 1, num_tokens, np.int32)
-    query_start_loc[:b] = cu_tokens[:b]
-    layout = BatchLayout(query_start_loc=query_start_loc, seq_lens=seq_lens,
-                         positions=positions, slot_mapping=slot_mapping, page_table=page_table,
-                         num_seqs=b, num_tokens=num_tokens,
-                         verify_block_q=verify_block_q if verify else 0)
-
-    # Sampling rows: a sequence's rows are consecutive; row j of it draws with seed + j.
-    owners = np.repeat(np.arange(b), rows_a)
-    cu_rows = np.zeros(b + 1, np.int64)
-    np.cumsum(rows_a, out=cu_rows[1:])
-    local = np.arange(num_rows) - cu_rows[owners]   # a row's index within its sequence
-    # A speculating sequence's row j reads its chunk's token j: ``back`` tokens before the
-    # last one. Its rows keep one seed; the n rows of a parallel-sampling prompt add j.
-    spec_rows = drafts_a[owners] > 0
-    back = np.where(spec_rows, drafts_a[owners] - local, 0)
-    logits_indices = np.zeros(r_pad, np.int32)
-    logits_indices[:num_rows] = cu_tokens[1:][owners] - 1 - back
-    row_seeds = (_seed_bits([r.seed for r in reqs])[owners]
-                 + np.where(spec_rows, 0, local).astype(np.uint64))
-    row_params = param_of[owners]
-    sampling = SamplingMetadata.from_columns(
-        *(np.array([getattr(p, name) for p in distinct])[row_params]
-          for name in ("temperature", "top_k", "top_p", "min_p", "is_greedy")),
-        row_seeds, (starts_a + counts_a)[owners] - back,
-        padded=r_pad)
-    adjust = None
-    if adjusted:
-        per_row = [None] * num_rows
-        for i in adjusted:
-            req, drafts = seqs[i].request, seqs[i].draft_token_ids
-            thinking = req.thinking
-            if drafts and speculative:
-                per_row[cu_rows[i]:cu_rows[i + 1]] = [
-                    row_adjustment(req.params, req.prompt_token_ids,
-                                   req.output_token_ids + drafts[:j], eos_token_ids,
-                                   req.bad_words_ids,
-                                   thinking and thinking.forced(req.all_token_ids, drafts[:j]))
-                    for j in range(len(drafts) + 1)]
-                continue
-            adj = row_adjustment(req.params, req.prompt_token_ids, req.output_token_ids,
-                                 eos_token_ids, req.bad_words_ids,
-                                 thinking and thinking.forced(req.all_token_ids))
-            per_row[cu_rows[i]:cu_rows[i + 1]] = [adj] * rows[i]
-        if any(a is not None for a in per_row):
-            adjust = pack(per_row, r_pad, adjust_capacity)
-    if adjust is None:
-        adjust = no_adjustment(r_pad, adjust_capacity, adjust_capacity)
-
-    constrained = [(s.request.structured_output_request, r) for i, s in enumerate(seqs)
-                   if s.samples and s.request.structured_output_request is not None
-                   for r in range(cu_rows[i], cu_rows[i + 1])]
-    token_bitmask = (grammar_bitmask(constrained, r_pad, bitmask_words) if constrained
-                     else free_bitmask(r_pad))
-
-    prompt_targets = np.zeros(t_pad, np.int32)
-    if with_prompt:     # each row's next prompt token (a chunk's last one: the next chunk's)
-        for i, s in enumerate(seqs):
-            following = s.request.all_token_ids[s.start + 1:s.end + 1]
-            t = int(cu_tokens[i])
-            prompt_targets[t:t + len(following)] = following
-    inputs = StepInputs(input_ids, positions, logits_indices, attention_metadata(backend, layout),
-                        sampling, adjust, token_bitmask, prompt_targets, prev_token_index,
-                        np.asarray(with_logprobs), np.asarray(with_prompt),
-                        np.asarray(any(r.pooling is not None for r in reqs)),
-                        np.asarray(num_rows, np.int32))
-    draft_ids = None
-    if speculative:
-        draft_ids = np.full(r_pad, -1, np.int32)
-        for i in np.flatnonzero(drafts_a):
-            first = int(cu_rows[i])
-            draft_ids[first:first + drafts_a[i]] = seqs[i].draft_token_ids
-    return PreparedStep(inputs, layout, cu_rows.tolist(), draft_ids)
+    plan = plan_step(sched.scheduled, pad_sizes, verify_block_q)
+    layout = token_layout(plan, page_size, verify_block_q)
+    input_ids, prev_token_index = token_ids(plan, prev_rows)
+    logits_indices, sampling = sampling_rows(plan)
+    inputs = StepInputs(
+        input_ids=input_ids, positions=layout.positions, logits_indices=logits_indices,
+        attn_metadata=attention_metadata(backend, layout), sampling=sampling,
+        adjust=logit_adjustments(plan, eos_token_ids, adjust_capacity),
+        token_bitmask=grammar_masks(plan, bitmask_words, free_bitmask),
+        prompt_targets=prompt_targets(plan), prev_token_index=prev_token_index,
+        with_logprobs=np.asarray(plan.with_logprobs),
+        with_prompt_logprobs=np.asarray(plan.with_prompt),
+        with_pooling=np.asarray(any(r.pooling is not None for r in plan.reqs)),
+        num_rows=np.asarray(plan.num_rows, np.int32))
+    return PreparedStep(inputs, layout, plan.cu_rows.tolist(), verify_rows(plan))
