@@ -84,7 +84,7 @@ class EngineSteps:
             if any(not s.request.is_finished for s in scheduled) and not any(
                     s.request.structured_output_request or s.draft_token_ids for s in scheduled):
                 self._in_flight = current
-            else:   # (all its requests finished meanwhile; none is left in flight)
+            else:   # (a grammar or proposals need its tokens, or all its requests finished)
                 outputs += self._finish(current)
         return outputs
 
