@@ -321,8 +321,8 @@ class Engine(Rollout, Sleep):
             came in (this one; with async scheduling, the previous one): cumulative text and
             ids, ``finished`` set on the last one; and the failed requests' final outputs.
         """
-        if self.is_frozen:      # paused, updating weights or asleep (jaxpaged.engine.rollout)
-            return []
+        if (held := self._held_step()) is not None:    # paused, updating or asleep
+            return held                                 # (jaxpaged.engine.rollout)
         outputs, self._early_outputs = self._early_outputs, []
         previous, self._in_flight = self._in_flight, None
         spec = self.scheduler.spec

@@ -64,17 +64,30 @@ class Rollout:
         return self._pause_mode is not None
 
     @property
+    def _steps_held(self) -> bool:
+        """No model step may run: paused in ``keep``/``abort`` mode, inside a phased weight
+        update, or asleep."""
+        return (self._update_open or bool(getattr(self, "_asleep", None))
+                or self._pause_mode in ("keep", "abort"))
+
+    @property
     def is_frozen(self) -> bool:
-        """True while a step would run nothing: paused (``wait``: once no admitted request
-        is left), inside a phased weight update, or asleep; outputs made meanwhile still
-        come from :meth:`step`."""
+        """True while :meth:`step` has nothing to return or run: steps are held (see
+        :meth:`pause_generation`; ``wait``: once no admitted request is left) and the
+        outputs made before are taken. A loop driving the engine waits then."""
         if self._early_outputs:
             return False
-        if self._update_open or getattr(self, "_asleep", None):
-            return True
-        if self._pause_mode == "wait":
+        if self._pause_mode == "wait" and not self._steps_held:
             return not self.scheduler.has_unfinished_requests() and self._in_flight is None
-        return self._pause_mode is not None
+        return self._steps_held
+
+    def _held_step(self) -> list[RequestOutput] | None:
+        """What :meth:`step` returns while steps are held (the outputs made before it, e.g.
+        aborted requests' final ones), or None when a step may run."""
+        if not self._steps_held:
+            return None
+        outputs, self._early_outputs = self._early_outputs, []
+        return outputs
 
     def pause_generation(self, mode: str = "abort") -> list[RequestOutput]:
         """Stop admitting requests (new ones are held until :meth:`resume_generation`).
