@@ -68,7 +68,8 @@ class OpenAIServingCompletion(OpenAIServing):
         cached = cached_tokens(self.engine.args.enable_prefix_caching,
                                (f.num_cached_tokens for f in finals))
         return CompletionResponse(id=request_id, model=self.model_name(body.model),
-                                  choices=choices, usage=usage(prompts, completion_tokens, cached))
+                                  choices=choices, usage=usage(prompts, completion_tokens, cached),
+                                  weight_version=max(f.weight_version for f in finals))
 
     def _prepare_prompts(self, body: CompletionRequest) -> list[PreparedPrompt]:
         prompt = body.prompt
