@@ -18,8 +18,8 @@ PROBE = PROMPTS[0] + [7, 9, 11]
 
 
 def make_llm(model, **kw):
-    return LLM(model=model, tokenizer=STORIES, enforce_eager=True, max_num_seqs=8,
-               max_num_batched_tokens=64, **kw)
+    return LLM(model=model, tokenizer=STORIES, **{
+        "enforce_eager": True, "max_num_seqs": 8, "max_num_batched_tokens": 64, **kw})
 
 
 def greedy(llm):
