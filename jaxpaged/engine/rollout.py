@@ -24,8 +24,6 @@ import logging
 import time
 
 from jaxpaged.outputs import RequestOutput
-from jaxpaged.runner.pipeline_runner import PipelineModelRunner
-from jaxpaged.runner.weight_update import plan_update
 
 logger = logging.getLogger(__name__)
 
@@ -207,14 +205,7 @@ class Rollout:
         if not phased:
             self._settle_in_flight()
         t0 = time.perf_counter()
-        graphdef, state = self.runner.state
-        cfg = self.model_config
-        plan = plan_update(graphdef, state, weights, tp=self.runner.tensor_parallel,
-                           quantization=cfg.quantization,
-                           group_size=cfg.quantization_group_size,
-                           tie_word_embeddings=cfg.tie_word_embeddings)
-        self.runner.replace_state(plan.state)
-        self._weights_missing = plan.missing
+        plan = self.runner.update_weights(weights, self.model_config)
         self._update_seconds += time.perf_counter() - t0
         logger.info("weights replaced: %d tensors in %.3f s", len(plan.names),
                     time.perf_counter() - t0)
@@ -247,9 +238,7 @@ class Rollout:
         return self.weight_version
 
     def _check_updatable(self) -> None:
-        if isinstance(self.runner, PipelineModelRunner):
-            raise NotImplementedError("weight updates with pipeline parallelism are not "
-                                      "supported yet")
+        self.runner.check_weights_updatable()
         if self.drafter is not None:
             logger.warning("weight update: the draft model keeps its weights")
 

@@ -17,11 +17,6 @@ from __future__ import annotations
 
 import logging
 
-import jax
-import numpy as np
-
-from jaxpaged.layers.layer_stack import distinct_leaves
-
 logger = logging.getLogger(__name__)
 
 SLEEP_TAGS = ("weights", "kv_cache")
@@ -37,7 +32,6 @@ class Sleep:
 
     _asleep: frozenset = frozenset()
     _sleep_level = 0
-    _host_weights = None
 
     @property
     def is_sleeping(self) -> bool:
@@ -64,16 +58,8 @@ class Sleep:
         self._check_updatable()
         self._settle_in_flight()
         preempted = self.scheduler.reset_kv_cache()      # (their K/V goes with the pool)
-        graphdef, state = self.runner.state
-        leaves = distinct_leaves(state)[0]
-        self._host_weights = jax.device_get(state) if level == 1 else None
-        for k, v in self.runner.kv_pool:
-            k.delete()
-            v.delete()
-        for leaf in leaves:
-            leaf.delete()
+        self.runner.free_device_memory(keep_weights=level == 1)
         self._sleep_level, self._asleep = level, frozenset(SLEEP_TAGS)
-        self._weights_missing = ["every tensor"] if level == 2 else []
         logger.info("asleep (level %d): KV pool and weights freed; %d running sequences will "
                     "re-prefill", level, preempted)
 
@@ -96,27 +82,16 @@ class Sleep:
             self.runner.reallocate_kv_pool()
         self._asleep = self._asleep - set(tags)
         if not self._asleep:
-            self._sleep_level, self._host_weights = 0, None
+            self._sleep_level = 0
             self._release_held()
 
     def _wake_weights(self) -> None:
-        graphdef, state = self.runner.state
-        if self._host_weights is None:      # level 2: only what update_weights gave back
-            missing = getattr(self, "_weights_missing", [])
-            if missing:
-                raise WeightsNotLoadedError(
-                    "cannot wake the weights after a level-2 sleep: they were dropped and "
-                    f"these were not given again with update_weights: {missing[:20]}"
-                    + (f" and {len(missing) - 20} more" if len(missing) > 20 else ""))
+        if self._sleep_level == 1:          # the host copy, less what updates gave since
+            self.runner.restore_weights()
             return
-        restored = jax.tree.map(_restore, state, self._host_weights)
-        self.runner.replace_state(restored)
-
-
-def _restore(device, host):
-    """``device`` if it is alive (given by an update while asleep), else ``host`` placed
-    with ``device``'s sharding."""
-    if not device.is_deleted():
-        return device
-    host = np.asarray(host)
-    return jax.make_array_from_callback(host.shape, device.sharding, lambda index: host[index])
+        missing = self.runner.deleted_weights()   # level 2: only what updates gave back
+        if missing:
+            raise WeightsNotLoadedError(
+                "cannot wake the weights after a level-2 sleep: they were dropped and "
+                f"these were not given again with update_weights: {missing[:20]}"
+                + (f" and {len(missing) - 20} more" if len(missing) > 20 else ""))

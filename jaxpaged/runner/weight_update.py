@@ -88,13 +88,10 @@ class UpdatePlan:
     Attributes:
         state: the runner's new state (the untouched leaves the old arrays themselves).
         names: the checkpoint tensors the update read, sorted.
-        missing: the parameters (by checkpoint name) still without an array (deleted by a
-            level-2 sleep and not in this update), sorted.
     """
 
     state: nnx.State
     names: list[str]
-    missing: list[str]
 
 
 def plan_update(graphdef, state, weights, *, tp, quantization: str | None,
@@ -159,10 +156,8 @@ def plan_update(graphdef, state, weights, *, tp, quantization: str | None,
     if problems:
         raise WeightUpdateError("weight update refused, the old weights keep serving: "
                                 + "; ".join(problems))
-    missing = sorted({loader._hf_name(path) for (path, _), leaf in zip(flat, leaves)
-                      if isinstance(leaf, jax.Array) and leaf.is_deleted()})
     return UpdatePlan(jax.tree.unflatten(treedef, leaves),
-                      sorted(set(getattr(reader, "_read", ()))), missing)
+                      sorted(set(getattr(reader, "_read", ()))))
 
 
 def _derive(reader, path, var, name, leading, quantized, method, group_size, derived):
@@ -224,3 +219,71 @@ def _placed(arr, dtype, sharding):
         return arr if arr.sharding == sharding else jax.device_put(arr, sharding)
     host = np.asarray(arr, dtype=dtype)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+class RunnerWeights:
+    """Weight updates and sleep mode on the runner's device state, mixed into
+    ``ModelRunner`` (the engine's ``jaxpaged.engine.rollout`` and ``jaxpaged.engine.sleep``
+    call these; they keep the host side free of JAX).
+
+    Attributes:
+        tensor_parallel: the model's ``TensorParallel`` (set by the worker; None: one device).
+    """
+
+    tensor_parallel = None
+    _host_weights = None
+
+    def check_weights_updatable(self) -> None:
+        """Raises NotImplementedError for pipeline stages (their state is split by stage)."""
+        if getattr(self, "_pipeline", None) is not None:
+            raise NotImplementedError("weight updates and sleep mode with pipeline "
+                                      "parallelism are not supported yet")
+
+    def update_weights(self, weights, config) -> UpdatePlan:
+        """Serve ``weights`` (:func:`plan_update`, checked whole first) for model ``config``
+        (its quantization and tied embeddings); returns the plan carried out."""
+        self.check_weights_updatable()
+        graphdef, state = self.state
+        tp = self.tensor_parallel
+        if tp is None:
+            from jaxpaged.distributed.tensor_parallel import TensorParallel
+            tp = TensorParallel.create(1, config)
+        plan = plan_update(graphdef, state, weights, tp=tp, quantization=config.quantization,
+                           group_size=config.quantization_group_size,
+                           tie_word_embeddings=config.tie_word_embeddings)
+        self.replace_state(plan.state)
+        return plan
+
+    def free_device_memory(self, keep_weights: bool) -> None:
+        """Delete the KV pool's and the weights' device arrays; with ``keep_weights`` the
+        weights are copied to host memory first (:meth:`restore_weights`)."""
+        self.check_weights_updatable()
+        state = self.state[1]
+        self._host_weights = jax.device_get(state) if keep_weights else None
+        for k, v in self.kv_pool:
+            k.delete()
+            v.delete()
+        for leaf in jax.tree.leaves(state):
+            if not leaf.is_deleted():
+                leaf.delete()
+
+    def deleted_weights(self) -> list[str]:
+        """Checkpoint names of the parameters whose device arrays are deleted, sorted."""
+        return sorted({loader._hf_name(loader.param_path(kp))
+                       for kp, leaf in jax.tree_util.tree_flatten_with_path(self.state[1])[0]
+                       if leaf.is_deleted()})
+
+    def restore_weights(self) -> None:
+        """Put the host copy back on the devices where a weight is deleted (a weight an
+        update gave meanwhile stays); no-op without a host copy."""
+        if self._host_weights is None:
+            return
+        host, self._host_weights = self._host_weights, None
+        self.replace_state(jax.tree.map(_restore, self.state[1], host))
+
+def _restore(device, host):
+    """``device`` if alive, else ``host`` placed with ``device``'s sharding."""
+    if not device.is_deleted():
+        return device
+    host = np.asarray(host)
+    return jax.make_array_from_callback(host.shape, device.sharding, lambda index: host[index])
