@@ -214,7 +214,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                 choice.token_ids:
                             choices.append(choice)
                     if choices:
-                        chunk = CompletionResponse(id=request_id, model=model, choices=choices)
+                        chunk = CompletionResponse(id=request_id, model=model, choices=choices,
+                                                   weight_version=out.weight_version)
                         if continuous_usage(body):    # vLLM: this prompt's counts so far
                             chunk.usage = usage([prompts[i]], per_prompt[i])
                         yield sse(chunk)

@@ -141,9 +141,10 @@ def test_prefix_cache_is_invalidated_by_an_update(tmp_path, w0, w1):
     assert llm.generate(long, GREEDY, use_tqdm=False)[0].num_cached_tokens == 0
 
 
-def test_int8_update_requantizes(tmp_path, w0, w1, dir1):
-    llm = make_llm(write_checkpoint(tmp_path / "w0", w0), quantization="int8")
-    fresh = make_llm(dir1, quantization="int8")
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_8bit_update_requantizes(tmp_path, w0, w1, dir1, method):
+    llm = make_llm(write_checkpoint(tmp_path / "w0", w0), quantization=method)
+    fresh = make_llm(dir1, quantization=method)
     assert updated(llm, w1) == 1
     assert greedy(llm)[0] == greedy(fresh)[0]
     np.testing.assert_array_equal(logits(llm), logits(fresh))

@@ -1,6 +1,7 @@
 """The RL control routes (issue 44): behind the API key, off without --enable-rl-endpoints,
 and weight_version on every completion."""
 
+import json
 import os
 import shutil
 import threading
@@ -67,6 +68,11 @@ def test_update_weights_from_disk_tags_outputs(http, other_weights):
     chat = http.post("/v1/chat/completions", json={
         "model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}).json()
     assert chat["weight_version"] == base + 1
+    with http.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as chunks:
+        lines = [json.loads(line[6:]) for line in chunks.iter_lines()
+                 if line.startswith("data: {")]
+    assert lines and all(c["weight_version"] == base + 1 for c in lines)
+    assert "".join(c["choices"][0]["text"] for c in lines) == text1
     assert http.post("/update_weights_from_disk", json={"model_path": STORIES}).json()[
         "weight_version"] == base + 2
     assert complete(http) == (text0, base + 2)
@@ -91,6 +97,18 @@ def test_pause_keep_holds_requests_until_resume(http, rl_server):
     assert result["text"] == text0
     assert http.post("/pause", params={"mode": "wait"}).json()["mode"] == "wait"
     http.post("/resume")
+    with rl_server.slow_steps(0.05):      # a request running when an abort pause comes
+        worker = threading.Thread(target=lambda: result.update(
+            aborted=http.post("/v1/completions", json={**BODY, "max_tokens": 100,
+                                                       "ignore_eos": True}).json()))
+        worker.start()
+        time.sleep(0.5)
+        assert http.post("/pause", params={"mode": "abort"}).json()["mode"] == "abort"
+        worker.join(30)
+    assert result["aborted"]["choices"][0]["finish_reason"] == "abort"
+    assert len(result["aborted"]["choices"][0]["text"]) > 0
+    http.post("/resume")
+    assert complete(http)[0] == text0
 
 
 def test_sleep_and_wake(http, rl_server):
