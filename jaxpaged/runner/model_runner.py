@@ -190,35 +190,6 @@ class ModelRunner(RunnerWeights):
             self._ready_shapes.clear()
 
     @property
-    def state(self) -> tuple:
-        """``(graphdef, state)`` of the served model (``jaxpaged.runner.weight_update``)."""
-        return self._graphdef, self._state
-
-    def replace_state(self, state) -> None:
-        """Serve from ``state``: the current one's structure, every array of the same shape,
-        dtype and sharding (some may be deleted: a sleeping runner), so every compiled step
-        stays valid and none is dropped (``jaxpaged.runner.weight_update``).
-
-        Raises:
-            ValueError: a different structure, shape, dtype or sharding.
-        """
-        leaves, _, index = distinct_leaves(state)
-        if index != self._leaf_index or any(
-                (a.shape, a.dtype, a.sharding) != (b.shape, b.dtype, b.sharding)
-                for a, b in zip(leaves, self._state_leaves)):
-            raise ValueError("replacement state differs from the served one in structure, "
-                             "shapes, dtypes or shardings")
-        with self._compile_lock:
-            digest = self._model_digest()   # (avals and shardings only: unchanged)
-            self._state, self._state_leaves = state, leaves
-            self._digest = ((id(self._graphdef), id(state)), digest)
-
-    @property
-    def kv_pool(self) -> list[KVPages]:
-        """The serving pool, one ``(k_pages, v_pages)`` per layer."""
-        return self._kv_caches
-
-    @property
     def backend(self) -> AttentionBackend:
         return self._backend
 
