@@ -41,7 +41,8 @@ from jaxpaged.engine.arg_utils import EngineArgs
 from jaxpaged.runner.background_compile import SERVE
 from jaxpaged.engine.data_parallel import DataParallelEngine, make_engine
 from jaxpaged.engine.engine import Engine
-from jaxpaged.engine.commands import AbortRequest, AddRequest, EngineCommand, StopEngine
+from jaxpaged.engine.commands import (AbortRequest, AddRequest, EngineCall, EngineCommand,
+                                      StopEngine)
 from jaxpaged.engine.follower import warm_up
 from jaxpaged.engine.input_processor import Prompt
 from jaxpaged.engine.request_stream import (EngineDeadError, EngineNotReadyError,
@@ -261,6 +262,20 @@ class AsyncEngine:
             stream.put(None)
             self._commands.put(AbortRequest(request_id))
 
+    async def call(self, fn):
+        """``fn(engine)`` run on the engine thread between two steps; its result (its
+        exception is raised here). The RL controls (``server/serving_rl.py``) go through it.
+
+        Raises:
+            NotImplementedError: a multi-host job (the other processes would not follow).
+        """
+        if self._multihost:
+            raise NotImplementedError("engine calls (RL controls) need a single-process job")
+        self.check_ready()
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(EngineCall(fn=fn, done=done))
+        return await done
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -315,7 +330,8 @@ class AsyncEngine:
     def _loop_forever(self) -> None:
         engine = self.engine
         while True:
-            commands = self._take_commands(block=not engine.has_unfinished_requests())
+            frozen = getattr(engine, "is_frozen", False)    # paused or asleep: wait for calls
+            commands = self._take_commands(block=frozen or not engine.has_unfinished_requests())
             if self.max_pending_requests is not None:
                 commands = self._admit(commands)
             if self._multihost:
@@ -331,9 +347,11 @@ class AsyncEngine:
                     return
                 if isinstance(cmd, AddRequest):
                     self._handle_add(cmd)
+                elif isinstance(cmd, EngineCall):
+                    self._handle_call(cmd)
                 else:
                     engine.abort_request(cmd.request_id)
-            if engine.has_unfinished_requests():
+            if engine.has_unfinished_requests() and not getattr(engine, "is_frozen", False):
                 outputs = engine.step()
                 if outputs:
                     self._call_soon(self._deliver, outputs)
@@ -383,6 +401,13 @@ class AsyncEngine:
             error = e
         self._call_soon(_settle, cmd.accepted, error)
 
+    def _handle_call(self, cmd: EngineCall) -> None:
+        try:
+            result, error = cmd.fn(self.engine), None
+        except Exception as e:   # noqa: BLE001 - the caller's error, raised in its coroutine
+            result, error = None, e
+        self._call_soon(_settle, cmd.done, error, result)
+
     def _reject_queued(self, error: BaseException) -> None:
         while True:
             try:
@@ -391,16 +416,19 @@ class AsyncEngine:
                 return
             if isinstance(cmd, AddRequest):
                 self._call_soon(_settle, cmd.accepted, error)
+            elif isinstance(cmd, EngineCall):
+                self._call_soon(_settle, cmd.done, error)
 
     def _call_soon(self, fn, *args) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(fn, *args)
 
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+def _settle(future: asyncio.Future, error: BaseException | None, result=None) -> None:
     if future.done():
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)
+

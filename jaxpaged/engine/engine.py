@@ -34,6 +34,8 @@ from jaxpaged.engine.kv_cache_manager import KVCacheManager
 from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup
 from jaxpaged.engine.classifier_head import load_classifier_head
 from jaxpaged.engine.pooling import POOLING_SAMPLING, pooling_state
+from jaxpaged.engine.rollout import Rollout, tag_version
+from jaxpaged.engine.sleep import Sleep
 from jaxpaged.engine.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.scheduler_output import SchedulerOutput
 from jaxpaged.engine.startup import join_processes, load_and_compile
@@ -66,8 +68,9 @@ class _InFlight:
     failed: bool = False
 
 
-class Engine:
-    """The inference engine for one model.
+class Engine(Rollout, Sleep):
+    """The inference engine for one model (with the RL controls of
+    ``jaxpaged.engine.rollout`` and ``jaxpaged.engine.sleep``).
 
     Args:
         args: the engine configuration.
@@ -179,6 +182,7 @@ class Engine:
         self._seed_rng = seed_rng or np.random.default_rng(args.seed)
         self._heap = CompileAwareHeapFreezer()    # start-up's objects out of the GC's reach
         self._heap.update(self.runner.num_compilations)
+        self._init_rollout()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -222,13 +226,14 @@ class Engine:
             req.pooling, req.needs_output_tokens = pooling, True
         self._arrivals += 1
         self.output_processor.add_request(req, time.monotonic())
-        self.scheduler.add_request(req)
+        self._queue_request(req)        # (held while paused: jaxpaged.engine.rollout)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests now and free their pages; unknown ids are ignored. No output of
         them follows (with async scheduling, not even one of a step that ran before the
         abort but whose output the next :meth:`step` would have returned)."""
         ids = [request_id] if isinstance(request_id, str) else request_id
+        self._unhold(ids)
         step = self._in_flight
         if step is not None and not set(ids).isdisjoint(
                 s.request.group_id for s in step.scheduler_output.scheduled):
@@ -316,6 +321,8 @@ class Engine:
             came in (this one; with async scheduling, the previous one): cumulative text and
             ids, ``finished`` set on the last one; and the failed requests' final outputs.
         """
+        if (held := self._held_step()) is not None:    # paused, updating or asleep
+            return held                                 # (jaxpaged.engine.rollout)
         outputs, self._early_outputs = self._early_outputs, []
         previous, self._in_flight = self._in_flight, None
         spec = self.scheduler.spec
@@ -409,6 +416,7 @@ class Engine:
             out = self.output_processor.make_output(group, None if since is None else sum(
                 seq.request.num_preemptions for seq in group.seqs) - since)
             if out is not None:
+                tag_version(out, self.weight_version)
                 outputs.append(out)
             if out.finished if out is not None else group.finished:
                 self._retire(group, now, group.seqs[0].request.finish_reason)
@@ -428,6 +436,7 @@ class Engine:
         for group in groups:
             group.error = message
             outputs.append(self.output_processor.make_output(group))
+            tag_version(outputs[-1], self.weight_version)
             self._retire(group, now, "error")
         if self.runner.kv_pool_lost:
             logger.error("the failed step consumed the KV pool: reallocating it; %d running "

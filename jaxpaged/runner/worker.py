@@ -194,6 +194,7 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
                             max_num_seqs=args.max_num_seqs, max_pages_per_seq=pages_per_seq,
                             vocab_size=cfg.vocab_size,
                             max_adjust_entries=adjust_capacity(cfg.vocab_size, max_model_len)))
+    runner.tensor_parallel = pipeline or tp     # (weight updates repeat KV heads as loading)
     scales = [(1.0, 1.0)] * cfg.num_layers
     if args.calculate_kv_scales:
         scales = calibrate_kv_scales(runner, calibration_token_ids(
