@@ -10,7 +10,8 @@ expert count as ``num_local_experts``), as transformers' config classes read the
   layers with ``rope_parameters["full_attention"]`` (or ``rope_theta`` / ``rope_scaling``;
   ``linear`` scaling divides the frequencies by ``factor``); without ``layer_types`` every
   ``sliding_window_pattern``-th layer (6) is global.
-- Phi-3 (``Phi3Config``): LongRoPE (``rope_type`` ``longrope``, or the older ``su`` /
+- Phi-3 (``Phi3Config``): RoPE on the first ``partial_rotary_factor`` of each head's
+  features (Phi-4-mini: 0.75); LongRoPE (``rope_type`` ``longrope``, or the older ``su`` /
   ``yarn``) divides the frequencies by ``short_factor`` or ``long_factor`` and scales cos and
   sin by ``attention_factor`` (default ``sqrt(1 + ln(f) / ln(original))``, ``f`` = max /
   original context). transformers picks the long factors for the whole forward pass once the
@@ -89,6 +90,8 @@ class FamilySettings:
         attention_multiplier: the attention scale (Granite), or None for
             ``head_dim ** -0.5``.
         logits_scaling: logits are divided by it (Granite; 1.0: off).
+        rotary_dim: RoPE turns the first ``rotary_dim`` features of each head (Phi-4-mini's
+            ``partial_rotary_factor``); 0: all of them.
         moe_layers: per layer, whether its feed-forward is the mixture of experts (empty:
             every layer, when the model has experts).
         moe_intermediate_size: each expert's width (0: ``intermediate_size``).
@@ -101,6 +104,7 @@ class FamilySettings:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    rotary_dim: int = 0
     moe_layers: tuple[bool, ...] = ()
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
@@ -188,14 +192,18 @@ def _phi3(cfg: dict) -> tuple[dict, FamilySettings]:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-    if partial != 1.0:
-        raise FamilySettingsError(f"partial_rotary_factor={partial} (RoPE on part of each "
-                                  "head, e.g. Phi-4-mini) is not supported yet")
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"])
+                   // int(cfg["num_attention_heads"]))
+    rotary = int(head_dim * partial)
+    if not 0 < partial <= 1 or rotary % 2:
+        raise FamilySettingsError(f"partial_rotary_factor={partial} must leave an even number "
+                                  f"of the {head_dim} head features to rotate")
     kind = params.get("rope_type", params.get("type")) or "default"
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
     cfg.pop("rope_scaling", None)
+    rotary_dim = 0 if rotary == head_dim else rotary
     if kind == "default":
-        return cfg, FamilySettings()
+        return cfg, FamilySettings(rotary_dim=rotary_dim)
     if kind not in ("longrope", "su", "yarn"):
         raise FamilySettingsError(f"Phi-3 rope_type {kind!r} is not supported; supported: "
                                   "default, longrope")
@@ -206,17 +214,15 @@ def _phi3(cfg: dict) -> tuple[dict, FamilySettings]:
     attention = params.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-    half = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
-               ) // 2
     factors = []
     for key in ("short_factor", "long_factor"):
         values = params.get(key)
-        if not isinstance(values, list) or len(values) != half:
-            raise FamilySettingsError(f"longrope {key} must list {half} numbers (head_dim / 2), "
-                                      f"got {values!r}")
+        if not isinstance(values, list) or len(values) != rotary // 2:
+            raise FamilySettingsError(f"longrope {key} must list {rotary // 2} numbers (half "
+                                      f"the rotated features), got {values!r}")
         factors.append(tuple(float(v) for v in values))
-    return cfg, FamilySettings(longrope=LongRope(*factors, original, float(attention),
-                                                 use_long=max_len > original))
+    return cfg, FamilySettings(rotary_dim=rotary_dim, longrope=LongRope(
+        *factors, original, float(attention), use_long=max_len > original))
 
 
 def _smollm3(cfg: dict) -> tuple[dict, FamilySettings]:

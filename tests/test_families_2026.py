@@ -20,6 +20,7 @@ from tests.test_model_logits import full_sequence_logits
 FAMILIES = {
     "gemma3_local_global": "Gemma3ForCausalLM",
     "phi3_longrope": "Phi3ForCausalLM",
+    "phi4_mini_partial_rope": "Phi3ForCausalLM",
     "olmo2_post_norm": "Olmo2ForCausalLM",
     "smollm3_nope": "SmolLM3ForCausalLM",
     "granite_multipliers": "GraniteForCausalLM",
@@ -58,8 +59,9 @@ def check_generate(llm, name):
     assert llm.engine.num_preemptions > 0
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n != "phi4_mini_partial_rope"])
 def test_logits_match_transformers(name):
+    """(Phi-4-mini's fixture has only short-factor logits: its engine test checks them.)"""
     cfg = ModelConfig.from_pretrained(fixture(name))
     assert cfg.architecture == FAMILIES[name]
     long = name == "phi3_longrope"    # the checkpoint's own 256 > 64: LongRoPE's long factors
@@ -112,6 +114,8 @@ def test_family_settings_parsed():
     phi = ModelConfig.from_pretrained(fixture("phi3_longrope")).family.longrope
     assert phi.original_max_position_embeddings == 64 and phi.use_long
     assert phi.attention_factor == pytest.approx(np.sqrt(1 + np.log(4) / np.log(64)))
+    phi4 = ModelConfig.from_pretrained(fixture("phi4_mini_partial_rope")).family
+    assert phi4.rotary_dim == 12 and len(phi4.longrope.short_factor) == 6
     smol = ModelConfig.from_pretrained(fixture("smollm3_nope")).family.layer_rope
     assert [r is None for r in smol] == [False, True, False, True]
     granite = ModelConfig.from_pretrained(fixture("granite_multipliers")).family
@@ -151,7 +155,7 @@ def test_hub_style_configs_read_as_transformers_reads_them():
 
 @pytest.mark.parametrize("name, overrides, match", [
     ("phi3_longrope", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
-                                           "partial_rotary_factor": 0.75}},
+                                           "partial_rotary_factor": 0.7}},     # 11.2 of 16
      "partial_rotary_factor"),
     ("phi3_longrope", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4,
                                            "short_factor": [1.0], "long_factor": [1.0] * 8}},

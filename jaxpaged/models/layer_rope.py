@@ -5,8 +5,7 @@ LongRoPE (Ding et al., "LongRoPE: Extending LLM Context Window Beyond 2 Million 
 2024; transformers' ``_compute_longrope_parameters``): frequency i is
 ``1 / (factor[i] * theta ** (2i / head_dim))`` with the short or the long factors
 (:class:`jaxpaged.family_settings.LongRope`), and cos and sin are multiplied by
-``attention_factor``. Scaling both the rotated query and key by it multiplies every score by
-its square, so the layer folds ``attention_factor ** 2`` into its softmax scale instead.
+``attention_factor`` (so only the rotated features of a partially rotated head are scaled).
 """
 
 from __future__ import annotations
@@ -21,10 +20,12 @@ def layer_rotary(config: ModelConfig, layer_idx: int) -> tuple[tuple[float, ...]
     """Layer ``layer_idx``'s RoPE.
 
     Returns:
-        (its [head_dim / 2] float32 frequencies as a tuple, or None when the layer has no
-        RoPE; the factor its attention scores' scale is multiplied by, 1.0 but for LongRoPE).
+        (its [rotary_dim / 2] float32 frequencies as a tuple (rotary_dim: the head width
+        unless the family rotates fewer features), or None when the layer has no RoPE;
+        the factor cos and sin are multiplied by, 1.0 but for LongRoPE).
     """
-    d, family = config.head_dim, config.family
+    family = config.family
+    d = family.rotary_dim or config.head_dim      # the rotated features of each head
     if family.longrope is not None:
         rope = family.longrope
         factors = np.asarray(rope.long_factor if rope.use_long else rope.short_factor,
@@ -32,7 +33,7 @@ def layer_rotary(config: ModelConfig, layer_idx: int) -> tuple[tuple[float, ...]
         exponents = np.arange(0, d, 2, dtype=np.float32) / np.float32(d)
         inv_freq = (1.0 / (factors * np.float32(config.rope_theta) ** exponents)
                     ).astype(np.float32)
-        return tuple(inv_freq.tolist()), rope.attention_factor ** 2
+        return tuple(inv_freq.tolist()), rope.attention_factor
     if family.layer_rope:
         rope = family.layer_rope[layer_idx]
         if rope is None:
