@@ -91,6 +91,15 @@ def test_two_devices_match_transformers(name):
     check_generate(engine(name, tensor_parallel_size=2), name)
 
 
+def test_olmo2_whole_width_k_norm_follows_replicated_kv_heads():
+    """tp=4 over 2 KV heads: k_proj's heads and OLMo 2's [kv_heads * head_dim] k_norm are
+    both replicated twice."""
+    llm = engine("olmo2_post_norm", tensor_parallel_size=4)
+    attn = llm.engine.runner._state["model"]["layers"][0]["self_attn"]
+    assert attn["k_norm"]["weight"].shape == (4 * 16,)
+    check_generate(llm, "olmo2_post_norm")
+
+
 def test_qwen3_moe_expert_parallel_matches_transformers():
     name = "qwen3_moe"                      # 4 experts of 48, top-2; layer 1 dense
     llm = engine(name, tensor_parallel_size=2, enable_expert_parallel=True)
