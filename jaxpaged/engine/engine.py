@@ -30,7 +30,7 @@ from jaxpaged.engine.gc_heap import CompileAwareHeapFreezer
 from jaxpaged.engine.generation_config import (eos_token_ids, generation_defaults,
                                                load_generation_config)
 from jaxpaged.engine.input_processor import InputProcessor, Prompt
-from jaxpaged.engine.kv_cache_manager import KVCacheManager
+from jaxpaged.engine.sliding_window_pages import make_kv_cache_manager
 from jaxpaged.engine.output_processor import OutputProcessor, RequestGroup
 from jaxpaged.engine.classifier_head import load_classifier_head
 from jaxpaged.engine.pooling import POOLING_SAMPLING, pooling_state
@@ -149,7 +149,9 @@ class Engine(Rollout, Sleep):
         self.kv_scales = worker.kv_scales
         self.kv_bytes_per_page = worker.kv_bytes_per_page
         num_pages, page_size = worker.num_pages, worker.page_size
-        self.kv_cache_manager = KVCacheManager(num_pages, page_size, args.enable_prefix_caching)
+        self.kv_cache_manager = make_kv_cache_manager(
+            num_pages, page_size, args.enable_prefix_caching, cfg.sliding_windows,
+            speculative=speculative_config is not None)
         lora_config = LoRAConfig.from_engine_args(args)
         #: Multi-LoRA state (``jaxpaged.lora.manager``); None without ``enable_lora``.
         self.lora = lora_config and LoRAManager(lora_config, cfg)

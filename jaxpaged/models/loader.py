@@ -43,6 +43,7 @@ from jaxpaged.layers.packed_layout import LANES, PACKED_LEAVES
 from jaxpaged.layers.packed_linear import PackedEmbedding, PackedLinear
 from jaxpaged.layers.quantization import (QUANTIZED_DTYPES, QuantizedLinear, per_channel_scale,
                                           quantize_weight)
+from jaxpaged.models.checkpoint_names import checkpoint_view
 from jaxpaged.models.gguf_loader import GGUFCheckpoint, forget_gguf_files, is_gguf
 from jaxpaged.models.mixtral import ExpertScales, ExpertWeights
 from jaxpaged.models.registry import model_class
@@ -120,6 +121,7 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
     reader = (GGUFCheckpoint(model_dir, config.num_heads, config.num_kv_heads,
                              packed_cache_dir)
               if is_gguf(model_dir) else _SafetensorsReader(model_dir))
+    reader = checkpoint_view(reader, config)
     quantized_modules = {p for p, node in nnx.iter_graph(abstract)
                          if isinstance(node, (QuantizedLinear, AWQLinear))}
     packed_modules = {p: node for p, node in nnx.iter_graph(abstract)

@@ -26,6 +26,7 @@ from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.pipeline_parallel import PipelineParallel
 from jaxpaged.distributed.tensor_parallel import TensorParallel
 from jaxpaged.engine.arg_utils import EngineArgs
+from jaxpaged.family_settings import with_max_model_len
 from jaxpaged.runner.kv_scales import KVScales, calibrate_kv_scales, calibration_token_ids
 from jaxpaged.runner.kv_sizing import check_pool_fits, num_kv_pages
 from jaxpaged.layers.attention import (allocate_kv_pool, get_attention_backend,
@@ -127,6 +128,7 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
     """
     cache_dir = resolve_cache_dir(args.compilation_cache_dir)
     configure_compilation_cache(cache_dir)
+    cfg = dataclasses.replace(cfg, family=with_max_model_len(cfg.family, max_model_len))
     pipeline = None
     if args.pipeline_parallel_size > 1:
         pipeline = PipelineParallel.create(args.pipeline_parallel_size,
