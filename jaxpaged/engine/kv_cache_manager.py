@@ -314,7 +314,7 @@ class KVCacheManager:
         if self.num_used_pages:
             raise RuntimeError(f"cannot reset the prefix cache: {self.num_used_pages} pages "
                                "are still in use")
-        for page in self._pages:
+        for page in self._pages.values():     # (pages never made hold nothing)
             self._uncache(page)
         self._pending_copies.clear()
 
