@@ -6,20 +6,9 @@ import pytest
 
 from jaxpaged.engine.rollout import GenerationPausedError
 from jaxpaged.engine.sleep import WeightsNotLoadedError
-from tests.helpers.rl import backend_compiles, llama_tensors, write_checkpoint
-from tests.test_pause_resume import PARAMS, add_all, run_to_end
+from tests.helpers.rl import backend_compiles
+from tests.test_pause_resume import PARAMS, add_all, dirs, run_to_end, w1  # noqa: F401
 from tests.test_weight_update import PROMPTS, greedy, make_llm
-
-
-@pytest.fixture(scope="module")
-def w1():
-    return llama_tensors(1)
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory, w1):
-    return (write_checkpoint(tmp_path_factory.mktemp("w0"), llama_tensors(0)),
-            write_checkpoint(tmp_path_factory.mktemp("w1"), w1))
 
 
 def used(llm) -> int:
