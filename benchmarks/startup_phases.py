@@ -4,7 +4,7 @@ Runs ``jaxpaged serve ARGS...`` in this process with the start-up's steps timed 
 this script's start, on stderr, with the thread doing each): the server's imports, reading
 the model config, each tokenizer load, the attention backend's choice (kernel build,
 self-check), loading the weights, allocating the KV pool, each step program compiled or
-loaded, and the first ``GET /health`` 200 with the process's peak resident memory
+loaded, the warm-up request, and the first ``GET /health`` 200 with the process's peak resident memory
 (``VmHWM``). The process exits at that point. For example, with an empty compile cache and
 then a warm one::
 
@@ -51,7 +51,7 @@ def timed(owner, name: str, label: str | None = None) -> None:
 def instrument() -> None:
     """Wrap the start-up's phases (see the module docstring)."""
     from jaxpaged.config import ModelConfig
-    from jaxpaged.engine import startup
+    from jaxpaged.engine import async_engine, startup
     from jaxpaged.runner import model_runner, worker
     from jaxpaged.server import launcher
 
@@ -61,6 +61,7 @@ def instrument() -> None:
     for name in ("get_attention_backend", "load_model", "allocate_kv_pool"):
         timed(worker, name)
     timed(model_runner.ModelRunner, "precompile")
+    timed(async_engine, "warm_up", "warm-up request")
     from_pretrained = ModelConfig.from_pretrained.__func__
     ModelConfig.from_pretrained = classmethod(
         lambda cls, *a, **k: _stamped(f"config of {a[0]}", from_pretrained, cls, *a, **k))

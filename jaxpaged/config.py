@@ -17,11 +17,14 @@ from jaxpaged.hf_config import (DEFAULT_AWQ_GROUP_SIZE, RopeScaling, checkpoint_
                                 optional_float, rope_parameters, sliding_windows)
 from jaxpaged.classification import (SEQ_CLS_ARCHITECTURES, ClassifierSpec, causal_architectures,
                                      classifier_spec, parse_hf_overrides)
+from jaxpaged.family_settings import (ARCHITECTURES_2026, PER_HEAD_QK_NORM, REFUSED_ARCHITECTURES,
+                                      FamilySettings, FamilySettingsError, family_settings)
 
 #: Architectures (``config.json``'s ``architectures``) with a model class in
 #: :mod:`jaxpaged.models`.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "MixtralForCausalLM", "Gemma2ForCausalLM")
+                           "Qwen3ForCausalLM", "MixtralForCausalLM", "Gemma2ForCausalLM"
+                           ) + ARCHITECTURES_2026
 #: Settings a family's transformers config class defaults when ``config.json`` leaves them
 #: out (so a sparse config means what it means to transformers).
 _FAMILY_DEFAULTS = {
@@ -75,6 +78,7 @@ class ModelConfig:
         classifier: a sequence classifier's head (``jaxpaged.classification``; the
             architecture is then its decoder's causal-LM one, and the model is built without
             an LM head: ``tie_word_embeddings`` is set, the logits are never read), or None.
+        family: the settings only some families have (:mod:`jaxpaged.family_settings`).
     """
 
     architecture: str
@@ -106,6 +110,7 @@ class ModelConfig:
     quantization: str | None = None
     quantization_group_size: int = DEFAULT_AWQ_GROUP_SIZE
     classifier: ClassifierSpec | None = None
+    family: FamilySettings = FamilySettings()
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
@@ -126,10 +131,18 @@ class ModelConfig:
             raise UnsupportedModelError(str(e)) from None
         arch = next((a for a in causal_architectures(archs) if a in SUPPORTED_ARCHITECTURES),
                     None)
+        refused = next((REFUSED_ARCHITECTURES[a] for a in archs if a in REFUSED_ARCHITECTURES),
+                       None)
+        if arch is None and refused:
+            raise UnsupportedModelError(refused)
         if arch is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs!r}; supported: {list(SUPPORTED_ARCHITECTURES)}"
                 f" and {list(SEQ_CLS_ARCHITECTURES)}")
+        try:
+            cfg, family = family_settings(cfg, arch)
+        except FamilySettingsError as e:
+            raise UnsupportedModelError(f"{arch}: {e}") from None
         act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
         if act not in ACTIVATIONS:
             raise UnsupportedModelError(f"unsupported hidden_act {act!r}; supported: "
@@ -178,7 +191,7 @@ class ModelConfig:
             checkpoint_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             rope_scaling=rope_scaling,
             sliding_windows=sliding_windows(cfg, arch),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in PER_HEAD_QK_NORM,
             num_experts=num_experts,
             num_experts_per_tok=top_k if num_experts else 0,
             hidden_act=act,
@@ -188,6 +201,7 @@ class ModelConfig:
             quantization=quantization,
             quantization_group_size=group_size,
             classifier=classifier,
+            family=family,
         )._checked_awq_shapes()
 
     @classmethod

@@ -71,6 +71,8 @@ class RequestOutput:
         num_preemptions: how often the request's sequences were preempted, in total.
         error: why the request failed (its sequences' finish reason is then ``"error"``);
             None otherwise.
+        weight_version: the engine's weight version (``Engine.weight_version``: 0 at
+            start-up, +1 per weight update) whose model produced this output's tokens.
     """
 
     request_id: str
@@ -82,6 +84,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     error: str | None = None
+    weight_version: int = 0
 
     def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
         """Fold a later output of the same request into this one (vLLM's
@@ -99,6 +102,7 @@ class RequestOutput:
         self.num_cached_tokens = next_output.num_cached_tokens
         self.num_preemptions = next_output.num_preemptions
         self.error = next_output.error
+        self.weight_version = next_output.weight_version
         if not aggregate:
             self.outputs = next_output.outputs
             return

@@ -52,6 +52,7 @@ from jaxpaged.server.protocol_responses import ResponsesRequest
 from jaxpaged.server.serving_completion import OpenAIServingCompletion
 from jaxpaged.server.serving_responses import OpenAIServingResponses
 from jaxpaged.server.serving_embedding import EmbeddingRequest, OpenAIServingEmbedding
+from jaxpaged.server.serving_rl import RL_PATHS, rl_routes
 from jaxpaged.server.serving_score import OpenAIServingScore, score_routes
 from jaxpaged.server.serving_models import (LoadLoRAAdapterRequest, ServingModels,
                                             UnloadLoRAAdapterRequest)
@@ -59,7 +60,8 @@ from jaxpaged.server.serving_models import (LoadLoRAAdapterRequest, ServingModel
 logger = logging.getLogger("server")
 
 #: Paths that need the API key (when one is set); health, metrics and version stay open.
-PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank")
+PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank",
+                      *RL_PATHS)
 #: Paths answered in Anthropic's error shape (``server/serving_anthropic.py``).
 ANTHROPIC_PREFIX = "/v1/messages"
 #: OpenAI routes this server does not serve, and why (their 404 says so, not "Not Found").
@@ -291,6 +293,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, tokenizer,
         *([Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
            Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"])]
           if config.allow_runtime_lora_updating else []),
+        *(rl_routes(engine, ready, parse) if config.enable_rl_endpoints else []),
     ]
 
     def render(request: Request, exc: APIError) -> Response:

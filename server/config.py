@@ -44,6 +44,8 @@ class ServerConfig:
         allow_runtime_lora_updating: serve ``POST /v1/load_lora_adapter`` and
             ``/v1/unload_lora_adapter`` (``--allow-runtime-lora-updating`` or
             ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``).
+        enable_rl_endpoints: serve the RL control routes (``server/serving_rl.py``;
+            ``--enable-rl-endpoints`` or ``VLLM_SERVER_DEV_MODE=1``).
     """
 
     served_model_names: list[str]
@@ -63,3 +65,4 @@ class ServerConfig:
     responses_store_size: int = 0
     lora_modules: list = field(default_factory=list)
     allow_runtime_lora_updating: bool = False
+    enable_rl_endpoints: bool = False

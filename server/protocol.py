@@ -190,6 +190,9 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    #: The engine's weight version that produced the choices (the newest, should a
+    #: multi-prompt request span a weight update; ``docs/rl.md``).
+    weight_version: int | None = None
 
 
 class TopLogprob(BaseModel):

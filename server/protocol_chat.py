@@ -158,6 +158,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     prompt_token_ids: list[int] | None = None    # with return_token_ids
+    weight_version: int | None = None    # the weights that produced it (docs/rl.md)
 
 
 class DeltaFunctionCall(BaseModel):

@@ -90,6 +90,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="LoRA adapters to serve (with --enable-lora): name=path, or JSON "
                         '\'{"name": ..., "path": ..., "base_model_name": ...}\'; requests '
                         "pick one by 'model'")
+    g.add_argument("--enable-rl-endpoints", action="store_true",
+                   help="serve the RL control routes: /pause, /resume, /sleep, /wake_up, "
+                        "/is_sleeping, /reset_prefix_cache, /update_weights_from_disk, "
+                        "/weight_version (also VLLM_SERVER_DEV_MODE=1; docs/rl.md)")
     g.add_argument("--allow-runtime-lora-updating", action="store_true",
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
                         f"(also ${RUNTIME_LORA_ENV}=True)")
@@ -183,6 +187,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     check_lora_modules(args.lora_modules or [], names, args.model, args.max_lora_rank)
     runtime_lora = args.allow_runtime_lora_updating or os.environ.get(
         RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
+    rl_endpoints = getattr(args, "enable_rl_endpoints", False) or os.environ.get(
+        "VLLM_SERVER_DEV_MODE", "0").strip().lower() in ("1", "true")
     if args.disable_log_requests:
         logger.warning("--disable-log-requests is deprecated and has no effect: requests are "
                        "not logged unless --enable-log-requests")
@@ -201,4 +207,5 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         shutdown_timeout=args.shutdown_timeout,
                         responses_store_size=args.responses_store_size,
                         lora_modules=args.lora_modules or [],
-                        allow_runtime_lora_updating=runtime_lora)
+                        allow_runtime_lora_updating=runtime_lora,
+                        enable_rl_endpoints=rl_endpoints)

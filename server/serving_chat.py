@@ -237,7 +237,8 @@ class OpenAIServingChat(OpenAIServing):
         cached = cached_tokens(self.engine.args.enable_prefix_caching, [final.num_cached_tokens])
         response = ChatCompletionResponse(id=request_id, model=self.model_name(body.model),
                                           choices=choices,
-                                          usage=usage([prompt], completion_tokens, cached))
+                                          usage=usage([prompt], completion_tokens, cached),
+                                          weight_version=final.weight_version)
         if body.prompt_logprobs is not None and final.prompt_logprobs is not None:
             response.prompt_logprobs = prompt_logprobs_json(final.prompt_logprobs)
         if body.return_token_ids:

@@ -68,7 +68,8 @@ class OpenAIServingCompletion(OpenAIServing):
         cached = cached_tokens(self.engine.args.enable_prefix_caching,
                                (f.num_cached_tokens for f in finals))
         return CompletionResponse(id=request_id, model=self.model_name(body.model),
-                                  choices=choices, usage=usage(prompts, completion_tokens, cached))
+                                  choices=choices, usage=usage(prompts, completion_tokens, cached),
+                                  weight_version=max(f.weight_version for f in finals))
 
     def _prepare_prompts(self, body: CompletionRequest) -> list[PreparedPrompt]:
         prompt = body.prompt
@@ -213,7 +214,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                 choice.token_ids:
                             choices.append(choice)
                     if choices:
-                        chunk = CompletionResponse(id=request_id, model=model, choices=choices)
+                        chunk = CompletionResponse(id=request_id, model=model, choices=choices,
+                                                   weight_version=out.weight_version)
                         if continuous_usage(body):    # vLLM: this prompt's counts so far
                             chunk.usage = usage([prompts[i]], per_prompt[i])
                         yield sse(chunk)

@@ -181,13 +181,17 @@ class TensorParallel:
     def repeat_kv_heads(self, path: tuple, value, xp=np):
         """Replicate a ``k_proj``/``v_proj`` weight's head rows (``weight`` [out, in]) or
         kernel's, bias's or scale's head columns (``[..., out]``) ``kv_head_repeats`` times
-        (head j of the result is checkpoint head ``j // kv_head_repeats``); other parameters
-        are returned unchanged.
+        (head j of the result is checkpoint head ``j // kv_head_repeats``), and so a
+        ``k_norm`` over all KV heads (OLMo 2's, [kv_heads * head_dim]: the mean square over
+        the copies is the original's); other parameters are returned unchanged.
 
         ``xp`` is ``numpy`` for host arrays or ``jax.numpy`` inside jit.
         """
-        if self.kv_head_repeats == 1 or str(path[-2]) not in ("k_proj", "v_proj"):
+        module = str(path[-2])
+        if self.kv_head_repeats == 1 or module not in ("k_proj", "v_proj", "k_norm"):
             return value
+        if module == "k_norm" and value.shape[-1] == self.head_dim:
+            return value                  # a per-head norm (Qwen3): shared by every head
         if str(path[-1]) == "weight":
             return self.repeat_kv_heads(path[:-1] + ("kernel",), value.T, xp).T
         lead = value.shape[:-1]

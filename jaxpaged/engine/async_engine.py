@@ -42,7 +42,8 @@ from jaxpaged.runner.background_compile import SERVE
 from jaxpaged.engine.data_parallel import DataParallelEngine, make_engine
 from jaxpaged.engine.async_lifecycle import AsyncEngineLifecycle
 from jaxpaged.engine.engine import Engine
-from jaxpaged.engine.commands import AbortRequest, AddRequest, EngineCommand, StopEngine
+from jaxpaged.engine.commands import (AbortRequest, AddRequest, EngineCall, EngineCommand,
+                                      StopEngine)
 from jaxpaged.engine.follower import warm_up
 from jaxpaged.core.input_processor import Prompt
 from jaxpaged.engine.exceptions import (EngineStoppedError, RequestFailedError,
@@ -158,6 +159,20 @@ class AsyncEngine(AsyncEngineLifecycle):
             stream.put(None)
             self._commands.put(AbortRequest(request_id))
 
+    async def call(self, fn):
+        """``fn(engine)`` run on the engine thread between two steps; its result (its
+        exception is raised here). The RL controls (``server/serving_rl.py``) go through it.
+
+        Raises:
+            NotImplementedError: a multi-host job (the other processes would not follow).
+        """
+        if self._multihost:
+            raise NotImplementedError("engine calls (RL controls) need a single-process job")
+        self.check_ready()
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(EngineCall(fn=fn, done=done))
+        return await done
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -212,7 +227,8 @@ class AsyncEngine(AsyncEngineLifecycle):
     def _loop_forever(self) -> None:
         engine = self.engine
         while True:
-            commands = self._take_commands(block=not engine.has_unfinished_requests())
+            frozen = getattr(engine, "is_frozen", False)    # paused or asleep: wait for calls
+            commands = self._take_commands(block=frozen or not engine.has_unfinished_requests())
             if self.max_pending_requests is not None:
                 commands = self._admit(commands)
             if self._multihost:
@@ -228,9 +244,11 @@ class AsyncEngine(AsyncEngineLifecycle):
                     return
                 if isinstance(cmd, AddRequest):
                     self._handle_add(cmd)
+                elif isinstance(cmd, EngineCall):
+                    self._handle_call(cmd)
                 else:
                     engine.abort_request(cmd.request_id)
-            if engine.has_unfinished_requests():
+            if engine.has_unfinished_requests() and not getattr(engine, "is_frozen", False):
                 outputs = engine.step()
                 if outputs:
                     self._call_soon(self._deliver, outputs)
@@ -280,6 +298,13 @@ class AsyncEngine(AsyncEngineLifecycle):
             error = e
         self._call_soon(_settle, cmd.accepted, error)
 
+    def _handle_call(self, cmd: EngineCall) -> None:
+        try:
+            result, error = cmd.fn(self.engine), None
+        except Exception as e:   # noqa: BLE001 - the caller's error, raised in its coroutine
+            result, error = None, e
+        self._call_soon(_settle, cmd.done, error, result)
+
     def _reject_queued(self, error: BaseException) -> None:
         while True:
             try:
@@ -288,16 +313,19 @@ class AsyncEngine(AsyncEngineLifecycle):
                 return
             if isinstance(cmd, AddRequest):
                 self._call_soon(_settle, cmd.accepted, error)
+            elif isinstance(cmd, EngineCall):
+                self._call_soon(_settle, cmd.done, error)
 
     def _call_soon(self, fn, *args) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(fn, *args)
 
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+def _settle(future: asyncio.Future, error: BaseException | None, result=None) -> None:
     if future.done():
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)
+

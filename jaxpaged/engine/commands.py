@@ -38,9 +38,19 @@ class AbortRequest:
     request_id: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class EngineCall:
+    """Run ``fn(engine)`` on the engine thread between two steps (the RL controls:
+    ``AsyncEngine.call``); ``done`` is the ``asyncio.Future`` settled with its result or
+    exception. One process only (never sent to other processes)."""
+
+    fn: Any
+    done: Any = field(default=None, compare=False, repr=False)
+
+
 @dataclass(frozen=True)
 class StopEngine:
     """End the engine loop (a server shutting down; every process of a job stops)."""
 
 
-EngineCommand = AddRequest | AbortRequest | StopEngine
+EngineCommand = AddRequest | AbortRequest | EngineCall | StopEngine

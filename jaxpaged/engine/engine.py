@@ -27,13 +27,15 @@ from jaxpaged.engine.gc_heap import CompileAwareHeapFreezer
 from jaxpaged.core.generation_config import (eos_token_ids, generation_defaults,
                                                load_generation_config)
 from jaxpaged.core.input_processor import InputProcessor, Prompt
-from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.output_processor import OutputProcessor
 from jaxpaged.core.classifier_head import load_classifier_head
 from jaxpaged.core.pooling import POOLING_SAMPLING, pooling_state
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.engine_step import EngineSteps, InFlightStep
 from jaxpaged.engine.protocol import ModelInfo
+from jaxpaged.core.sliding_window_pages import make_kv_cache_manager
+from jaxpaged.engine.rollout import Rollout
+from jaxpaged.engine.sleep import Sleep
 from jaxpaged.engine.startup import join_processes, load_and_compile
 from jaxpaged.lora.config import LoRAConfig
 from jaxpaged.lora.manager import LoRAManager
@@ -49,8 +51,9 @@ from jaxpaged.structured_output.manager import StructuredOutputManager
 logger = logging.getLogger(__name__)
 
 
-class Engine(EngineSteps):
-    """The inference engine for one model.
+class Engine(EngineSteps, Rollout, Sleep):
+    """The inference engine for one model (with the RL controls of
+    ``jaxpaged.engine.rollout`` and ``jaxpaged.engine.sleep``).
 
     Args:
         args: the engine configuration.
@@ -132,7 +135,9 @@ class Engine(EngineSteps):
         self.kv_scales = worker.kv_scales
         self.kv_bytes_per_page = worker.kv_bytes_per_page
         num_pages, page_size = worker.num_pages, worker.page_size
-        self.kv_cache_manager = KVCacheManager(num_pages, page_size, args.enable_prefix_caching)
+        self.kv_cache_manager = make_kv_cache_manager(
+            num_pages, page_size, args.enable_prefix_caching, cfg.sliding_windows,
+            speculative=speculative_config is not None)
         lora_config = LoRAConfig.from_engine_args(args)
         #: Multi-LoRA state (``jaxpaged.lora.manager``); None without ``enable_lora``.
         self.lora = lora_config and LoRAManager(lora_config, cfg)
@@ -167,6 +172,7 @@ class Engine(EngineSteps):
         self._seed_rng = seed_rng or np.random.default_rng(args.seed)
         self._heap = CompileAwareHeapFreezer()    # start-up's objects out of the GC's reach
         self._heap.update(self.runner.num_compilations)
+        self._init_rollout()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -210,13 +216,14 @@ class Engine(EngineSteps):
             req.pooling, req.needs_output_tokens = pooling, True
         self._arrivals += 1
         self.output_processor.add_request(req, time.monotonic())
-        self.scheduler.add_request(req)
+        self._queue_request(req)        # (held while paused: jaxpaged.engine.rollout)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests now and free their pages; unknown ids are ignored. No output of
         them follows (with async scheduling, not even one of a step that ran before the
         abort but whose output the next :meth:`step` would have returned)."""
         ids = [request_id] if isinstance(request_id, str) else request_id
+        self._unhold(ids)
         step = self._in_flight
         if step is not None and not set(ids).isdisjoint(
                 s.request.group_id for s in step.scheduler_output.scheduled):
@@ -304,6 +311,8 @@ class Engine(EngineSteps):
             came in (this one; with async scheduling, the previous one): cumulative text and
             ids, ``finished`` set on the last one; and the failed requests' final outputs.
         """
+        if (held := self._held_step()) is not None:    # paused, updating or asleep
+            return held                                 # (jaxpaged.engine.rollout)
         return self._step_impl(self)    # _step_sync or _step_async, chosen in __init__
 
     def record_stats(self) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from jaxpaged.core.output_processor import RequestGroup
 from jaxpaged.core.runner_output import ModelRunnerOutput
 from jaxpaged.core.scheduler_output import SchedulerOutput
+from jaxpaged.engine.rollout import tag_version
 from jaxpaged.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class EngineSteps:
             out = self.output_processor.make_output(group, None if since is None else sum(
                 seq.request.num_preemptions for seq in group.seqs) - since)
             if out is not None:
+                tag_version(out, self.weight_version)
                 outputs.append(out)
             if out.finished if out is not None else group.finished:
                 self._retire(group, now, group.seqs[0].request.finish_reason)
@@ -172,6 +174,7 @@ class EngineSteps:
         for group in groups:
             group.error = message
             outputs.append(self.output_processor.make_output(group))
+            tag_version(outputs[-1], self.weight_version)
             self._retire(group, now, "error")
         if self.runner.kv_pool_lost:
             logger.error("the failed step consumed the KV pool: reallocating it; %d running "

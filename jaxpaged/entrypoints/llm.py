@@ -15,6 +15,8 @@ from jaxpaged.distributed.step_sync import JobStopped, sync_step
 from jaxpaged.arg_utils import DEFAULT_MODEL, EngineArgs
 from jaxpaged.engine.data_parallel import make_engine
 from jaxpaged.core.input_processor import Prompt
+from jaxpaged.engine.rollout import GenerationPausedError
+from jaxpaged.entrypoints.rollout_api import RolloutAPI
 from jaxpaged.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput,
                               RequestOutput, ScoringOutput, ScoringRequestOutput)
 from jaxpaged.pooling_params import PoolingParams
@@ -23,8 +25,9 @@ from jaxpaged.runner.background_compile import OFFLINE
 from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
-class LLM:
-    """Generate text for batches of prompts with continuous batching.
+class LLM(RolloutAPI):
+    """Generate text for batches of prompts with continuous batching; RL rollouts'
+    controls (weight updates, pause, sleep: ``jaxpaged.entrypoints.rollout_api``).
 
     Args:
         model: Hugging Face model directory (default: the bundled stories260K).
@@ -251,6 +254,10 @@ class LLM:
         with tqdm(total=len(ids), desc="Processed prompts",
                   disable=not use_tqdm or not is_leader()) as bar:
             while self.engine.has_unfinished_requests():
+                if getattr(self.engine, "is_frozen", False):
+                    raise GenerationPausedError(
+                        "generation is paused, asleep or inside a weight update: call "
+                        "resume_generation(), wake_up() or finish_weight_update() first")
                 for out in self._step(multihost):
                     if out.finished:
                         final[out.request_id] = out

@@ -39,21 +39,31 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
                     ).astype(np.float32)
 
 
-def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq) -> jnp.ndarray:
+def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq,
+               mscale: float = 1.0) -> jnp.ndarray:
     """Rotate query or key heads by their positions.
 
     Args:
         x: [T, H, D] queries or keys (any float dtype; D even).
         positions: [T] int32 absolute token positions.
-        inv_freq: [D / 2] frequencies from :func:`rope_inv_freq` (an array or a tuple).
+        inv_freq: [R / 2] frequencies from :func:`rope_inv_freq` (an array or a tuple), R <= D:
+            the first R features are rotated (rotate-half within them) and the rest pass
+            unchanged (partial rotary, as transformers' Phi-3 ``apply_rotary_pos_emb``).
+        mscale: cos and sin are multiplied by it (LongRoPE's ``attention_factor``; the
+            features past R are not scaled).
 
     Returns:
         [T, H, D] in ``x``'s dtype; the rotation itself is computed in float32.
     """
-    d = x.shape[-1]
+    d = 2 * len(inv_freq)
+    if d < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :d], positions, inv_freq, mscale),
+                                x[..., d:]], -1)
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]  # [T, D/2]
     cos = jnp.cos(freqs)[:, None, :]
     sin = jnp.sin(freqs)[:, None, :]
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -28,7 +28,8 @@ from jaxpaged.layers.packed_layout import LANES, PACKED_LEAVES
 from jaxpaged.layers.packed_linear import (PackedEmbedding, PackedLinear, kernel_available,
                                            project_packed)
 from jaxpaged.layers.normalization import RMSNorm
-from jaxpaged.layers.rotary import apply_rope, rope_inv_freq
+from jaxpaged.layers.rotary import apply_rope
+from jaxpaged.models.layer_rope import layer_rotary
 
 _ACTIVATIONS = {"silu": jax.nn.silu,
                 "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -45,6 +46,9 @@ class LlamaAttention(nnx.Module):
         rngs: initialisers' randomness.
     """
 
+    #: q_norm / k_norm normalise each head (False: the family applies them otherwise).
+    qk_norm_per_head = True
+
     def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend, dtype,
                  rngs: nnx.Rngs):
         h, d = config.hidden_size, config.head_dim
@@ -56,8 +60,9 @@ class LlamaAttention(nnx.Module):
         norm = lambda: RMSNorm(d, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.q_norm, self.k_norm = norm(), norm()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
-        self.inv_freq = tuple(rope_inv_freq(d, config.rope_theta, config.rope_scaling).tolist())
-        self.scale = (config.query_pre_attn_scalar or d) ** -0.5
+        self.inv_freq, self.rope_mscale = layer_rotary(config, layer_idx)  # None: no RoPE
+        self.scale = (config.family.attention_multiplier
+                      or (config.query_pre_attn_scalar or d) ** -0.5)
         self.sliding_window = (config.sliding_windows[layer_idx] if config.sliding_windows
                                else None)
         self.soft_cap = config.attn_logit_softcapping
@@ -78,11 +83,11 @@ class LlamaAttention(nnx.Module):
         q = q[:, :self.num_heads * self.head_dim].reshape(t, self.num_heads, self.head_dim)
         k = k[:, :self.num_kv_heads * self.head_dim].reshape(t, self.num_kv_heads, self.head_dim)
         v = v[:, :self.num_kv_heads * self.head_dim].reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
-        if not rotated:
-            q = apply_rope(q, positions, self.inv_freq)
-            k = apply_rope(k, positions, self.inv_freq)
+        if not rotated and self.inv_freq is not None:
+            q = apply_rope(q, positions, self.inv_freq, self.rope_mscale)
+            k = apply_rope(k, positions, self.inv_freq, self.rope_mscale)
         out, kv_pages = self.backend.forward(q, k, v, kv_pages, metadata, scale=self.scale,
                                              sliding_window=self.sliding_window,
                                              soft_cap=self.soft_cap)
@@ -157,15 +162,17 @@ class LlamaDecoderLayer(nnx.Module):
 def fused_packed_layer(layer: LlamaDecoderLayer) -> bool:
     """Whether ``layer`` runs as :meth:`LlamaDecoderLayer.packed_call`: its seven projections
     are :class:`~jaxpaged.layers.packed_linear.PackedLinear` (not wrapped by LoRA) on the
-    C++ kernel, its norms plain RMSNorms, its feed-forward a SiLU :class:`LlamaMLP` without
-    biases past q, k and v, and the hidden and intermediate widths multiples of the kernel's
-    16 lanes."""
+    C++ kernel, its heads rotated whole by plain RoPE (not NoPE, partial or LongRoPE), its
+    norms plain RMSNorms, its feed-forward a SiLU :class:`LlamaMLP` without biases past q, k
+    and v, and the hidden and intermediate widths multiples of the kernel's 16 lanes."""
     attn, mlp = layer.self_attn, getattr(layer, "mlp", None)
     if not isinstance(mlp, LlamaMLP) or mlp.act is not jax.nn.silu:
         return False
     projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
                    mlp.up_proj, mlp.down_proj)
     return (all(type(p) is PackedLinear for p in projections)
+            and attn.inv_freq is not None and 2 * len(attn.inv_freq) == attn.head_dim
+            and attn.rope_mscale == 1.0
             and all(p.bias is None for p in projections[3:])
             and not (layer.input_layernorm.unit_offset or layer.post_attention_layernorm.unit_offset)
             and attn.o_proj.dout % LANES == 0 and mlp.gate_proj.dout % LANES == 0

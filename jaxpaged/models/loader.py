@@ -43,6 +43,7 @@ from jaxpaged.layers.quantization import (QUANTIZED_DTYPES, QuantizedLinear, per
                                           quantize_weight)
 from jaxpaged.gguf_config import forget_gguf_files, is_gguf
 from jaxpaged.models.gguf_loader import GGUFCheckpoint
+from jaxpaged.models.checkpoint_names import checkpoint_view
 from jaxpaged.models.mixtral import ExpertScales, ExpertWeights
 from jaxpaged.models.registry import model_class
 from jaxpaged.models.safetensors_reader import (SAFETENSORS_FILE, SAFETENSORS_INDEX,
@@ -115,6 +116,7 @@ def load_model(model_dir: str, config: ModelConfig, *, dtype, backend: Attention
     reader = (GGUFCheckpoint(model_dir, config.num_heads, config.num_kv_heads,
                              packed_cache_dir)
               if is_gguf(model_dir) else SafetensorsReader(model_dir))
+    reader = checkpoint_view(reader, config)
     quantized_modules = {p for p, node in nnx.iter_graph(abstract)
                          if isinstance(node, (QuantizedLinear, AWQLinear))}
     packed_modules = {p: node for p, node in nnx.iter_graph(abstract)

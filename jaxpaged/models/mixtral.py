@@ -112,19 +112,23 @@ def swiglu_experts(x, group_sizes, row_experts, w1, w3, w2, *scales):
 
 
 class MixtralSparseMoeBlock(nnx.Module):
-    """Top-k routed mixture of experts: x [T, H] -> [T, H] in x's dtype."""
+    """Top-k routed mixture of experts: x [T, H] -> [T, H] in x's dtype (the top-k weights
+    renormalised unless the family says otherwise, ``FamilySettings.norm_topk_prob``)."""
 
     def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
         self.gate = linear(config.hidden_size, config.num_experts, False, dtype, rngs)
         self.experts = MixtralExperts(config, dtype, rngs)
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.renormalize = config.family.norm_topk_prob      # Qwen3-MoE's norm_topk_prob
         self.expert_mesh: Mesh | None = None       # set by use_expert_parallelism
 
     def __call__(self, x):
         t = x.shape[0]
         probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)       # [T, E]
         weights, experts = jax.lax.top_k(probs, self.top_k)                      # [T, k]
-        weights = (weights / weights.sum(-1, keepdims=True)).astype(x.dtype)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdims=True)
+        weights = weights.astype(x.dtype)
         if self.expert_mesh is not None:
             return self._expert_parallel(x, weights, experts)
         flat = experts.reshape(-1)                                               # [T * k]

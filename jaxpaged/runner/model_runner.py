@@ -46,6 +46,7 @@ from jaxpaged.core.runner_output import ModelRunnerOutput
 from jaxpaged.runner.pending_step import PendingStep, copy_indices
 from jaxpaged.runner.step_programs import (build_programs, build_verify_program,
                                            forward_inputs, is_plain_greedy, sample_inputs)
+from jaxpaged.runner.weight_update import RunnerWeights
 from jaxpaged.sampling import cpu_argmax
 from jaxpaged.sampling.sampler import SamplerOutput
 from jaxpaged.structured_output.manager import all_allowed, num_words
@@ -74,8 +75,9 @@ class RunnerLimits:
     max_adjust_entries: int = 16
 
 
-class ModelRunner(RunnerCompilation, ScratchPrefill):
-    """Holds the model's parameters and the KV pool; executes scheduled steps.
+class ModelRunner(RunnerCompilation, ScratchPrefill, RunnerWeights):
+    """Holds the model's parameters and the KV pool; executes scheduled steps (weight
+    updates and sleep mode: ``jaxpaged.runner.weight_update``).
 
     Args:
         model: the loaded NNX model (split once into graph and state here).

@@ -26,6 +26,7 @@ from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.pipeline_parallel import PipelineParallel
 from jaxpaged.distributed.tensor_parallel import TensorParallel
 from jaxpaged.arg_utils import EngineArgs
+from jaxpaged.family_settings import with_max_model_len
 from jaxpaged.runner.kv_scales import KVScales, calibrate_kv_scales, calibration_token_ids
 from jaxpaged.runner.kv_sizing import check_pool_fits, num_kv_pages
 from jaxpaged.layers.attention import (allocate_kv_pool, get_attention_backend,
@@ -128,6 +129,7 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
     """
     cache_dir = resolve_cache_dir(args.compilation_cache_dir)
     configure_compilation_cache(cache_dir)
+    cfg = dataclasses.replace(cfg, family=with_max_model_len(cfg.family, max_model_len))
     pipeline = None
     if args.pipeline_parallel_size > 1:
         pipeline = PipelineParallel.create(args.pipeline_parallel_size,
@@ -195,6 +197,7 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
                             max_num_seqs=args.max_num_seqs, max_pages_per_seq=pages_per_seq,
                             vocab_size=cfg.vocab_size,
                             max_adjust_entries=adjust_capacity(cfg.vocab_size, max_model_len)))
+    runner.tensor_parallel = pipeline or tp     # (weight updates repeat KV heads as loading)
     scales = [(1.0, 1.0)] * cfg.num_layers
     if args.calculate_kv_scales:
         scales = calibrate_kv_scales(runner, calibration_token_ids(

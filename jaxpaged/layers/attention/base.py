@@ -32,6 +32,7 @@ decodes of different requests share one call.
 from __future__ import annotations
 
 import abc
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -168,10 +169,17 @@ def allocate_kv_pool(num_layers: int, num_pages: int, page_size: int, num_kv_hea
     shape = (num_pages, page_size, num_kv_heads, head_dim)
     one_cpu = (sharding is None or len(sharding.device_set) == 1) and \
         jax.default_backend() == "cpu" and load_cpu_kernels()
+    zeros = _zeros_program(shape, np.dtype(dtype), sharding, one_cpu)
+    return [(zeros(), zeros()) for _ in range(num_layers)]
+
+
+@functools.lru_cache(maxsize=32)
+def _zeros_program(shape: tuple, dtype, sharding, one_cpu: bool):
+    """The jitted zero-fill of one pool array (kept: a pool reallocated after a sleep or a
+    failed step compiles nothing)."""
     make = (lambda: jax.ffi.ffi_call(LAZY_ZEROS_TARGET, jax.ShapeDtypeStruct(shape, dtype))()
             ) if one_cpu else (lambda: jnp.zeros(shape, dtype))
-    zeros = jax.jit(make, out_shardings=sharding)
-    return [(zeros(), zeros()) for _ in range(num_layers)]
+    return jax.jit(make, out_shardings=sharding)
 
 
 def kv_bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,

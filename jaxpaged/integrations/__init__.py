@@ -1,0 +1,1 @@
+"""Adapters for training frameworks (``jaxpaged.integrations.tunix``)."""
