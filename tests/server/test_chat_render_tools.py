@@ -26,7 +26,7 @@ CONVERSATION = [
 
 def test_two_turn_tool_conversation_renders_with_the_qwen2_template():
     tok = load_tokenizer(os.path.join(TOKENIZERS, "qwen2"), False)
-    engine = SimpleNamespace(engine=SimpleNamespace(max_model_len=4096))
+    engine = SimpleNamespace(model_info=SimpleNamespace(max_model_len=4096))   # an AsyncEngine
     chat = OpenAIServingChat(engine, ServerConfig(["qwen"]), tok)
     body = ChatCompletionRequest.model_validate({"messages": CONVERSATION, "tools": TOOLS})
     ids = chat.render(body.messages, tools=template_tools(body))
