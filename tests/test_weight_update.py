@@ -67,7 +67,10 @@ def test_full_update_equals_fresh_llm(tmp_path, w0, w1, fresh1):
     before = greedy(llm)[0]
     fresh_ids, fresh_logits = fresh1[1], fresh1[2]
     assert before != fresh_ids
-    assert updated(llm, w1) == 1
+    mine = {name: np.array(value) for name, value in w1.items()}    # the trainer's buffers
+    assert updated(llm, mine) == 1
+    for name, value in mine.items():      # written into afterwards: the engine holds a copy
+        value[...] = w0[name]
     ids, versions = greedy(llm)
     assert ids == fresh_ids and versions == {1}
     np.testing.assert_array_equal(logits(llm), fresh_logits)

@@ -218,7 +218,9 @@ def _placed(arr, dtype, sharding):
         if arr.dtype != dtype:
             arr = arr.astype(dtype)
         return arr if arr.sharding == sharding else jax.device_put(arr, sharding)
-    host = np.asarray(arr, dtype=dtype)
+    # A copy: on a CPU the device array may alias the host buffer, and a trainer that
+    # later writes into its own array would change the served weights behind the engine.
+    host = np.array(arr, dtype=dtype, copy=True)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
