@@ -57,8 +57,9 @@ def rl_routes(engine, ready, parse) -> list[Route]:
 
     async def pause(request: Request) -> Response:
         q = request.query_params
-        mode = q.get("mode") or ("wait" if q.get("wait_for_inflight_requests", "").lower()
-                                 in ("1", "true") else "abort")
+        mode = q["mode"] if "mode" in q else (     # (an empty mode= is refused, not "abort")
+            "wait" if q.get("wait_for_inflight_requests", "").lower() in ("1", "true")
+            else "abort")
         if mode not in PAUSE_MODES:
             raise bad_request(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}", "mode")
         await call(lambda e: e.pause_generation(mode))

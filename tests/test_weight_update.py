@@ -67,7 +67,10 @@ def test_full_update_equals_fresh_llm(tmp_path, w0, w1, fresh1):
     before = greedy(llm)[0]
     fresh_ids, fresh_logits = fresh1[1], fresh1[2]
     assert before != fresh_ids
-    assert updated(llm, w1) == 1
+    mine = {name: np.array(value) for name, value in w1.items()}    # the trainer's buffers
+    assert updated(llm, mine) == 1
+    for name, value in mine.items():      # written into afterwards: the engine holds a copy
+        value[...] = w0[name]
     ids, versions = greedy(llm)
     assert ids == fresh_ids and versions == {1}
     np.testing.assert_array_equal(logits(llm), fresh_logits)
@@ -101,7 +104,8 @@ def test_bad_updates_name_the_tensor_and_keep_the_old_weights(tmp_path, w0, w1):
            ({"model.layers.9.mlp.up_proj.weight": w1["model.layers.0.mlp.up_proj.weight"]},
             "model.layers.9.mlp.up_proj.weight"),
            ({"model.norm.weight": w1["model.norm.weight"].astype(np.int32)},
-            "model.norm.weight: dtype int32")]
+            "model.norm.weight: dtype int32"),
+           ({}, "names no tensor of the model")]
     for weights, message in bad:
         with pytest.raises(WeightUpdateError, match=message.replace("(", r"\(")
                            .replace(")", r"\)")):
@@ -165,3 +169,15 @@ def test_tensor_parallel_update_keeps_shardings(tmp_path, w0, w1, dir1):
     assert any(a is placed["model.embed_tokens.weight"] for a in new_leaves)
     assert greedy(llm)[0] == greedy(fresh)[0]
     np.testing.assert_array_equal(logits(llm), logits(fresh))
+
+
+def test_a_tied_lm_head_alone_is_refused_not_ignored():
+    """On a model whose LM head is its embedding (the bundled one: tie_word_embeddings), an
+    update of ``lm_head.weight`` alone would change nothing: it is refused, saying so, and
+    the version stays."""
+    llm = make_llm(STORIES)
+    head = np.zeros((llm.engine.model_config.vocab_size, llm.engine.model_config.hidden_size),
+                    np.float32)
+    with pytest.raises(WeightUpdateError, match="tied to model.embed_tokens.weight"):
+        llm.update_weights({"lm_head.weight": head})
+    assert llm.weight_version == 0

@@ -114,7 +114,8 @@ def plan_update(graphdef, state, weights, *, tp, quantization: str | None,
 
     Raises:
         WeightUpdateError: names the model has no place for, wrong shapes, non-float
-            tensors, experts given only in part; every problem in one message.
+            tensors, experts given only in part, an update that names no tensor of the model
+            (an empty one, or only a tied ``lm_head.weight``); every problem in one message.
         NotImplementedError: a model whose projections stay packed as a GGUF file stores
             them (no float tensor maps onto their blocks).
     """
@@ -154,11 +155,15 @@ def plan_update(graphdef, state, weights, *, tp, quantization: str | None,
                   and not (tie_word_embeddings and n == "lm_head.weight")]
     if unexpected:
         problems.append(f"tensors the model has no place for: {unexpected[:20]}")
+    names = sorted(set(getattr(reader, "_read", ())))
+    if not names and not problems:        # (nothing would change: no new version either)
+        problems.append("it names no tensor of the model" + (
+            " (lm_head.weight is tied to model.embed_tokens.weight here: update that)"
+            if tie_word_embeddings and "lm_head.weight" in reader.unread() else ""))
     if problems:
         raise WeightUpdateError("weight update refused, the old weights keep serving: "
                                 + "; ".join(problems))
-    return UpdatePlan(jax.tree.unflatten(treedef, leaves),
-                      sorted(set(getattr(reader, "_read", ()))))
+    return UpdatePlan(jax.tree.unflatten(treedef, leaves), names)
 
 
 def _derive(reader, path, var, name, leading, quantized, method, group_size, derived):
@@ -218,7 +223,9 @@ def _placed(arr, dtype, sharding):
         if arr.dtype != dtype:
             arr = arr.astype(dtype)
         return arr if arr.sharding == sharding else jax.device_put(arr, sharding)
-    host = np.asarray(arr, dtype=dtype)
+    # A copy: on a CPU the device array may alias the host buffer, and a trainer that
+    # later writes into its own array would change the served weights behind the engine.
+    host = np.array(arr, dtype=dtype, copy=True)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 

@@ -83,7 +83,8 @@ def test_update_weights_from_disk_tags_outputs(http, other_weights):
 
 def test_pause_keep_holds_requests_until_resume(http, rl_server):
     text0, _ = complete(http)
-    assert http.post("/pause", params={"mode": "bogus"}).json()["error"]["param"] == "mode"
+    for bogus in ("bogus", ""):          # (an empty mode is refused, not taken as abort)
+        assert http.post("/pause", params={"mode": bogus}).json()["error"]["param"] == "mode"
     assert http.post("/pause", params={"mode": "keep"}).json() == {"status": "paused",
                                                                    "mode": "keep"}
     assert http.get("/is_paused").json() == {"is_paused": True}
