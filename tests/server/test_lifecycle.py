@@ -17,6 +17,7 @@ from starlette.testclient import TestClient
 
 from jaxpaged.server.launcher import make_server
 from jaxpaged.server.serving import ServerConfig
+from tests.conftest import STORIES
 from tests.helpers.processes import free_port, wait_for_health
 from tests.server.conftest import MAX_BODY_BYTES, MODEL, LiveServer, engine_args
 
@@ -218,10 +219,17 @@ def test_jaxpaged_serve_bad_arguments_exit_with_error(tmp_path, flags, needle):
     assert "Traceback" not in proc.stderr
 
 
-def test_interrupt_while_loading_exits_promptly():
+def test_interrupt_while_loading_exits_promptly(tmp_path):
     port = free_port()
-    # Without --enforce-eager the start-up precompiles for many seconds: interrupt that.
-    proc = subprocess.Popen([sys.executable, "-m", "jaxpaged.cli", "serve", "--port", str(port)],
+    # The stories110M shape with dummy weights and an empty compile cache loads for several
+    # seconds (the bundled model, its steps stored by earlier tests, is ready before /health
+    # first answers): interrupt that.
+    shape = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models",
+                         "stories110m-shape")
+    proc = subprocess.Popen([sys.executable, "-m", "jaxpaged.cli", "serve", shape,
+                             "--load-format", "dummy", "--tokenizer", STORIES,
+                             "--compilation-cache-dir", str(tmp_path / "cache"),
+                             "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_health(f"http://127.0.0.1:{port}", 503, [proc], timeout=60, poll=0.1)
     time.sleep(2)
