@@ -70,6 +70,26 @@ def test_mixed_step_matches_xla(dtype, num_heads, num_kv_heads, page_size, head_
     assert all(jnp.array_equal(a, b) for a, b in zip(pool, pool_xla))      # same KV write
 
 
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,page_size,window", [
+    (jnp.bfloat16, 9, 3, 64, 16, None), (jnp.float32, 9, 3, 64, 32, None),
+    (jnp.float32, 4, 2, 128, 16, None), (jnp.bfloat16, 2, 2, 128, 32, 40),
+    (jnp.float32, 8, 2, 64, 16, 19)])
+def test_decodes_with_register_accumulators_match_xla(dtype, num_heads, num_kv_heads, head_dim,
+                                                       page_size, window):
+    """The decode path that keeps its accumulators in registers (``csrc/one_query_regs.h``:
+    G x D / 16 <= 16, pages of 16 or 32 rows; SmolLM2's G = 3, D = 64 first), at every
+    offset of a 16-key chunk: contexts on both sides of chunk and page edges, a window
+    starting mid-chunk."""
+    rng = np.random.default_rng(num_heads * head_dim + page_size)
+    contexts = [0, 1, 15, 16, 17, 31, 32, 33, 47, 100, 5 * page_size + 7]
+    batch = make_batch(rng, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                       page_size=page_size, dtype=dtype, seqs=[(c, 1) for c in contexts],
+                       pad_tokens=0)
+    assert batch.layout.is_decode_only
+    (ours, theirs), _ = forward_both(batch, sliding_window=window)
+    np.testing.assert_allclose(ours, theirs, atol=TOLERANCE[dtype], rtol=0)
+
+
 @pytest.mark.parametrize("sliding_window,soft_cap", [(24, None), (None, 30.0), (7, 20.0)])
 @pytest.mark.parametrize("decode_only", [True, False])
 def test_sliding_window_and_soft_cap_match_xla(sliding_window, soft_cap, decode_only):

@@ -15,8 +15,9 @@
 //   * enough rows (real queries x G >= kMinTileRows): per KV head, tiles of 16 (query, query
 //     head) rows (row_tiles.h), which read each K/V page of the head once per tile and do
 //     small register-blocked matmuls against it;
-//   * otherwise (decodes, mostly-padding blocks): each real query alone (one_query.h), reading
-//     every page's rows of all the item's heads once, in memory order.
+//   * otherwise (decodes, mostly-padding blocks): each real query alone, with its
+//     accumulators in registers where G and D allow (one_query_regs.h), else reading every
+//     page's rows of all the item's heads once, in memory order (one_query.h).
 // Items are spread over XLA:CPU's intra-op thread pool (the FFI ThreadPool context); the
 // calling thread works too, so no thread waits on work nobody has started. One W1 decode layer
 // measured 1.2x faster with the pool's two threads than on the calling thread alone.
@@ -32,6 +33,7 @@
 #include <vector>
 
 #include "one_query.h"
+#include "one_query_regs.h"
 #include "row_tiles.h"
 #include "work_items.h"
 #include "xla/ffi/api/ffi.h"
@@ -74,10 +76,16 @@ void attend_item(const Shape& sh, int64_t item, const Operands<T>& x, Scratch& w
   for (int64_t i = 0; i < sh.block_q; ++i) real += sh.is_query(pos[i], tokens[i]);
   if (real * group < kMinTileRows) {
     for (int64_t i = 0; i < sh.block_q; ++i) {
-      if (sh.is_query(pos[i], tokens[i])) {
-        attend_one_query(sh, rows_of(x.q, i), pos[i], pages, h0, nh, x.k, x.v,
-                         rows_of(x.out, i), w.query);
+      if (!sh.is_query(pos[i], tokens[i])) continue;
+#ifdef JAXPAGED_ONE_QUERY_REGS
+      if (one_query_regs_shape(sh)) {
+        attend_one_query_regs(sh, rows_of(x.q, i), pos[i], pages, h0, nh, x.k, x.v,
+                              rows_of(x.out, i), w.query.q.data());
+        continue;
       }
+#endif
+      attend_one_query(sh, rows_of(x.q, i), pos[i], pages, h0, nh, x.k, x.v,
+                       rows_of(x.out, i), w.query);
     }
     return;
   }
