@@ -16,7 +16,9 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictStr
+from pydantic import BeforeValidator, ConfigDict, Field, StrictStr
+
+from jaxpaged.server.api_model import ApiModel
 
 
 def _integral(value):
@@ -31,7 +33,7 @@ def _integral(value):
 Int = Annotated[int, BeforeValidator(_integral)]
 
 
-class _Request(BaseModel):
+class _Request(ApiModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
@@ -143,31 +145,31 @@ class CompletionRequest(SamplingFields):
 # ---- responses --------------------------------------------------------------------------
 
 
-class PromptTokensDetails(BaseModel):
+class PromptTokensDetails(ApiModel):
     cached_tokens: int | None = None
 
 
-class UsageInfo(BaseModel):
+class UsageInfo(ApiModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class CompletionLogprobs(BaseModel):
+class CompletionLogprobs(ApiModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class PromptLogprob(BaseModel):
+class PromptLogprob(ApiModel):
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(ApiModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -183,7 +185,7 @@ def unix_time() -> int:
     return int(time.time())
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(ApiModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=unix_time)
@@ -195,13 +197,13 @@ class CompletionResponse(BaseModel):
     weight_version: int | None = None
 
 
-class TopLogprob(BaseModel):
+class TopLogprob(ApiModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
 
 
-class ModelCard(BaseModel):
+class ModelCard(ApiModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=unix_time)
@@ -217,12 +219,12 @@ class ModelCard(BaseModel):
     vocab_size: int | None = None
 
 
-class ModelList(BaseModel):
+class ModelList(ApiModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
-class ErrorInfo(BaseModel):
+class ErrorInfo(ApiModel):
     message: str
     type: str
     param: str | None = None
@@ -230,11 +232,11 @@ class ErrorInfo(BaseModel):
     code: int
 
 
-class ErrorResponse(BaseModel):
+class ErrorResponse(ApiModel):
     error: ErrorInfo
 
 
-class TokenizeResponse(BaseModel):
+class TokenizeResponse(ApiModel):
     count: int
     max_model_len: int
     tokens: list[int]
@@ -245,9 +247,9 @@ class DetokenizeRequest(_Request):
     tokens: list[Int]
 
 
-class DetokenizeResponse(BaseModel):
+class DetokenizeResponse(ApiModel):
     prompt: str
 
 
-class VersionResponse(BaseModel):
+class VersionResponse(ApiModel):
     version: str

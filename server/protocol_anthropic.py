@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field
+from pydantic import BeforeValidator, Field
 from pydantic_core import PydanticCustomError
 
+from jaxpaged.server.api_model import ApiModel
 from jaxpaged.server.protocol import Int, _Request
 
 #: The content block types a request's messages may hold.
@@ -184,12 +185,12 @@ class CountTokensRequest(ConversationFields):
 # ---- answers ------------------------------------------------------------------------------
 
 
-class TextOut(BaseModel):
+class TextOut(ApiModel):
     type: Literal["text"] = "text"
     text: str
 
 
-class ThinkingOut(BaseModel):
+class ThinkingOut(ApiModel):
     """Reasoning split off by the ``--reasoning-parser``; ``signature`` is a digest of the
     text (this server signs nothing)."""
 
@@ -198,7 +199,7 @@ class ThinkingOut(BaseModel):
     signature: str
 
 
-class ToolUseOut(BaseModel):
+class ToolUseOut(ApiModel):
     type: Literal["tool_use"] = "tool_use"
     id: str
     name: str
@@ -208,11 +209,11 @@ class ToolUseOut(BaseModel):
 ContentOut = TextOut | ThinkingOut | ToolUseOut
 
 
-class OutputTokensDetails(BaseModel):
+class OutputTokensDetails(ApiModel):
     thinking_tokens: int
 
 
-class MessagesUsage(BaseModel):
+class MessagesUsage(ApiModel):
     """Token counts, as Anthropic's: ``input_tokens`` are the prompt tokens not read from
     the prefix cache, ``cache_read_input_tokens`` those that were (their sum is the prompt);
     nothing is written to a cache on request (``cache_creation_input_tokens`` 0)."""
@@ -224,7 +225,7 @@ class MessagesUsage(BaseModel):
     output_tokens_details: OutputTokensDetails | None = None
 
 
-class MessagesResponse(BaseModel):
+class MessagesResponse(ApiModel):
     """The answer of ``/v1/messages`` (and the ``message`` of a stream's
     ``message_start``)."""
 
@@ -238,16 +239,16 @@ class MessagesResponse(BaseModel):
     usage: MessagesUsage
 
 
-class CountTokensResponse(BaseModel):
+class CountTokensResponse(ApiModel):
     input_tokens: int
 
 
-class AnthropicErrorInfo(BaseModel):
+class AnthropicErrorInfo(ApiModel):
     type: str
     message: str
 
 
-class AnthropicErrorResponse(BaseModel):
+class AnthropicErrorResponse(ApiModel):
     """Anthropic's error body: ``{"type": "error", "error": {"type", "message"}}``."""
 
     type: Literal["error"] = "error"

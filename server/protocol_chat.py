@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field
+from pydantic import BeforeValidator, Field
 from pydantic_core import PydanticCustomError
 
+from jaxpaged.server.api_model import ApiModel
 from jaxpaged.server.protocol import (Int, PromptLogprob, SamplingFields, TopLogprob,
                                       UsageInfo, _Request, unix_time)
 
@@ -114,22 +115,22 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
-class ChatLogprobs(BaseModel):
+class ChatLogprobs(ApiModel):
     content: list[TokenLogprob] | None = None
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(ApiModel):
     name: str
     arguments: str
 
 
-class ToolCall(BaseModel):
+class ToolCall(ApiModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class AssistantMessage(BaseModel):
+class AssistantMessage(ApiModel):
     """The answer; ``reasoning`` (and its other name ``reasoning_content``) with
     ``--reasoning-parser``, ``tool_calls`` with tools."""
 
@@ -140,7 +141,7 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(ApiModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
@@ -149,7 +150,7 @@ class ChatChoice(BaseModel):
     token_ids: list[int] | None = None           # with return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(ApiModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=unix_time)
@@ -161,12 +162,12 @@ class ChatCompletionResponse(BaseModel):
     weight_version: int | None = None    # the weights that produced it (docs/rl.md)
 
 
-class DeltaFunctionCall(BaseModel):
+class DeltaFunctionCall(ApiModel):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(BaseModel):
+class DeltaToolCall(ApiModel):
     """A piece of a streamed call: ``id``, ``type`` and ``function.name`` on its first
     piece, ``function.arguments`` fragments after."""
 
@@ -176,7 +177,7 @@ class DeltaToolCall(BaseModel):
     function: DeltaFunctionCall
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(ApiModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning: str | None = None
@@ -184,7 +185,7 @@ class DeltaMessage(BaseModel):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(ApiModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
@@ -193,7 +194,7 @@ class ChatChunkChoice(BaseModel):
     token_ids: list[int] | None = None           # with return_token_ids
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(ApiModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=unix_time)

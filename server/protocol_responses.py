@@ -19,13 +19,14 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
+from jaxpaged.server.api_model import ApiModel
 from jaxpaged.server.protocol import Int
 
 
-class _Strict(BaseModel):
+class _Strict(ApiModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
@@ -212,14 +213,14 @@ class ResponsesRequest(_Strict):
 # ---- the response -----------------------------------------------------------------------
 
 
-class OutputText(BaseModel):
+class OutputText(ApiModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
     logprobs: list[Any] = Field(default_factory=list)
 
 
-class OutputMessage(BaseModel):
+class OutputMessage(ApiModel):
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
@@ -227,7 +228,7 @@ class OutputMessage(BaseModel):
     content: list[OutputText] = Field(default_factory=list)
 
 
-class FunctionCallOutput(BaseModel):
+class FunctionCallOutput(ApiModel):
     """A call the model made (``ResponseFunctionToolCall``): ``call_id`` is what the
     caller's ``function_call_output`` names."""
 
@@ -239,12 +240,12 @@ class FunctionCallOutput(BaseModel):
     arguments: str
 
 
-class ReasoningTextPart(BaseModel):
+class ReasoningTextPart(ApiModel):
     type: Literal["reasoning_text"] = "reasoning_text"
     text: str
 
 
-class ReasoningOutput(BaseModel):
+class ReasoningOutput(ApiModel):
     """The ``--reasoning-parser``'s reasoning (``ResponseReasoningItem``)."""
 
     id: str
@@ -257,15 +258,15 @@ class ReasoningOutput(BaseModel):
 OutputItem = OutputMessage | FunctionCallOutput | ReasoningOutput
 
 
-class InputTokensDetails(BaseModel):
+class InputTokensDetails(ApiModel):
     cached_tokens: int = 0
 
 
-class OutputTokensDetails(BaseModel):
+class OutputTokensDetails(ApiModel):
     reasoning_tokens: int = 0
 
 
-class ResponseUsage(BaseModel):
+class ResponseUsage(ApiModel):
     """Token counts; ``cached_tokens`` the prompt's prefix-cache hits (0 on a miss or with
     caching off), ``reasoning_tokens`` the output tokens spent inside the reasoning."""
 
@@ -276,16 +277,16 @@ class ResponseUsage(BaseModel):
     total_tokens: int
 
 
-class IncompleteDetails(BaseModel):
+class IncompleteDetails(ApiModel):
     reason: Literal["max_output_tokens"]
 
 
-class ResponseError(BaseModel):
+class ResponseError(ApiModel):
     code: str
     message: str
 
 
-class ResponseObject(BaseModel):
+class ResponseObject(ApiModel):
     """The ``response`` object (OpenAI's ``Response``): the request's settings echoed, the
     ``output`` items, ``usage`` once finished."""
 

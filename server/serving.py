@@ -42,6 +42,7 @@ from jaxpaged.server.errors import APIError, bad_request
 from jaxpaged.server.protocol import SamplingFields, TopLogprob
 from jaxpaged.server.request_params import RequestParameters, sampling_error
 from jaxpaged.server.serving_models import ServingModels
+from jaxpaged.tokenizer import longest_token_chars
 
 logger = logging.getLogger("server")
 
@@ -101,7 +102,7 @@ class OpenAIServing(RequestParameters):
         #: The names ``model`` may take (base names and LoRA adapters), shared by the routes.
         self.models = models or ServingModels(config.served_model_names)
         #: The most characters one token can stand for (its vocabulary's longest piece).
-        self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
+        self.max_token_chars = longest_token_chars(tokenizer)
 
     def check_text_length(self, text: str, param: str) -> None:
         """Refuse, without tokenizing it, a text too long to fit ``max_model_len`` tokens.

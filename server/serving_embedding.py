@@ -21,10 +21,11 @@ import time
 from typing import ClassVar, Literal
 
 import numpy as np
-from pydantic import BaseModel, Field, StrictInt, StrictStr
+from pydantic import Field, StrictInt, StrictStr
 from starlette.requests import Request
 from starlette.responses import Response
 
+from jaxpaged.server.api_model import ApiModel
 from jaxpaged.outputs import PoolingRequestOutput
 from jaxpaged.pooling_params import PoolingParams
 from jaxpaged.server.errors import bad_request
@@ -52,18 +53,18 @@ class EmbeddingRequest(_Request):
     cache_salt: ClassVar[None] = None
 
 
-class EmbeddingData(BaseModel):
+class EmbeddingData(ApiModel):
     object: Literal["embedding"] = "embedding"
     index: int
     embedding: list[float] | str
 
 
-class EmbeddingUsage(BaseModel):
+class EmbeddingUsage(ApiModel):
     prompt_tokens: int
     total_tokens: int
 
 
-class EmbeddingResponse(BaseModel):
+class EmbeddingResponse(ApiModel):
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=lambda: int(time.time()))

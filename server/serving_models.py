@@ -14,21 +14,20 @@ import itertools
 import json
 from dataclasses import dataclass
 
-from pydantic import BaseModel
-
+from jaxpaged.server.api_model import ApiModel
 from jaxpaged.lora.peft import LoRAAdapterNotFoundError, load_adapter
 from jaxpaged.lora.request import LoRARequest
 from jaxpaged.server.errors import APIError
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+class LoadLoRAAdapterRequest(ApiModel):
     """``POST /v1/load_lora_adapter``'s body (vLLM's)."""
 
     lora_name: str | None = None
     lora_path: str | None = None
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
+class UnloadLoRAAdapterRequest(ApiModel):
     """``POST /v1/unload_lora_adapter``'s body (vLLM's; ``lora_int_id`` is accepted and
     ignored, as there)."""
 

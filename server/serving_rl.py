@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import asyncio
 
-from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from jaxpaged.server.api_model import ApiModel
 from jaxpaged.engine.rollout import PAUSE_MODES
 from jaxpaged.engine.sleep import SLEEP_TAGS, WeightsNotLoadedError
 from jaxpaged.runner.weight_update import WeightUpdateError
@@ -35,7 +35,7 @@ RL_PATHS = ("/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleepi
 WAIT_POLL_S = 0.02
 
 
-class UpdateWeightsFromDiskRequest(BaseModel):
+class UpdateWeightsFromDiskRequest(ApiModel):
     """``POST /update_weights_from_disk``'s body."""
 
     model_path: str

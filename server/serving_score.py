@@ -28,11 +28,12 @@ from __future__ import annotations
 import time
 from typing import ClassVar
 
-from pydantic import BaseModel, Field, StrictStr
+from pydantic import Field, StrictStr
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from jaxpaged.server.api_model import ApiModel
 from jaxpaged.pooling_params import PoolingParams
 from jaxpaged.scoring import as_list, cosine_similarity, cross_encoder_prompt, score_pairs
 from jaxpaged.server.errors import bad_request
@@ -72,18 +73,18 @@ class RerankRequest(_PoolingFields):
     return_documents: bool = True
 
 
-class ScoreData(BaseModel):
+class ScoreData(ApiModel):
     index: int
     object: str = "score"
     score: float
 
 
-class ScoreUsage(BaseModel):
+class ScoreUsage(ApiModel):
     prompt_tokens: int
     total_tokens: int
 
 
-class ScoreResponse(BaseModel):
+class ScoreResponse(ApiModel):
     id: str
     object: str = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -92,17 +93,17 @@ class ScoreResponse(BaseModel):
     usage: ScoreUsage
 
 
-class RerankDocument(BaseModel):
+class RerankDocument(ApiModel):
     text: str
 
 
-class RerankResult(BaseModel):
+class RerankResult(ApiModel):
     index: int
     document: RerankDocument | None = None
     relevance_score: float
 
 
-class RerankResponse(BaseModel):
+class RerankResponse(ApiModel):
     id: str
     model: str
     results: list[RerankResult]

@@ -20,8 +20,8 @@ METHODS = sorted(name for name, value in vars(EngineClient).items()
 def test_the_protocol_names_the_calls_its_callers_make():
     assert METHODS == ["abort_request", "add_request", "device_memory_used",
                        "get_num_unfinished_requests", "get_num_waiting_seqs",
-                       "has_unfinished_requests", "record_stats", "stats", "step",
-                       "wait_until_compiled"]
+                       "has_unfinished_requests", "record_stats", "start_background_compile",
+                       "stats", "step", "wait_until_compiled"]
     assert set(typing.get_type_hints(EngineClient)) >= {"model_info", "tokenizer",
                                                         "stat_loggers"}
 

@@ -198,6 +198,7 @@ class AsyncEngine(AsyncEngineLifecycle):
             serve = not self._multihost and self.args.pooler is None
             self.engine = make_engine(self.args, background_compile=SERVE if serve else None)
             warm_up(self.engine)
+            self.engine.start_background_compile()
             self.engine.stat_loggers.extend(self._stat_loggers)
             self.engine.record_stats()          # every gauge has a value from the start
             self._ready.set()

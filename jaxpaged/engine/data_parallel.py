@@ -46,7 +46,7 @@ def make_engine(args: EngineArgs, background_compile: str | None = None
 class DataParallelEngine:
     """``args.data_parallel_size`` :class:`Engine` replicas behind the engine's interface
     (``add_request``, ``abort_request``, ``step``, ``has_unfinished_requests``,
-    ``wait_until_compiled``,
+    ``wait_until_compiled``, ``start_background_compile``,
     ``get_num_waiting_seqs``, ``stats``, ``stat_loggers``, ``record_stats``; a test's
     ``fault_injector`` goes on each of ``replicas``).
 
@@ -101,6 +101,11 @@ class DataParallelEngine:
     def wait_until_compiled(self, timeout: float | None = None) -> bool:
         """:meth:`Engine.wait_until_compiled` of every replica (``timeout`` for each)."""
         return all([r.wait_until_compiled(timeout) for r in self.replicas])
+
+    def start_background_compile(self) -> None:
+        """:meth:`Engine.start_background_compile` of every replica."""
+        for r in self.replicas:
+            r.start_background_compile()
 
     def has_unfinished_requests(self) -> bool:
         """True while any replica has a request waiting or running."""

@@ -269,6 +269,12 @@ class Engine(EngineSteps, Rollout, Sleep):
         return all(job.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
                    for job in self._background)
 
+    def start_background_compile(self) -> None:
+        """Start the step compilations a server's engine holds back until its warm-up
+        request is done (``jaxpaged.runner.background_compile``); no-op otherwise."""
+        for job in self._background:
+            job.start()
+
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
         return bool(self.output_processor.groups or self._early_outputs)

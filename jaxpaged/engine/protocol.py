@@ -93,6 +93,9 @@ class EngineClient(Protocol):
     def wait_until_compiled(self, timeout: float | None = None) -> bool:
         """Wait for the step programs compiling in the background; False on timeout."""
 
+    def start_background_compile(self) -> None:
+        """Start the background step compilations held back for a server's warm-up."""
+
     def record_stats(self) -> None:
         """Hand the statistics since the last call to :attr:`stat_loggers`."""
 

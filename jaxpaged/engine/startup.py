@@ -70,7 +70,8 @@ def load_and_compile(args: EngineArgs, cfg: ModelConfig, max_model_len: int,
     (unless ``enforce_eager``), and load the tokenizer on another thread meanwhile.
     ``background_compile`` (``"serve"``, ``"offline"`` or None: every shape before this
     returns) says which shapes compile before this returns and which on a background
-    thread (:func:`jaxpaged.runner.background_compile.compile_plan`).
+    thread (:func:`jaxpaged.runner.background_compile.compile_plan`); a server's threads
+    start at ``Engine.start_background_compile``, after its warm-up request.
 
     Raises:
         SpeculativeConfigError: a draft model that does not fit the target (before
@@ -96,7 +97,8 @@ def load_and_compile(args: EngineArgs, cfg: ModelConfig, max_model_len: int,
                     samplers=background_compile is None)
                 if later:
                     background.append(BackgroundCompile(runner, later,
-                                                        pad=background_compile == SERVE))
+                                                        pad=background_compile == SERVE,
+                                                        start=background_compile != SERVE))
         try:
             return LoadedModel(worker, drafter, tokenizer.result(), background)
         except BaseException:

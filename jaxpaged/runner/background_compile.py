@@ -94,23 +94,34 @@ class BackgroundCompile:
             it neither waits nor compiles. False (``LLM``): it compiles its own shape on the
             spot, after the compilation in progress, so the tokens never depend on how far
             the background got.
+        start: start the thread now; False: at :meth:`start` (a server starts it after its
+            warm-up request, which would otherwise wait behind the first background shape
+            for the runner's compile lock: 0.2-0.8 s of a warm start).
 
     The thread stops after its current shape when :meth:`stop` is called, when the engine
     that started it is collected, and at interpreter exit (which waits for it: a
     compilation cut off by the interpreter's shutdown could crash it).
     """
 
-    def __init__(self, runner, plan: list[tuple[list[tuple], bool, bool]], pad: bool):
+    def __init__(self, runner, plan: list[tuple[list[tuple], bool, bool]], pad: bool,
+                 start: bool = True):
         self._stop = threading.Event()
         self._pad = pad
         if pad:
             runner.defer_shapes([s for shapes, forwards, _ in plan if forwards for s in shapes])
         self._count = sum(len(shapes) for shapes, _, _ in plan)
-        logger.info("compiling %d more step shapes in the background", self._count)
         _live.add(self)
         self.thread = threading.Thread(target=self._run, args=(runner, plan), daemon=True,
                                        name="jaxpaged-background-compile")
-        self.thread.start()
+        self._started = threading.Lock()
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start compiling (once; later calls do nothing)."""
+        if self._started.acquire(blocking=False):
+            logger.info("compiling %d more step shapes in the background", self._count)
+            self.thread.start()
 
     def _run(self, runner, plan) -> None:
         t0 = time.perf_counter()
@@ -137,7 +148,11 @@ class BackgroundCompile:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the thread to end (``timeout`` seconds at most; None: no limit);
-        whether it has."""
+        whether it has. A thread not started yet starts now, unless stopped."""
+        if not self._started.locked():
+            if self._stop.is_set():
+                return True
+            self.start()
         self.thread.join(timeout)
         return not self.thread.is_alive()
 
