@@ -25,7 +25,8 @@ segments at once; one slot an iteration paid an L2 round trip each: on sm_90, Tr
 SASS instructions a slot and no load ahead of its use; 8 at once, 41 a slot, 56 registers).
 
 fp8 pools and scales are handled as in v1 (``pallas_kernels.kv_quant``): tiles converted to
-q's dtype as loaded, ``k_scale`` folded into the softmax scale, ``v_scale`` into the output.
+q's dtype as loaded (float16 for a bf16 q, through 32-bit words: ``pallas_kernels.fp8_words``),
+``k_scale`` folded into the softmax scale, ``v_scale`` into the output.
 Lowering: Triton (``pallas_kernels/lowering.py``); interpret mode on CPU.
 """
 
