@@ -15,7 +15,8 @@ four, which Triton cannot push the MMA layout through: the tile leaves shared me
 bytes becomes an f16 pair in one ``F2FP.F16.E4M3.UNPACK_B``, and the float16 tile reaches
 its MMA through shared memory and ``ldmatrix`` (transposing for V, which 16-bit elements
 allow). The decode loop is then 270 instructions a tile (34 a KiB), 105 registers, no stack
-(``jaxpaged.benchmarks.kernels.schedule_check``).
+at 4 warps (``jaxpaged.benchmarks.kernels.schedule_check``; the kernel launches 2,
+``pallas_kernels.paged_attention.DECODE_WARPS_FP8``).
 
 Alternatives measured (same compiler, decode loop a 32-key tile):
 

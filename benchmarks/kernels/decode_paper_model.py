@@ -70,8 +70,8 @@ def report(fp8, bf16, *, keys: int, efficiencies=(1.0, 0.5)) -> list[str]:
     for name, facts in (("bf16", bf16), ("fp8", fp8)):
         c = tile_cycles(facts)
         lines.append(f"{name}: per tile HBM {c.hbm:.0f}, issue {c.issue:.0f}, shared "
-                     f"{c.shared:.0f} SM cycles; warp instructions a KiB of K/V "
-                     f"{facts.loop_instructions * facts.num_warps * 1024 / facts.tile_kv_bytes:.0f}")
+                     f"{c.shared:.0f} SM cycles ({facts.num_warps} warps); warp instructions "
+                     f"a KiB of K/V {facts.warp_instructions_per_kv_kib:.0f}")
     for eff in efficiencies:
         limits = [tile_cycles(f).bound(eff)[1] for f in (bf16, fp8)]
         ratio = speed_ratio(fp8, bf16, fast_keys=keys, base_keys=keys, issue_efficiency=eff)

@@ -160,6 +160,12 @@ class ScheduleFacts:
         return self.loop_instructions * 1024 / max(self.tile_kv_bytes, 1)
 
     @property
+    def warp_instructions_per_kv_kib(self) -> float:
+        """Loop instructions of all the program's warps a KiB of K and V: the SM's issue
+        work per byte, comparable across warp counts."""
+        return self.instructions_per_kv_kib * self.num_warps
+
+    @property
     def programs_per_sm(self) -> int:
         """Resident programs per Hopper SM: the least of the register, shared-memory, block
         and warp limits (registers allocated per warp in units of 256)."""
@@ -309,7 +315,8 @@ def kernel_facts(kernel: str, mode: str, kv_dtype=None,
     if kernel == "v2" and mode == "decode":
         fn = functools.partial(paged_attention.paged_decode_attention, **scale)
         args = (sds((b, qh, d), jnp.bfloat16), pool, pool, table, ints(b), ints(b), ints(1))
-        tile, warps, stages = (paged_attention.DECODE_TILE, paged_attention.DECODE_WARPS,
+        tile, warps, stages = (paged_attention.DECODE_TILE,
+                               paged_attention.decode_warps(pool.dtype),
                                paged_attention.DECODE_STAGES)
     elif kernel == "v2" and mode == "prefill":
         block_q = 32

@@ -14,7 +14,7 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.paged_attention import DECODE_TILE, PROGRAMS_PER_SM
+from pallas_kernels.paged_attention import DECODE_TILE, DECODE_WARPS_FP8, PROGRAMS_PER_SM
 from jaxpaged.benchmarks.kernels.decode_paper_model import speed_ratio
 from jaxpaged.benchmarks.kernels.schedule_check import (kernel_facts, loop_instructions,
                                                         loop_opcodes, shared_wavefronts)
@@ -111,19 +111,22 @@ def test_v2_fp8_decode_loop_reads_words_and_computes_in_float16():
     values) and multiply in f16 (568 -> 476 instructions through bf16), and are widened
     through 32-bit words (``pallas_kernels.fp8_words``): the tiles leave shared memory in
     16-byte loads instead of byte loads (32 LDS.U8) and ~76 register moves: 476 -> 270
-    instructions a 32-key tile (bf16: 280), 105 registers, still 4 programs an SM. On paper
-    (``decode_paper_model``) that moves fp8 decode from issue-bound (0.94x bf16 at half the
-    peak issue rate) to shared-memory-bound at 1.53x, whatever the issue rate above 46%."""
+    instructions a 32-key tile at 4 warps (bf16: 280). With 2 warps (``DECODE_WARPS_FP8``)
+    a warp's loop is 421 instructions, 105 warp instructions a KiB of K/V (4 warps: 135;
+    before: 238), 128 registers, 6 programs an SM. On paper (``decode_paper_model``) fp8
+    decode goes from issue-bound (0.94x bf16 at half the peak issue rate) to bound by
+    shared memory at 1.83x."""
     facts = kernel_facts("v2", "decode", jnp.float8_e4m3fn)
     print("v2 decode fp8", facts.describe())
-    assert 0 < facts.loop_instructions <= 290 and facts.stack == 0
-    assert facts.instructions_per_kv_kib <= 36
-    assert facts.programs_per_sm >= PROGRAMS_PER_SM
-    assert facts.opcode_count("LDS.U8") == 0 and facts.opcode_count("IMAD.MOV") <= 12
-    assert facts.opcode_count("F2FP.F16.E4M3") == 32       # 2 x 32 x 128 values / 128 / 2
+    assert facts.num_warps == DECODE_WARPS_FP8 == 2
+    assert 0 < facts.loop_instructions <= 440 and facts.stack == 0
+    assert facts.warp_instructions_per_kv_kib <= 110
+    assert facts.programs_per_sm >= 6
+    assert facts.opcode_count("LDS.U8") == 0 and facts.opcode_count("IMAD.MOV") <= 16
+    assert facts.opcode_count("F2FP.F16.E4M3") == 64       # 2 x 32 x 128 values / 64 / 2
     bf16 = kernel_facts("v2", "decode")
     for efficiency in (1.0, 0.5):
         ratio = speed_ratio(facts, bf16, fast_keys=DECODE_TILE, base_keys=DECODE_TILE,
                             issue_efficiency=efficiency)
         print(f"fp8/bf16 on paper, issue at {efficiency:.0%}: {ratio:.2f}x")
-        assert ratio >= 1.5
+        assert ratio >= 1.75
