@@ -5,8 +5,9 @@ inference"; vLLM's paged attention v2 partitions the same way). A program handle
 (decode sequence, KV head, split): its rows are the ``G`` query heads sharing the KV head
 (GQA), padded to ``R = max(16, G)`` rows in registers for the tensor-core dot but loaded and
 stored as the ``G`` real rows. It walks its share of the sequence's 32-key tiles with the
-prefetching loop of :mod:`pallas_kernels.attention_tiles` (``num_warps`` 4, ``num_stages``
-3), so one tile's K/V copies are in flight while the previous tile is computed.
+prefetching loop of :mod:`pallas_kernels.attention_tiles` (``num_warps`` 4, 2 over an fp8
+pool, ``num_stages`` 3), so one tile's K/V copies are in flight while the previous tile is
+computed.
 
 Split-K. The grid has ``S`` split slots per (sequence, KV head), ``S`` fixed by the bucket
 (enough for about twice the programs that fit on the GPU when the bucket's sequences are
@@ -25,7 +26,8 @@ segments at once; one slot an iteration paid an L2 round trip each: on sm_90, Tr
 SASS instructions a slot and no load ahead of its use; 8 at once, 41 a slot, 56 registers).
 
 fp8 pools and scales are handled as in v1 (``pallas_kernels.kv_quant``): tiles converted to
-q's dtype as loaded, ``k_scale`` folded into the softmax scale, ``v_scale`` into the output.
+q's dtype as loaded (float16 for a bf16 q, through 32-bit words: ``pallas_kernels.fp8_words``),
+``k_scale`` folded into the softmax scale, ``v_scale`` into the output.
 Lowering: Triton (``pallas_kernels/lowering.py``); interpret mode on CPU.
 """
 
@@ -40,6 +42,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.attention_tiles import (attend_tiles, first_visible_tile, group_size,
                                              next_pow2)
+from pallas_kernels.kv_quant import is_fp8
 from pallas_kernels.lowering import pallas_call_options
 
 #: Keys per KV tile of the decode loop (independent of page_size).
@@ -56,8 +59,20 @@ MIN_TILES_PER_SPLIT = 8
 #: Upper bound of the split slots of a launch.
 MAX_SPLITS = 128
 DECODE_WARPS, DECODE_STAGES = 4, 3
+#: Warps of a decode program over an fp8 pool. Its loop (tiles widened through 32-bit words,
+#: ``pallas_kernels.fp8_words``) is bound by shared memory, much of it every warp re-reading
+#: q each tile; with 2 warps a tile costs 2 x 421 warp instructions and 2 x 244 wavefronts
+#: against 4 x 270 and 4 x 146 with 4, at 128 registers and 6 programs an SM instead of 4
+#: (sm_90, Triton 3.9): 1.83x bf16 on paper instead of 1.53x
+#: (``jaxpaged.benchmarks.kernels.decode_paper_model``).
+DECODE_WARPS_FP8 = 2
 #: Split slots the merge reads per loop iteration (their loads in flight together).
 MERGE_SLOTS = 8
+
+
+def decode_warps(kv_dtype) -> int:
+    """Warps of a decode program over a pool of ``kv_dtype``."""
+    return DECODE_WARPS_FP8 if is_fp8(kv_dtype) else DECODE_WARPS
 
 
 def max_splits(num_seqs: int, num_kv_heads: int, max_pages: int, page_size: int) -> int:
@@ -231,8 +246,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         kernel, grid=(nd, num_kv_heads, num_slots), in_specs=[whole] * 7,
         out_specs=[whole] * len(out_shape), out_shape=out_shape,
         name="paged_decode_attention",
-        **pallas_call_options(num_warps=DECODE_WARPS, num_stages=DECODE_STAGES,
-                              interpret=interpret),
+        **pallas_call_options(num_warps=decode_warps(k_pages.dtype),
+                              num_stages=DECODE_STAGES, interpret=interpret),
     )(q.reshape(nd * num_heads, head_dim), decode_seq, decode_positions, kv_tokens,
       page_table, flat(k_pages), flat(v_pages))
     out = outs[0]

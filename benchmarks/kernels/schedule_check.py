@@ -14,7 +14,9 @@ CPU (``shared/JAX_FACTS.md`` section 7):
    buffers of the KV tiles (``!ttg.memdesc<N x tile x D>``: N >= 2 is multi-buffering), the
    ``ttg.async_wait {num = K}`` counts in the loop (K > 0: copies stay in flight across
    iterations; 0: every iteration waits for its own loads), registers per thread
-   (cuobjdump), shared memory (``metadata.shared``) and the programs that fit on one SM.
+   (cuobjdump), shared memory (``metadata.shared``), the programs that fit on one SM, and
+   the main loop's SASS: its length, opcodes (``LDS.U8`` byte loads, ``IMAD.MOV`` moves...)
+   and shared-memory wavefronts, which ``decode_paper_model`` turns into cycles a tile.
 
 XLA compiles the custom call with its own bundled Triton, not this one, so these facts
 describe the kernel's structure (what the pipeliner can overlap), not the final GPU schedule.
@@ -22,6 +24,7 @@ describe the kernel's structure (what the pipeliner can overlap), not the final 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
@@ -126,6 +129,8 @@ class ScheduleFacts:
             backward branch; cuobjdump), one tile an iteration.
         tile_kv_bytes: bytes of K and V one iteration loads (tile keys x head_dim x 2 x
             the pool's item size).
+        loop_opcodes: (opcode, count) of the loop's SASS instructions, most frequent first
+            (predicates dropped; never-executed ``@!PT`` fillers left out).
     """
 
     tile_buffers: int
@@ -136,12 +141,29 @@ class ScheduleFacts:
     num_warps: int
     loop_instructions: int = 0
     tile_kv_bytes: int = 0
+    loop_opcodes: tuple[tuple[str, int], ...] = ()
+
+    def opcode_count(self, prefix: str) -> int:
+        """Loop instructions whose opcode starts with ``prefix`` (``"LDS.U8"``, ``"HMMA"``)."""
+        return sum(n for op, n in self.loop_opcodes if op.startswith(prefix))
+
+    @property
+    def shared_wavefronts(self) -> int:
+        """128-byte shared-memory wavefronts one warp's loop iteration issues
+        (:func:`shared_wavefronts`): at one a cycle per SM, the shared-memory time."""
+        return shared_wavefronts(dict(self.loop_opcodes))
 
     @property
     def instructions_per_kv_kib(self) -> float:
         """Loop instructions a KiB of K and V costs (per program: what decides whether a
         memory-bound kernel can issue fast enough to keep up with HBM)."""
         return self.loop_instructions * 1024 / max(self.tile_kv_bytes, 1)
+
+    @property
+    def warp_instructions_per_kv_kib(self) -> float:
+        """Loop instructions of all the program's warps a KiB of K and V: the SM's issue
+        work per byte, comparable across warp counts."""
+        return self.instructions_per_kv_kib * self.num_warps
 
     @property
     def programs_per_sm(self) -> int:
@@ -162,7 +184,8 @@ class ScheduleFacts:
         return (f"buffers={self.tile_buffers} async_wait nums={list(self.async_waits)} "
                 f"registers={self.registers} stack={self.stack} B shared={self.shared} B "
                 f"programs/SM={self.programs_per_sm} loop={self.loop_instructions} "
-                f"instructions ({self.instructions_per_kv_kib:.0f} per KiB of K/V)")
+                f"instructions ({self.instructions_per_kv_kib:.0f} per KiB of K/V), "
+                f"{self.shared_wavefronts} shared wavefronts a warp")
 
 
 def _cuobjdump(cubin: bytes, flag: str) -> str:
@@ -183,18 +206,48 @@ def _cubin_resources(cubin: bytes) -> tuple[int, int]:
     return int(re.search(r"REG:(\d+)", out).group(1)), int(re.search(r"STACK:(\d+)", out).group(1))
 
 
-def loop_instructions(sass: str) -> int:
-    """SASS instructions from the target of the kernel's longest backward branch to the
-    branch (its main loop; 0 without one), in cuobjdump ``-sass`` text."""
+def _loop_body(sass: str) -> list[str]:
+    """The instructions from the target of the kernel's longest backward branch to the
+    branch (its main loop; empty without one), in cuobjdump ``-sass`` text."""
     at = {int(a, 16): text for a, text in
           re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, flags=re.M)}
     loops = [(int(target, 16), address) for address, text in at.items()
              for target in re.findall(r"\bBRA\s+0x([0-9a-f]+)", text)
              if int(target, 16) < address]
     if not loops:
-        return 0
+        return []
     low, high = max(loops, key=lambda span: span[1] - span[0])
-    return sum(low <= a <= high for a in at)
+    return [text for a, text in sorted(at.items()) if low <= a <= high]
+
+
+def loop_instructions(sass: str) -> int:
+    """SASS instructions of the kernel's main loop (:func:`_loop_body`; 0 without one)."""
+    return len(_loop_body(sass))
+
+
+def loop_opcodes(sass: str) -> collections.Counter:
+    """Opcode -> count over the main loop, predicates dropped; ``@!PT`` instructions (never
+    executed, scheduling fillers) are left out."""
+    ops = collections.Counter()
+    for text in _loop_body(sass):
+        if not text.startswith("@!PT"):
+            ops[re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]] += 1
+    return ops
+
+
+def shared_wavefronts(opcodes) -> int:
+    """128-byte shared-memory wavefronts of one warp's instructions ``{opcode: count}``
+    (an SM serves one a cycle): ``LDSM``/``STSM`` x4, x2, x1 and ``LDS``/``STS``/``LDGSTS``
+    of 128, 64 or up to 32 bits a thread take 4, 2 and 1. Bank conflicts would add more;
+    this is the floor."""
+    total = 0
+    for op, n in opcodes.items():
+        if re.match(r"(LDSM|STSM)\.", op):
+            total += n * int(op.rsplit(".", 1)[1])
+        elif re.match(r"(LDS|STS|LDGSTS)(\.|$)", op):
+            width = re.search(r"\.(128|64)\b", op)
+            total += n * (int(width.group(1)) // 32 if width else 1)
+    return total
 
 
 def schedule_facts(compiled, *, tile_keys: int, head_dim: int,
@@ -211,13 +264,14 @@ def schedule_facts(compiled, *, tile_keys: int, head_dim: int,
     waits = tuple(int(n) for n in re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+) : i32\}",
                                              ttgir))
     registers, stack = _cubin_resources(compiled.asm["cubin"])
+    sass = _cuobjdump(compiled.asm["cubin"], "-sass")
     return ScheduleFacts(tile_buffers=max(buffers, default=1 if single else 0),
                          async_waits=waits, registers=registers, stack=stack,
                          shared=int(compiled.metadata.shared),
                          num_warps=int(compiled.metadata.num_warps),
-                         loop_instructions=loop_instructions(
-                             _cuobjdump(compiled.asm["cubin"], "-sass")),
-                         tile_kv_bytes=2 * tile_keys * head_dim * kv_itemsize)
+                         loop_instructions=loop_instructions(sass),
+                         tile_kv_bytes=2 * tile_keys * head_dim * kv_itemsize,
+                         loop_opcodes=tuple(loop_opcodes(sass).most_common()))
 
 
 # ---- the paged-attention kernels at Llama-3-8B shapes ----------------------------------------
@@ -261,7 +315,8 @@ def kernel_facts(kernel: str, mode: str, kv_dtype=None,
     if kernel == "v2" and mode == "decode":
         fn = functools.partial(paged_attention.paged_decode_attention, **scale)
         args = (sds((b, qh, d), jnp.bfloat16), pool, pool, table, ints(b), ints(b), ints(1))
-        tile, warps, stages = (paged_attention.DECODE_TILE, paged_attention.DECODE_WARPS,
+        tile, warps, stages = (paged_attention.DECODE_TILE,
+                               paged_attention.decode_warps(pool.dtype),
                                paged_attention.DECODE_STAGES)
     elif kernel == "v2" and mode == "prefill":
         block_q = 32
@@ -309,16 +364,32 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel", nargs="+", choices=("v1", "v2"), default=["v1", "v2"])
     parser.add_argument("--mode", nargs="+", choices=("decode", "prefill"),
                         default=["decode", "prefill"])
+    parser.add_argument("--fp8", action="store_true",
+                        help="also v2 decode over a float8_e4m3fn pool, with the paper model's "
+                             "fp8/bf16 speed ratio (jaxpaged.benchmarks.kernels."
+                             "decode_paper_model)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION.*")
-    for kernel in args.kernel:
-        for mode in args.mode:
-            facts = kernel_facts(kernel, mode)
-            need = 4 if mode == "decode" else 1
-            ok = facts.pipelined and facts.programs_per_sm >= need
-            verdict = "pipelined" if ok else "NOT pipelined" if not facts.pipelined else (
-                f"fewer than {need} programs/SM")
-            print(f"{kernel} {mode}: {facts.describe()} -> {verdict}")
+    rows = [(kernel, mode, None) for kernel in args.kernel for mode in args.mode]
+    if args.fp8:
+        rows.append(("v2", "decode", "float8_e4m3fn"))
+    seen = {}
+    for kernel, mode, kv_dtype in rows:
+        facts = seen[kernel, mode, kv_dtype] = kernel_facts(kernel, mode, kv_dtype)
+        need = 4 if mode == "decode" else 1
+        ok = facts.pipelined and facts.programs_per_sm >= need
+        verdict = "pipelined" if ok else "NOT pipelined" if not facts.pipelined else (
+            f"fewer than {need} programs/SM")
+        print(f"{kernel} {mode}{' ' + kv_dtype if kv_dtype else ''}: {facts.describe()} "
+              f"-> {verdict}")
+    if args.fp8:
+        from jaxpaged.benchmarks.kernels import decode_paper_model
+        from pallas_kernels.paged_attention import DECODE_TILE
+
+        bf16 = seen.get(("v2", "decode", None)) or kernel_facts("v2", "decode")
+        for line in decode_paper_model.report(seen["v2", "decode", "float8_e4m3fn"], bf16,
+                                              keys=DECODE_TILE):
+            print("paper model (H200):", line)
     return 0
 
 

@@ -107,7 +107,10 @@ def test_v2_kernels_on_fp8_pool_lower_for_h200(batch, context, block_q):
                            sliding_window=256, soft_cap=30.0, interpret=False)
     text = lowered_text(fn, *args)
     assert f"tensor<{POOL_PAGES * 16}x{KVH}x128xf8E4M3FN>" in text
+    assert "stablehlo.bitcast_convert" not in text   # no pool-wide bitcast (XLA would copy)
     assert "fp_to_fp" in text
+    if block_q == 1:                                 # decode over fp8: DECODE_WARPS_FP8
+        assert "num_warps = 2" in text
 
 
 @pytest.mark.parametrize("head_dim, page_size, sliding_window, soft_cap", [
