@@ -152,7 +152,7 @@ def run_server(args: argparse.Namespace) -> int:
     if multihost and engine.is_loading:
         _stop_the_starting_job(engine)
     status = 1 if engine.error is not None else 0
-    if multihost and engine.error is not None and engine.engine is not None:
+    if multihost and engine.error is not None and engine.was_built:
         leave_failed_job(engine.error)     # a step failed, a peer is gone: skip JAX's barrier
     if engine.is_loading:
         # Interrupted while the engine thread is inside XLA (loading or compiling): leave

@@ -260,6 +260,11 @@ class Engine(EngineSteps, Rollout, Sleep):
         """Ids of the adapters loaded on the host."""
         return set() if self.lora is None else self.lora.list()
 
+    @property
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA limits (None without ``enable_lora``)."""
+        return None if self.lora is None else self.lora.config
+
     def wait_until_compiled(self, timeout: float | None = None) -> bool:
         """Wait for the step programs compiling in the background
         (``jaxpaged.runner.background_compile``) to be ready, ``timeout`` seconds at most
