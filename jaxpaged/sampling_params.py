@@ -74,8 +74,8 @@ class SamplingParams:
             leading space; its last token is banned when the output ends with the rest).
         output_kind: cumulative (default), delta or final-only outputs while running.
         structured_outputs: a grammar the output must match (:class:`StructuredOutputsParams`);
-            None for free text. An invalid schema, regex or grammar raises here, with
-            llguidance's message.
+            None for free text. An invalid schema, regex or grammar is refused when the
+            request is added (``jaxpaged.core.input_processor``), with llguidance's message.
         thinking_token_budget: most output tokens inside the ``<think>`` reasoning block
             (vLLM's name): once they are spent the end-of-think marker's tokens are forced and
             the answer follows (``jaxpaged.core.thinking_budget``); 0: no reasoning at all.
@@ -196,9 +196,7 @@ class SamplingParams:
         _check(so is None or isinstance(so, StructuredOutputsParams), "structured_outputs",
                f"must be a StructuredOutputsParams or None, got {so!r}")
         if so is not None:
-            so.verify()
-            from jaxpaged.structured_output.grammar import validate
-            validate(so)
+            so.verify()         # its fields; the grammar is compiled by the input processor
         budget = self.thinking_token_budget
         _check(budget is None or (_is_int(budget) and budget >= -1), "thinking_token_budget",
                f"must be an integer >= 0, or -1 or None for no limit, got {budget!r}")

@@ -13,6 +13,7 @@ import numpy as np
 from jaxpaged.core.request import Request
 from jaxpaged.core.thinking_budget import ThinkingBudget, prompt_opens_block, think_markers
 from jaxpaged.sampling_params import SamplingParams, SamplingParamsError
+from jaxpaged.structured_output.grammar import validate as validate_grammar
 
 #: A prompt: text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``
 #: dict (with an optional ``"cache_salt"``).
@@ -61,13 +62,18 @@ class InputProcessor:
         Raises:
             TypeError: not a SamplingParams.
             SamplingParamsError: (a ValueError) a field out of range, ``n`` beyond
-                ``max_num_seqs``, or token ids outside the vocabulary in ``logit_bias``,
-                ``allowed_token_ids`` or ``stop_token_ids``.
+                ``max_num_seqs``, token ids outside the vocabulary in ``logit_bias``,
+                ``allowed_token_ids`` or ``stop_token_ids``, or a ``structured_outputs``
+                schema, regex or grammar that does not compile (naming
+                ``structured_outputs.<kind>``, with llguidance's message; vLLM's processor
+                validates structured outputs at the same point).
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.verify()
+        if params.structured_outputs is not None:
+            validate_grammar(params.structured_outputs)
         if params.n > self.max_num_seqs:
             raise SamplingParamsError("n", f"={params.n} exceeds max_num_seqs="
                                       f"{self.max_num_seqs}: its sequences could never run "
