@@ -8,8 +8,12 @@ way into the engine core.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 
+from jaxpaged.core.generation_config import apply_generation_defaults
 from jaxpaged.core.request import Request
 from jaxpaged.core.thinking_budget import ThinkingBudget, prompt_opens_block, think_markers
 from jaxpaged.sampling_params import SamplingParams, SamplingParamsError
@@ -31,11 +35,15 @@ class InputProcessor:
         structured_outputs: the engine's ``StructuredOutputManager``
             (``jaxpaged.structured_output.manager``), which gives a request with
             ``structured_outputs`` its grammar state; None: such requests are refused.
+        generation_defaults: the model's default sampling fields
+            (``core.generation_config.generation_defaults``), given to the fields a request
+            leaves to the model (``SamplingParams.model_default_fields``).
     """
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int,
-                 structured_outputs=None):
+                 structured_outputs=None, generation_defaults: Mapping[str, Any] | None = None):
         self.tokenizer = tokenizer
+        self.generation_defaults = dict(generation_defaults or {})
         self.structured_outputs = structured_outputs
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -57,7 +65,8 @@ class InputProcessor:
                                                  markers.end_text))
 
     def check_params(self, params: SamplingParams | None) -> SamplingParams:
-        """``params`` verified (``SamplingParams()`` for None).
+        """``params`` verified (``SamplingParams()`` for None), with the model's defaults in the
+        fields it leaves to the model (a copy then: ``params`` itself is not changed).
 
         Raises:
             TypeError: not a SamplingParams.
@@ -72,6 +81,7 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.verify()
+        params = apply_generation_defaults(params, self.generation_defaults)
         if params.structured_outputs is not None:
             validate_grammar(params.structured_outputs)
         if params.n > self.max_num_seqs:

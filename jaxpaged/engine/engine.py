@@ -125,7 +125,7 @@ class Engine(EngineSteps, Rollout, Sleep):
             self.tokenizer, cfg.vocab_size, self.output_processor.eos_token_ids)
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size,
                                               self.max_model_len, args.max_num_seqs,
-                                              self.structured_outputs)
+                                              self.structured_outputs, self.generation_defaults)
         self.runner = worker.runner
         self.runner.eos_token_ids = self.output_processor.eos_token_ids
         self.dtype = worker.dtype
