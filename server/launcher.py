@@ -42,7 +42,7 @@ def make_server(engine_args: EngineArgs, config: ServerConfig, log_stats: bool =
     """The engine and the ASGI app serving it, with Prometheus and (if ``log_stats``)
     log-line stat loggers. The engine starts with the app's lifespan, or with
     ``start_loading`` at once, so that the model loads while the server's own tokenizer
-    loads and uvicorn starts (``jaxpaged serve``: ~1.1 s of a start-up).
+    loads and uvicorn starts (``docs/measurements.md``, "Server start-up").
 
     Raises:
         FileNotFoundError / ValueError: an unusable model or tokenizer directory.
