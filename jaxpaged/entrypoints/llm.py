@@ -142,7 +142,9 @@ class LLM(RolloutAPI):
                             f"got {type(sampling_params).__name__}")
         if self.engine.args.num_processes > 1:
             check_same_everywhere("inputs", {"the prompt list": digest(prompts), **{
-                f"SamplingParams.{f.name}": digest([getattr(p, f.name) for p in params])
+                f"SamplingParams.{f.name}": digest([   # (a set's pickle order varies by process)
+                    sorted(v) if isinstance(v := getattr(p, f.name), frozenset) else v
+                    for p in params])
                 for f in dataclasses.fields(SamplingParams)}}, show_values=False)
         return self._add_and_run(prompts, final_only(params), use_tqdm,
                                  per_prompt(lora_request, len(prompts), "lora_request"))
