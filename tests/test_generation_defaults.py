@@ -3,12 +3,17 @@ the model, applied in one place: the engine's input processor
 (``SamplingParams.model_default_fields``, ``core.generation_config.apply_generation_defaults``).
 """
 
+from types import SimpleNamespace
+
 import pytest
 
 from jaxpaged.core.input_processor import InputProcessor
 from jaxpaged.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams, SamplingParamsError
 from jaxpaged.server.protocol import CompletionRequest
+from jaxpaged.server.protocol_responses import ResponsesRequest
 from jaxpaged.server.request_params import RequestParameters
+from jaxpaged.server.serving_chat import ChatRun
+from jaxpaged.server.serving_responses import OpenAIServingResponses
 
 DEFAULTS = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_tokens": 64}
 #: An engine's checks for a model with those defaults (no tokenizer needed to check params).
@@ -67,3 +72,14 @@ def test_the_server_leaves_null_fields_and_an_absent_limit_to_the_model():
     body = CompletionRequest(model="m", prompt="x", top_p=0.5, max_tokens=8)
     p = PROCESSOR.check_params(RequestParameters().sampling_params(body, 8, None, None, False))
     assert (p.temperature, p.top_p, p.top_k, p.max_tokens) == (0.7, 0.5, 20, 8)
+
+
+def test_a_response_object_echoes_the_values_the_engine_samples_with():
+    chat = SimpleNamespace(engine=SimpleNamespace(model_info=SimpleNamespace(
+        generation_defaults=DEFAULTS)), model_name=lambda name: name)
+    body = ResponsesRequest(model="m", input="hi", top_p=0.5)
+    params = RequestParameters().sampling_params(      # as the chat request it becomes
+        CompletionRequest(model="m", prompt="hi", top_p=0.5), 16, None, None, False)
+    run = ChatRun("resp-1", None, params, None)
+    echoed = OpenAIServingResponses(chat)._response_object(body, run, keep=False)
+    assert (echoed.temperature, echoed.top_p) == (0.7, 0.5)     # the model's, the request's
