@@ -206,10 +206,10 @@ def run_soak(config: SoakConfig, base_url: str, llm, api_key: str | None = None,
         problem(None, f"{finished:.0f} requests counted as finished, fewer than the "
                       f"{len(completed)} completed")
     leaked_pages = open_streams = None
-    if engine is not None:
-        core = engine.engine
-        kv = core.kv_cache_manager
-        leaked_pages = kv.num_usable_pages - kv.num_free_pages
+    if engine is not None and engine.is_ready:     # (a dead one fails /health below)
+        core = engine.check_alive()         # the EngineClient (engine/protocol.py)
+        kv = core.stats()
+        leaked_pages = kv.num_pages - kv.num_free_pages
         open_streams = engine.num_open_streams
         if leaked_pages or core.has_unfinished_requests() or open_streams:
             problem(None, f"the engine is not idle: {leaked_pages} pages held, "

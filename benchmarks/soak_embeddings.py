@@ -208,13 +208,13 @@ def run_embeddings_soak(base_url: str, llm, num_requests: int, concurrency: int,
             if diff > TOLERANCE:
                 problem(req, f"embedding differs from offline LLM.embed by {diff:.3g}")
     leaked = None
-    if engine is not None:
-        core = engine.engine
+    if engine is not None and engine.is_ready:     # (a dead one fails /health below)
+        core = engine.check_alive()         # the EngineClient (engine/protocol.py)
         deadline = time.monotonic() + 30
         while core.has_unfinished_requests() and time.monotonic() < deadline:
             time.sleep(0.02)
-        kv = core.kv_cache_manager
-        leaked = kv.num_usable_pages - kv.num_free_pages
+        kv = core.stats()
+        leaked = kv.num_pages - kv.num_free_pages
         if leaked or core.has_unfinished_requests():
             problem(None, f"the pooling engine is not idle: {leaked} pages held, "
                           f"{core.get_num_unfinished_requests()} requests")

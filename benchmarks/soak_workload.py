@@ -261,13 +261,10 @@ class MarkedFaults:
 def injecting_faults(engine):
     """Within the block, ``engine`` (an AsyncEngine in this process) fails the model steps
     that run marked requests; yields the :class:`MarkedFaults`."""
-    core = engine.engine
-    cores = getattr(core, "replicas", None) or [core]
+    core = engine.check_alive()     # the EngineClient: a data-parallel one sets every replica's
     injector = MarkedFaults()
-    for c in cores:
-        c.fault_injector = injector
+    core.fault_injector = injector
     try:
         yield injector
     finally:
-        for c in cores:
-            c.fault_injector = None
+        core.fault_injector = None

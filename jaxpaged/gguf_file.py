@@ -1,9 +1,9 @@
 """A GGUF file's header, read in one pass: its metadata as Python values and its tensor table
 as memory-mapped numpy views.
 
-``gguf.GGUFReader`` builds a numpy view for every part of every metadata value; SmolLM2's
-vocabulary and merges (~100 000 strings) made its constructor take 2.7 s of each start-up on a
-Zen 4 core. This reader walks the same layout (GGUF v2/v3, little-endian: llama.cpp's
+``gguf.GGUFReader`` builds a numpy view for every part of every metadata value, which makes a
+large vocabulary's header slow to read at every start-up (``docs/measurements.md``, "GGUF").
+This reader walks the same layout (GGUF v2/v3, little-endian: llama.cpp's
 ``gguf-py/gguf/gguf_reader.py`` and ``docs/gguf.md``) with ``struct`` over the mapped bytes and
 keeps ``gguf``'s conventions for what it returns: strings decoded as UTF-8, numbers as Python
 ints / floats / bools, arrays as lists, and each tensor's ``data`` shaped as ``GGUFReader``

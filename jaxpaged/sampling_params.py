@@ -23,6 +23,10 @@ MAX_LOGPROBS = 20
 #: Most ``bad_words`` a request can give (each is tokenized twice when the request is added,
 #: on the engine's thread, and checked at every step).
 MAX_BAD_WORDS = 1024
+#: The fields a model's ``generation_config.json`` can default (vLLM's ``--generation-config
+#: auto``; ``max_new_tokens`` is ``max_tokens``), by ``SamplingParams`` name.
+MODEL_DEFAULT_FIELDS = frozenset({"temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                                  "max_tokens"})
 #: float32's largest value: sampling runs in float32, so a larger temperature or penalty
 #: would become infinite.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -74,12 +78,16 @@ class SamplingParams:
             leading space; its last token is banned when the output ends with the rest).
         output_kind: cumulative (default), delta or final-only outputs while running.
         structured_outputs: a grammar the output must match (:class:`StructuredOutputsParams`);
-            None for free text. An invalid schema, regex or grammar raises here, with
-            llguidance's message.
+            None for free text. An invalid schema, regex or grammar is refused when the
+            request is added (``jaxpaged.core.input_processor``), with llguidance's message.
         thinking_token_budget: most output tokens inside the ``<think>`` reasoning block
             (vLLM's name): once they are spent the end-of-think marker's tokens are forced and
             the answer follows (``jaxpaged.core.thinking_budget``); 0: no reasoning at all.
             None or -1 (normalised to None): unlimited.
+        model_default_fields: fields of :data:`MODEL_DEFAULT_FIELDS` the caller left to the
+            model (a server request that leaves ``temperature`` null): when the request is
+            added, the engine's input processor sets each one the model's
+            ``generation_config.json`` gives; the others keep their value here.
 
     The fields are checked on construction and again when a request is added (so a field
     changed afterwards is checked too).
@@ -114,6 +122,7 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     thinking_token_budget: int | None = None
+    model_default_fields: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self.verify()
@@ -126,6 +135,11 @@ class SamplingParams:
         Raises:
             ValueError: naming the first bad field.
         """
+        unset = self.model_default_fields
+        _check(isinstance(unset, (set, frozenset)) and unset <= MODEL_DEFAULT_FIELDS,
+               "model_default_fields", f"must be a set of names from "
+                                       f"{sorted(MODEL_DEFAULT_FIELDS)}, got {unset!r}")
+        self.model_default_fields = frozenset(unset)
         _check(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -148,7 +162,7 @@ class SamplingParams:
                "max_tokens", f"must be an integer >= 1 or None, got {self.max_tokens!r}")
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0,
                "min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
-        if self.max_tokens is not None:
+        if self.max_tokens is not None and "max_tokens" not in unset:   # (else once applied)
             _check(self.min_tokens <= self.max_tokens, "min_tokens",
                    f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
         stop = self.stop
@@ -196,9 +210,7 @@ class SamplingParams:
         _check(so is None or isinstance(so, StructuredOutputsParams), "structured_outputs",
                f"must be a StructuredOutputsParams or None, got {so!r}")
         if so is not None:
-            so.verify()
-            from jaxpaged.structured_output.grammar import validate
-            validate(so)
+            so.verify()         # its fields; the grammar is compiled by the input processor
         budget = self.thinking_token_budget
         _check(budget is None or (_is_int(budget) and budget >= -1), "thinking_token_budget",
                f"must be an integer >= 0, or -1 or None for no limit, got {budget!r}")

@@ -42,7 +42,7 @@ def make_server(engine_args: EngineArgs, config: ServerConfig, log_stats: bool =
     """The engine and the ASGI app serving it, with Prometheus and (if ``log_stats``)
     log-line stat loggers. The engine starts with the app's lifespan, or with
     ``start_loading`` at once, so that the model loads while the server's own tokenizer
-    loads and uvicorn starts (``jaxpaged serve``: ~1.1 s of a start-up).
+    loads and uvicorn starts (``docs/measurements.md``, "Server start-up").
 
     Raises:
         FileNotFoundError / ValueError: an unusable model or tokenizer directory.
@@ -152,7 +152,7 @@ def run_server(args: argparse.Namespace) -> int:
     if multihost and engine.is_loading:
         _stop_the_starting_job(engine)
     status = 1 if engine.error is not None else 0
-    if multihost and engine.error is not None and engine.engine is not None:
+    if multihost and engine.error is not None and engine.was_built:
         leave_failed_job(engine.error)     # a step failed, a peer is gone: skip JAX's barrier
     if engine.is_loading:
         # Interrupted while the engine thread is inside XLA (loading or compiling): leave

@@ -4,8 +4,10 @@ Length rules (vLLM's, with exact messages; BUGCASES B09, B11): a prompt longer t
 ``max_model_len`` is refused naming both lengths; ``prompt + max_tokens`` beyond
 ``max_model_len`` is refused naming the prompt, requested and allowed counts; a prompt of
 exactly ``max_model_len`` tokens can only be scored (``max_tokens=0``). ``max_tokens`` null or
-absent means the endpoint's default (16 for completions, the room left for chat), capped by
-the room left. Null sampling fields take the model's ``generation_config.json`` defaults.
+absent means the model's ``generation_config.json`` default, else the endpoint's (16 for
+completions, the room left for chat), capped by the room left. Null sampling fields take the
+model's defaults too: the engine's input processor applies them
+(``SamplingParams.model_default_fields``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from jaxpaged.sampling_params import RequestOutputKind, SamplingParams, Sampling
 from jaxpaged.server.errors import APIError, bad_request
 from jaxpaged.server.protocol import SamplingFields
 from jaxpaged.server.structured import structured_outputs_params
+
+
+#: The request's sampling fields that a null leaves to the model's defaults.
+_MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class RequestParameters:
@@ -80,19 +86,23 @@ class RequestParameters:
 
     def sampling_params(self, body: SamplingFields, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None, stream: bool,
-                        param_names: dict[str, str] | None = None) -> SamplingParams:
-        """SamplingParams of a request; fields left null take the model's
-        ``generation_config.json`` defaults. ``max_tokens=0`` runs one token that the
-        handler drops.
+                        param_names: dict[str, str] | None = None,
+                        max_tokens_from_model: bool = False) -> SamplingParams:
+        """SamplingParams of a request. The sampling fields it leaves null, and ``max_tokens``
+        when ``max_tokens_from_model`` (the request gave no limit; ``max_tokens`` is then the
+        endpoint's own default), are left to the model: the engine's input processor gives
+        them the model's ``generation_config.json`` defaults where it has them
+        (``SamplingParams.model_default_fields``); vLLM's defaults otherwise.
+        ``max_tokens=0`` runs one token that the handler drops.
 
         Raises:
             APIError 400: naming the parameter and its allowed range.
         """
-        defaults = self.engine.model_info.generation_defaults
+        unset = {name for name in _MODEL_DEFAULTS if getattr(body, name) is None}
 
         def pick(name, fallback):
             value = getattr(body, name)
-            return value if value is not None else defaults.get(name, fallback)
+            return value if value is not None else fallback
 
         try:
             logit_bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
@@ -114,7 +124,9 @@ class RequestParameters:
                 logit_bias=logit_bias or None, allowed_token_ids=body.allowed_token_ids,
                 bad_words=body.bad_words, structured_outputs=structured_outputs_params(body),
                 thinking_token_budget=body.thinking_token_budget,
-                output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
+                output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+                model_default_fields=frozenset(
+                    unset | ({"max_tokens"} if max_tokens_from_model else set())))
         except SamplingParamsError as e:
             raise sampling_error(e, param_names) from None
 

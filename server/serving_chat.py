@@ -169,13 +169,12 @@ class OpenAIServingChat(OpenAIServing):
             limit_param, requested = "max_completion_tokens", body.max_completion_tokens
         else:
             limit_param, requested = "max_tokens", body.max_tokens
-        max_tokens = self.resolve_max_tokens(
-            len(ids), requested, self.engine.model_info.generation_defaults.get("max_tokens"),
-            "messages", limit_param)
+        max_tokens = self.resolve_max_tokens(len(ids), requested, None, "messages", limit_param)
         prompt = PreparedPrompt(None, ids, max_tokens)
         k = (body.top_logprobs or 0) if body.logprobs else None
         params = self.sampling_params(body, max_tokens, k, body.prompt_logprobs, body.stream,
-                                      {"logprobs": "top_logprobs", "max_tokens": limit_param})
+                                      {"logprobs": "top_logprobs", "max_tokens": limit_param},
+                                      max_tokens_from_model=requested is None)
         if body.thinking_token_budget is None and self.config.reasoning_budget != -1:
             params = dataclasses.replace(      # --reasoning-budget: the server's default
                 params, thinking_token_budget=self.config.reasoning_budget)

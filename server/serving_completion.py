@@ -49,7 +49,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if body.echo and body.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = body.logprobs
         params = [self.sampling_params(body, p.max_tokens, body.logprobs, prompt_logprobs,
-                                       body.stream) for p in prompts]
+                                       body.stream, max_tokens_from_model=body.max_tokens is None)
+                  for p in prompts]
         request_id = self.request_id(raw_request, "cmpl", body.request_id)
         return await self.respond(
             raw_request, body, request_id, prompts, params, "prompt",
@@ -92,10 +93,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                         self.engine.model_info.max_model_len)
             if len(truncated) < len(ids):     # echo the prompt that ran
                 text, ids = None, truncated
-            max_tokens = self.resolve_max_tokens(
-                len(ids), body.max_tokens,
-                self.engine.model_info.generation_defaults.get("max_tokens", DEFAULT_MAX_TOKENS),
-                "prompt", "max_tokens")
+            max_tokens = self.resolve_max_tokens(len(ids), body.max_tokens, DEFAULT_MAX_TOKENS,
+                                                 "prompt", "max_tokens")
             prepared.append(PreparedPrompt(text, ids, max_tokens))
         return prepared
 

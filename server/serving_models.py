@@ -142,15 +142,15 @@ class ServingModels:
         if lora_name in self.lora_requests or lora_name in self.served:
             raise APIError(400, f"The lora adapter '{lora_name}' has already been loaded.",
                            "InvalidUserInput")
-        engine = self.engine.engine
-        if getattr(engine, "lora", None) is None:
+        lora_config = self.engine.check_ready().lora_config
+        if lora_config is None:
             raise APIError(400, "LoRA is not enabled; start the server with --enable-lora",
                            "BadRequestError")
         request = LoRARequest(lora_name, next(self._ids), lora_path,
                               base_model_name if base_model_name in self.served else None)
         try:
-            await asyncio.to_thread(load_adapter, request, engine.model_config,
-                                    engine.lora.config.max_lora_rank)
+            await asyncio.to_thread(load_adapter, request, self.engine.model_info.model_config,
+                                    lora_config.max_lora_rank)
         except LoRAAdapterNotFoundError as e:
             raise APIError(404, str(e), "NotFoundError") from None
         except ValueError as e:

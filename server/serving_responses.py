@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from jaxpaged.core.generation_config import apply_generation_defaults
 from jaxpaged.server.errors import APIError, bad_request
 from jaxpaged.server.protocol_responses import (IncompleteDetails, InputTokensDetails,
                                                 OutputTokensDetails, ResponseError,
@@ -147,6 +148,9 @@ class OpenAIServingResponses:
         echoed."""
         fmt = body.text.format if body.text is not None else None
         choice = body.tool_choice
+        # the values the engine samples with: the model's defaults where the request left them
+        sampled = apply_generation_defaults(run.params,
+                                            self.chat.engine.model_info.generation_defaults)
         return ResponseObject(
             id=run.request_id.replace("resp-", "resp_", 1), status="in_progress",
             model=self.chat.model_name(body.model), instructions=body.instructions,
@@ -155,7 +159,7 @@ class OpenAIServingResponses:
             previous_response_id=body.previous_response_id,
             reasoning=None if body.reasoning is None else body.reasoning.model_dump(),
             store=keep, background=bool(body.background),
-            temperature=run.params.temperature, top_p=run.params.top_p,
+            temperature=sampled.temperature, top_p=sampled.top_p,
             text={"format": {"type": "text"} if fmt is None else
                   fmt.model_dump(by_alias=True, exclude_none=True)},
             tool_choice=choice.model_dump() if hasattr(choice, "model_dump") else

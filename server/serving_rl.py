@@ -27,6 +27,7 @@ from jaxpaged.engine.rollout import PAUSE_MODES
 from jaxpaged.engine.sleep import SLEEP_TAGS, WeightsNotLoadedError
 from jaxpaged.runner.weight_update import WeightUpdateError
 from jaxpaged.server.errors import APIError, bad_request
+from jaxpaged.server.http_body import parse, ready
 
 #: The routes' paths (the API key guards them).
 RL_PATHS = ("/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping",
@@ -41,69 +42,89 @@ class UpdateWeightsFromDiskRequest(ApiModel):
     model_path: str
 
 
-def rl_routes(engine, ready, parse) -> list[Route]:
-    """The routes of :data:`RL_PATHS` over ``engine`` (an ``AsyncEngine``); ``ready()``
-    raises while the engine cannot take calls, ``parse(request, model)`` reads a body."""
+async def _call(request: Request, fn):
+    """``fn(engine)`` on the engine thread of ``request.app.state.engine`` (an
+    ``AsyncEngine``), its errors as API errors (400 for bad input, 409 for a state that
+    refuses it)."""
+    ready(request)
+    try:
+        return await request.app.state.engine.call(fn)
+    except (ValueError, TypeError, WeightsNotLoadedError, WeightUpdateError,
+            FileNotFoundError) as e:
+        raise bad_request(str(e)) from None
+    except (RuntimeError, NotImplementedError) as e:
+        raise APIError(409, str(e), "invalid_request_error") from None
 
-    async def call(fn):
-        ready()
-        try:
-            return await engine.call(fn)
-        except (ValueError, TypeError, WeightsNotLoadedError, WeightUpdateError,
-                FileNotFoundError) as e:
-            raise bad_request(str(e)) from None
-        except (RuntimeError, NotImplementedError) as e:
-            raise APIError(409, str(e), "invalid_request_error") from None
 
-    async def pause(request: Request) -> Response:
-        q = request.query_params
-        mode = q["mode"] if "mode" in q else (     # (an empty mode= is refused, not "abort")
-            "wait" if q.get("wait_for_inflight_requests", "").lower() in ("1", "true")
-            else "abort")
-        if mode not in PAUSE_MODES:
-            raise bad_request(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}", "mode")
-        await call(lambda e: e.pause_generation(mode))
-        while mode == "wait" and not await call(lambda e: e.is_frozen):
-            await asyncio.sleep(WAIT_POLL_S)
-        return JSONResponse({"status": "paused", "mode": mode})
+async def pause(request: Request) -> Response:
+    """``POST /pause?mode=abort|wait|keep``."""
+    q = request.query_params
+    mode = q["mode"] if "mode" in q else (     # (an empty mode= is refused, not "abort")
+        "wait" if q.get("wait_for_inflight_requests", "").lower() in ("1", "true")
+        else "abort")
+    if mode not in PAUSE_MODES:
+        raise bad_request(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}", "mode")
+    await _call(request, lambda e: e.pause_generation(mode))
+    while mode == "wait" and not await _call(request, lambda e: e.is_frozen):
+        await asyncio.sleep(WAIT_POLL_S)
+    return JSONResponse({"status": "paused", "mode": mode})
 
-    async def resume(request: Request) -> Response:
-        await call(lambda e: e.resume_generation())
-        return JSONResponse({"status": "resumed"})
 
-    async def is_paused(request: Request) -> Response:
-        return JSONResponse({"is_paused": await call(lambda e: e.is_paused)})
+async def resume(request: Request) -> Response:
+    """``POST /resume``."""
+    await _call(request, lambda e: e.resume_generation())
+    return JSONResponse({"status": "resumed"})
 
-    async def sleep(request: Request) -> Response:
-        raw = request.query_params.get("level", "1")
-        if raw not in ("1", "2"):
-            raise bad_request(f"level must be 1 or 2, got {raw!r}", "level")
-        await call(lambda e: e.sleep(int(raw)))
-        return JSONResponse({"status": "sleeping", "level": int(raw)})
 
-    async def wake_up(request: Request) -> Response:
-        tags = request.query_params.getlist("tags") or None
-        bad = [t for t in tags or () if t not in SLEEP_TAGS]
-        if bad:
-            raise bad_request(f"unknown tags {bad}; choose from {list(SLEEP_TAGS)}", "tags")
-        await call(lambda e: e.wake_up(tags))
-        return JSONResponse({"status": "awake" if not await call(lambda e: e.is_sleeping)
-                             else "sleeping"})
+async def is_paused(request: Request) -> Response:
+    """``GET /is_paused``."""
+    return JSONResponse({"is_paused": await _call(request, lambda e: e.is_paused)})
 
-    async def is_sleeping(request: Request) -> Response:
-        return JSONResponse({"is_sleeping": await call(lambda e: e.is_sleeping)})
 
-    async def reset_prefix_cache(request: Request) -> Response:
-        return JSONResponse({"success": await call(lambda e: e.reset_prefix_cache())})
+async def sleep(request: Request) -> Response:
+    """``POST /sleep?level=1|2``."""
+    raw = request.query_params.get("level", "1")
+    if raw not in ("1", "2"):
+        raise bad_request(f"level must be 1 or 2, got {raw!r}", "level")
+    await _call(request, lambda e: e.sleep(int(raw)))
+    return JSONResponse({"status": "sleeping", "level": int(raw)})
 
-    async def update_from_disk(request: Request) -> Response:
-        body = await parse(request, UpdateWeightsFromDiskRequest)
-        version = await call(lambda e: e.update_weights(body.model_path))
-        return JSONResponse({"success": True, "weight_version": version})
 
-    async def weight_version(request: Request) -> Response:
-        return JSONResponse({"weight_version": await call(lambda e: e.weight_version)})
+async def wake_up(request: Request) -> Response:
+    """``POST /wake_up?tags=weights&tags=kv_cache`` (no tag: both)."""
+    tags = request.query_params.getlist("tags") or None
+    bad = [t for t in tags or () if t not in SLEEP_TAGS]
+    if bad:
+        raise bad_request(f"unknown tags {bad}; choose from {list(SLEEP_TAGS)}", "tags")
+    await _call(request, lambda e: e.wake_up(tags))
+    return JSONResponse({"status": "awake" if not await _call(request, lambda e: e.is_sleeping)
+                         else "sleeping"})
 
+
+async def is_sleeping(request: Request) -> Response:
+    """``GET /is_sleeping``."""
+    return JSONResponse({"is_sleeping": await _call(request, lambda e: e.is_sleeping)})
+
+
+async def reset_prefix_cache(request: Request) -> Response:
+    """``POST /reset_prefix_cache``."""
+    return JSONResponse({"success": await _call(request, lambda e: e.reset_prefix_cache())})
+
+
+async def update_from_disk(request: Request) -> Response:
+    """``POST /update_weights_from_disk`` with ``{"model_path": ...}``."""
+    body = await parse(request, UpdateWeightsFromDiskRequest)
+    version = await _call(request, lambda e: e.update_weights(body.model_path))
+    return JSONResponse({"success": True, "weight_version": version})
+
+
+async def weight_version(request: Request) -> Response:
+    """``GET /weight_version``."""
+    return JSONResponse({"weight_version": await _call(request, lambda e: e.weight_version)})
+
+
+def rl_routes() -> list[Route]:
+    """The routes of :data:`RL_PATHS`, over ``request.app.state.engine``."""
     post, get = ["POST"], ["GET"]
     return [Route("/pause", pause, methods=post), Route("/resume", resume, methods=post),
             Route("/is_paused", is_paused, methods=get), Route("/sleep", sleep, methods=post),

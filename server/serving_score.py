@@ -37,6 +37,7 @@ from jaxpaged.server.api_model import ApiModel
 from jaxpaged.pooling_params import PoolingParams
 from jaxpaged.scoring import as_list, cosine_similarity, cross_encoder_prompt, score_pairs
 from jaxpaged.server.errors import bad_request
+from jaxpaged.server.http_body import parse, ready
 from jaxpaged.server.protocol import Int, _Request
 from jaxpaged.server.serving import OpenAIServing, PreparedPrompt, off_loop
 from jaxpaged.server.vllm_extras import truncate_prompt
@@ -243,18 +244,20 @@ class OpenAIServingScore(OpenAIServing):
         return ids
 
 
-def score_routes(serving: OpenAIServingScore, ready, parse) -> list[Route]:
-    """The routes of :data:`SCORE_PATHS` and :data:`RERANK_PATHS` (``ready()`` raises while
-    the engine cannot take requests; ``parse(request, model)`` reads a body)."""
+async def score(request: Request) -> Response:
+    """``POST /score`` (and ``/v1/score``) over ``request.app.state.scoring``."""
+    ready(request)
+    return await request.app.state.scoring.score(await parse(request, ScoreRequest), request)
 
-    async def score(request: Request) -> Response:
-        ready()
-        return await serving.score(await parse(request, ScoreRequest), request)
 
-    async def rerank(request: Request) -> Response:
-        ready()
-        return await serving.rerank(await parse(request, RerankRequest), request)
+async def rerank(request: Request) -> Response:
+    """``POST /rerank`` (and ``/v1/rerank``, ``/v2/rerank``) over
+    ``request.app.state.scoring``."""
+    ready(request)
+    return await request.app.state.scoring.rerank(await parse(request, RerankRequest), request)
 
+
+def score_routes() -> list[Route]:
+    """The routes of :data:`SCORE_PATHS` and :data:`RERANK_PATHS`."""
     return ([Route(p, score, methods=["POST"]) for p in SCORE_PATHS]
             + [Route(p, rerank, methods=["POST"]) for p in RERANK_PATHS])
-

@@ -20,6 +20,7 @@ from jaxpaged.server.errors import bad_request
 from jaxpaged.server.protocol_chat import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from jaxpaged.server.tool_parsers import TOOL_PARSERS, ToolParser
 from jaxpaged.server.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from jaxpaged.structured_output.grammar import validate
 
 
 def tool_choice_of(body: ChatCompletionRequest, config: ServerConfig) -> str | NamedToolChoice:
@@ -111,8 +112,9 @@ def with_forced_call(params: SamplingParams, schema: dict) -> SamplingParams:
             compiler's message, naming ``tools``).
     """
     try:
-        return dataclasses.replace(params, structured_outputs=StructuredOutputsParams(
-            json=schema, disable_any_whitespace=True))
+        constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        validate(constraint)    # here, to name ``tools`` (the engine checks it again, cached)
+        return dataclasses.replace(params, structured_outputs=constraint)
     except SamplingParamsError as e:
         raise bad_request(f"the tools' parameters are not a usable JSON Schema: {e}",
                           "tools") from None

@@ -43,7 +43,7 @@ def stream(llm, rid, prompt, **kw):
     return "".join(deltas), deltas, outs[-1]
 
 
-def test_b01_stop_string_spanning_tokens_starting_inside_a_token(llm):
+def test_a_stop_string_spanning_tokens_may_start_inside_a_token(llm):
     r = ref(llm, "Once upon a time", 64)
     s = r.text[r.text.index("little girl") + 1:][:9]      # "ittle gir": starts inside a token
     i = r.text.index(s)
@@ -55,7 +55,7 @@ def test_b01_stop_string_spanning_tokens_starting_inside_a_token(llm):
     assert not any(ch in d for d in deltas for ch in set(s) - set(r.text[:i]))
 
 
-def test_b03_stop_at_the_very_first_token(llm, forced_llm, monkeypatch):
+def test_a_stop_at_the_very_first_token_ends_with_empty_text(llm, forced_llm, monkeypatch):
     r = ref(llm, "Once upon a time", 8)
     s = r.text[:2]
     for kind in (RequestOutputKind.CUMULATIVE, DELTA):
@@ -71,7 +71,7 @@ def test_b03_stop_at_the_very_first_token(llm, forced_llm, monkeypatch):
 
 
 @pytest.mark.parametrize("include", [False, True])
-def test_b04_stop_token_ids_special_and_plain(forced_llm, monkeypatch, include):
+def test_stop_token_ids_stop_on_special_and_plain_tokens(forced_llm, monkeypatch, include):
     tok = forced_llm.get_tokenizer()
     hello = tok.encode("hello world", add_special_tokens=False)
     newline = tok.encode("\n", add_special_tokens=False)[-1]
@@ -88,7 +88,7 @@ def test_b04_stop_token_ids_special_and_plain(forced_llm, monkeypatch, include):
     assert (c.finish_reason, c.stop_reason) == ("stop", newline)
 
 
-def test_b05_min_tokens_delays_every_stop(llm, monkeypatch):
+def test_min_tokens_delays_every_stop(llm, monkeypatch):
     r = ref(llm, NEWLINE_PROMPT, 50)
     assert "\n" in r.text[:10]
     c = llm.generate([NEWLINE_PROMPT], SamplingParams(temperature=0, max_tokens=50, min_tokens=20,
@@ -107,7 +107,7 @@ def test_b05_min_tokens_delays_every_stop(llm, monkeypatch):
     assert len(c.token_ids) >= 5 and first not in c.token_ids[:5]
 
 
-def test_b06_ignore_eos_ignores_every_eos_id(llm, monkeypatch):
+def test_ignore_eos_ignores_every_eos_id(llm, monkeypatch):
     r = ref(llm, "Once upon a time", 16)
     e2 = r.token_ids[0]
     monkeypatch.setattr(llm.engine.output_processor, "eos_token_ids", frozenset({2, e2}))
@@ -123,7 +123,7 @@ def test_b06_ignore_eos_ignores_every_eos_id(llm, monkeypatch):
     assert c.finish_reason == "stop" and c.stop_reason == e2
 
 
-def test_b07_streamed_deltas_concatenate_to_the_full_decode(forced_llm, monkeypatch):
+def test_streamed_deltas_concatenate_to_the_full_decode(forced_llm, monkeypatch):
     tok = forced_llm.get_tokenizer()
     rng = np.random.default_rng(7)
     special = set(tok.all_special_ids)
@@ -143,7 +143,7 @@ def test_b07_streamed_deltas_concatenate_to_the_full_decode(forced_llm, monkeypa
 
 @pytest.mark.parametrize("path", [STORIES, LLAMA2_TOKENIZER] +
                          [os.path.join(TOKENIZERS, n) for n in ("mistral", "gpt2", "qwen2")])
-def test_b07_real_tokenizers_deltas(path):
+def test_deltas_of_real_tokenizers_concatenate_to_the_full_decode(path):
     tok = AutoTokenizer.from_pretrained(path)
     text = "汉字 🤗 café. It works — naïve  spaces\tand\nlines 日本語"
     ids = tok.encode(text, add_special_tokens=False)
@@ -164,7 +164,7 @@ def test_b07_real_tokenizers_deltas(path):
         assert not any("\ufffd" in d for d in deltas)
 
 
-def test_b14_n_choices_streaming_equals_non_streaming(llm):
+def test_n_choices_streamed_equal_the_non_streamed_ones(llm):
     p = dict(n=4, temperature=1.0, seed=7, max_tokens=32)
     full = llm.generate(["Once upon a time"], SamplingParams(**p), use_tqdm=False)[0]
     assert [c.index for c in full.outputs] == [0, 1, 2, 3]
@@ -182,7 +182,7 @@ def test_b14_n_choices_streaming_equals_non_streaming(llm):
     assert len({c.text for c in greedy.outputs}) == 1 and len(greedy.outputs) == 4
 
 
-def test_b15_seeded_sampling_is_per_request(llm):
+def test_seeded_sampling_is_per_request(llm):
     x = SamplingParams(temperature=0.9, top_p=1, seed=1234, max_tokens=32)
     alone = llm.generate(["Once upon a time"], x, use_tqdm=False)[0].outputs[0].token_ids
     rng = np.random.default_rng(3)
@@ -199,7 +199,7 @@ def test_b15_seeded_sampling_is_per_request(llm):
     assert len(distinct) >= 2
 
 
-def test_b16_greedy_equivalences_and_determinism_under_load(llm):
+def test_greedy_equivalents_agree_and_stay_deterministic_under_load(llm):
     r = ref(llm, "Once upon a time", 64)
     for p in (SamplingParams(temperature=1.0, top_k=1, max_tokens=64, ignore_eos=True),
               SamplingParams(temperature=0.5, top_p=1e-9, max_tokens=64, ignore_eos=True)):
@@ -215,7 +215,7 @@ def test_b16_greedy_equivalences_and_determinism_under_load(llm):
     assert len(same) == 32 and all(t == r.token_ids for t in same)
 
 
-def test_b26_repetition_vs_presence_frequency_in_the_engine(llm):
+def test_repetition_penalty_covers_the_prompt_presence_and_frequency_only_the_output(llm):
     prompt = "She wanted to play with it, but it was too high."
     t = ref(llm, prompt, 1).token_ids[0]
     assert t in llm.get_tokenizer().encode(prompt)

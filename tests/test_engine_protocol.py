@@ -23,7 +23,8 @@ def test_the_protocol_names_the_calls_its_callers_make():
                        "has_unfinished_requests", "record_stats", "start_background_compile",
                        "stats", "step", "wait_until_compiled"]
     assert set(typing.get_type_hints(EngineClient)) >= {"model_info", "tokenizer",
-                                                        "stat_loggers"}
+                                                        "stat_loggers", "lora_config",
+                                                        "fault_injector"}
 
 
 @pytest.mark.parametrize("cls", [Engine, DataParallelEngine])
@@ -56,3 +57,11 @@ def test_a_data_parallel_engine_is_an_engine_client_sharing_its_replicas_model_i
     assert all(r.model_info == engine.model_info for r in engine.replicas)
     assert engine.model_info is engine.replicas[0].model_info
     assert isinstance(engine.model_info, ModelInfo)
+    assert engine.lora_config is None             # started without --enable-lora
+
+    def injector(step, request_ids):
+        pass
+
+    engine.fault_injector = injector              # reaches every replica
+    assert [r.fault_injector for r in engine.replicas] == [injector, injector]
+    assert engine.fault_injector is injector

@@ -152,7 +152,7 @@ def device_adjust(p, prompt, output, eos=frozenset(), bad_words_ids=()):
     return np.asarray(logits_adjust.apply(jnp.asarray(LOGITS[None]), packed))[0]
 
 
-def test_b26_penalty_token_sets_exact():
+def test_penalties_apply_to_exactly_their_token_sets():
     prompt, output = [5, 5, 7], [9, 9, 5]
     logits = np.zeros(V, np.float32)
     logits[[5, 7, 9, 3]] = [2.0, -1.0, 4.0, 1.5]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
+from jaxpaged.core.input_processor import InputProcessor
 from jaxpaged.sampling.sampler import SamplingMetadata, apply_token_bitmask, sample
 from jaxpaged.sampling_params import (RequestOutputKind, SamplingParamsError,
                                       StructuredOutputsParams)
@@ -25,6 +26,8 @@ SCHEMA = {"type": "object", "properties": {
     "additionalProperties": False}
 CHOICES = ["yes", "no", "maybe"]
 REGEX = "[0-9]{3}-[a-z]{2}"
+#: Checks parameters as an engine does when a request is added (no tokenizer needed).
+PROCESSOR = InputProcessor(None, vocab_size=512, max_model_len=64, max_num_seqs=8)
 
 
 def constrained(**kwargs) -> StructuredOutputsParams:
@@ -44,8 +47,11 @@ def constrained(**kwargs) -> StructuredOutputsParams:
     ({"choice": []}, "structured_outputs.choice", "non-empty list"),
     ({"json_object": "yes"}, "structured_outputs.json_object", "bool")])
 def test_invalid_grammars_raise_naming_the_field(kwargs, param, needle):
+    # The fields' types are checked on construction, the grammar when the request is added
+    # (the input processor, where vLLM validates structured outputs).
     with pytest.raises(SamplingParamsError) as e:
-        SamplingParams(structured_outputs=StructuredOutputsParams(**kwargs))
+        PROCESSOR.check_params(SamplingParams(
+            structured_outputs=StructuredOutputsParams(**kwargs)))
     assert e.value.param == param and needle in str(e.value)
 
 
@@ -53,8 +59,17 @@ def test_valid_grammars_of_every_kind_are_accepted():
     for kwargs in ({"json": SCHEMA}, {"json": json.dumps(SCHEMA)}, {"regex": REGEX},
                    {"choice": CHOICES}, {"grammar": 'start: "a" | "b"'},
                    {"json_object": True}):
-        params = SamplingParams(structured_outputs=StructuredOutputsParams(**kwargs))
+        params = PROCESSOR.check_params(SamplingParams(
+            structured_outputs=StructuredOutputsParams(**kwargs)))
         assert params.structured_outputs.kind == next(iter(kwargs))
+
+
+def test_an_invalid_grammar_is_refused_when_the_request_is_added(stories_llm):
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9"))
+    with pytest.raises(SamplingParamsError, match="unclosed character class") as e:
+        stories_llm.generate(["Once"], params, use_tqdm=False)
+    assert e.value.param == "structured_outputs.regex"
+    assert not stories_llm.engine.has_unfinished_requests()
 
 
 # ---- the device mask ------------------------------------------------------------------------

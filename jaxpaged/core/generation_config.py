@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from collections.abc import Mapping
+from typing import Any
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.sampling_params import SamplingParams
 
 
 def load_generation_config(model_dir: str) -> dict:
@@ -35,6 +39,25 @@ def generation_defaults(generation_config: dict) -> dict:
     ``--generation-config auto``)."""
     return {ours: generation_config[theirs] for theirs, ours in _GENERATION_DEFAULT_KEYS.items()
             if generation_config.get(theirs) is not None}
+
+
+def apply_generation_defaults(params: SamplingParams, defaults: Mapping[str, Any]
+                              ) -> SamplingParams:
+    """``params`` with each of its ``model_default_fields`` that ``defaults`` (of
+    :func:`generation_defaults`) sets taken from it: a new, verified ``SamplingParams`` (greedy
+    decoding resets ``top_p``, ``top_k`` and ``min_p`` again) whose ``model_default_fields``
+    is empty (the fields ``defaults`` lacks keep their value), or ``params`` itself when it
+    leaves nothing to the model.
+    The engine's input processor calls it for every request, and ``LLM`` for its default
+    parameters: the one place a model's defaults are applied.
+
+    Raises:
+        SamplingParamsError: a default out of its field's range (naming the field).
+    """
+    if not params.model_default_fields:
+        return params
+    values = {name: defaults[name] for name in params.model_default_fields if name in defaults}
+    return dataclasses.replace(params, **values, model_default_fields=frozenset())
 
 
 def eos_token_ids(cfg: ModelConfig, generation_config: dict, tokenizer) -> frozenset[int]:

@@ -8,11 +8,16 @@ way into the engine core.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 
+from jaxpaged.core.generation_config import apply_generation_defaults
 from jaxpaged.core.request import Request
 from jaxpaged.core.thinking_budget import ThinkingBudget, prompt_opens_block, think_markers
 from jaxpaged.sampling_params import SamplingParams, SamplingParamsError
+from jaxpaged.structured_output.grammar import validate as validate_grammar
 
 #: A prompt: text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}``
 #: dict (with an optional ``"cache_salt"``).
@@ -30,11 +35,15 @@ class InputProcessor:
         structured_outputs: the engine's ``StructuredOutputManager``
             (``jaxpaged.structured_output.manager``), which gives a request with
             ``structured_outputs`` its grammar state; None: such requests are refused.
+        generation_defaults: the model's default sampling fields
+            (``core.generation_config.generation_defaults``), given to the fields a request
+            leaves to the model (``SamplingParams.model_default_fields``).
     """
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int,
-                 structured_outputs=None):
+                 structured_outputs=None, generation_defaults: Mapping[str, Any] | None = None):
         self.tokenizer = tokenizer
+        self.generation_defaults = dict(generation_defaults or {})
         self.structured_outputs = structured_outputs
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -56,18 +65,25 @@ class InputProcessor:
                                                  markers.end_text))
 
     def check_params(self, params: SamplingParams | None) -> SamplingParams:
-        """``params`` verified (``SamplingParams()`` for None).
+        """``params`` verified (``SamplingParams()`` for None), with the model's defaults in the
+        fields it leaves to the model (a copy then: ``params`` itself is not changed).
 
         Raises:
             TypeError: not a SamplingParams.
             SamplingParamsError: (a ValueError) a field out of range, ``n`` beyond
-                ``max_num_seqs``, or token ids outside the vocabulary in ``logit_bias``,
-                ``allowed_token_ids`` or ``stop_token_ids``.
+                ``max_num_seqs``, token ids outside the vocabulary in ``logit_bias``,
+                ``allowed_token_ids`` or ``stop_token_ids``, or a ``structured_outputs``
+                schema, regex or grammar that does not compile (naming
+                ``structured_outputs.<kind>``, with llguidance's message; vLLM's processor
+                validates structured outputs at the same point).
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.verify()
+        params = apply_generation_defaults(params, self.generation_defaults)
+        if params.structured_outputs is not None:
+            validate_grammar(params.structured_outputs)
         if params.n > self.max_num_seqs:
             raise SamplingParamsError("n", f"={params.n} exceeds max_num_seqs="
                                       f"{self.max_num_seqs}: its sequences could never run "

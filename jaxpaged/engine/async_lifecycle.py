@@ -8,10 +8,8 @@ import asyncio
 import threading
 
 from jaxpaged.engine.commands import AbortRequest, StopEngine
-from jaxpaged.engine.data_parallel import DataParallelEngine
-from jaxpaged.engine.engine import Engine
 from jaxpaged.engine.exceptions import EngineDeadError, EngineNotReadyError, EngineStoppedError
-from jaxpaged.engine.protocol import ModelInfo
+from jaxpaged.engine.protocol import EngineClient, ModelInfo
 
 
 class AsyncEngineLifecycle:
@@ -26,7 +24,7 @@ class AsyncEngineLifecycle:
         """True once the engine is built and warmed up, and while it has not failed."""
         return self._ready.is_set() and self.error is None
 
-    def check_ready(self) -> Engine | DataParallelEngine:
+    def check_ready(self) -> EngineClient:
         """The engine, if it can take new requests.
 
         Raises:
@@ -40,7 +38,7 @@ class AsyncEngineLifecycle:
                                      "it has and takes no new ones")
         return engine
 
-    def check_alive(self) -> Engine | DataParallelEngine:
+    def check_alive(self) -> EngineClient:
         """The engine, if it is warmed up and running (taking new requests or draining).
 
         Raises:
@@ -120,6 +118,11 @@ class AsyncEngineLifecycle:
         for rid, stream in streams.items():
             stream.put(EngineStoppedError("the server is shutting down"))
             self._commands.put(AbortRequest(rid))
+
+    @property
+    def was_built(self) -> bool:
+        """True once the engine thread has built the engine (it may have failed since)."""
+        return self.engine is not None
 
     @property
     def is_loading(self) -> bool:

@@ -47,8 +47,8 @@ class DataParallelEngine:
     """``args.data_parallel_size`` :class:`Engine` replicas behind the engine's interface
     (``add_request``, ``abort_request``, ``step``, ``has_unfinished_requests``,
     ``wait_until_compiled``, ``start_background_compile``,
-    ``get_num_waiting_seqs``, ``stats``, ``stat_loggers``, ``record_stats``; a test's
-    ``fault_injector`` goes on each of ``replicas``).
+    ``get_num_waiting_seqs``, ``stats``, ``stat_loggers``, ``record_stats``,
+    ``lora_config``; a test's ``fault_injector`` goes on each of ``replicas``).
 
     Args:
         args: the configuration of every replica.
@@ -74,6 +74,7 @@ class DataParallelEngine:
         self.max_model_len = first.max_model_len
         self.generation_defaults = first.generation_defaults
         self.model_info = first.model_info
+        self.lora_config = first.lora_config
         #: The loggers every replica's statistics reach, merged.
         self.stat_loggers: list[StatLogger] = []
         merger = _StatsMerger(self.stat_loggers, dp)
@@ -81,6 +82,16 @@ class DataParallelEngine:
             replica.stat_loggers.append(merger.for_replica(i))
         self._replica_of: dict[str, Engine] = {}
         self._pool = ThreadPoolExecutor(dp, thread_name_prefix="jaxpaged-dp")
+
+    @property
+    def fault_injector(self):
+        """The replicas' test hook (``Engine.fault_injector``); setting it sets every one's."""
+        return self.replicas[0].fault_injector
+
+    @fault_injector.setter
+    def fault_injector(self, injector) -> None:
+        for replica in self.replicas:
+            replica.fault_injector = injector
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     priority: int = 0, lora_request=None) -> None:

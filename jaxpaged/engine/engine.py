@@ -125,7 +125,7 @@ class Engine(EngineSteps, Rollout, Sleep):
             self.tokenizer, cfg.vocab_size, self.output_processor.eos_token_ids)
         self.input_processor = InputProcessor(self.tokenizer, cfg.vocab_size,
                                               self.max_model_len, args.max_num_seqs,
-                                              self.structured_outputs)
+                                              self.structured_outputs, self.generation_defaults)
         self.runner = worker.runner
         self.runner.eos_token_ids = self.output_processor.eos_token_ids
         self.dtype = worker.dtype
@@ -259,6 +259,11 @@ class Engine(EngineSteps, Rollout, Sleep):
     def list_loras(self) -> set[int]:
         """Ids of the adapters loaded on the host."""
         return set() if self.lora is None else self.lora.list()
+
+    @property
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA limits (None without ``enable_lora``)."""
+        return None if self.lora is None else self.lora.config
 
     def wait_until_compiled(self, timeout: float | None = None) -> bool:
         """Wait for the step programs compiling in the background

@@ -1,15 +1,16 @@
 """Keeps CPython's cyclic garbage collector off the objects that start-up leaves behind.
 
 A loaded engine holds a few hundred thousand GC-tracked objects (JAX, Flax, the model, the
-compiled steps). A full (generation-2) collection walks all of them: about 150 ms on a
-2-core EPYC, landing in whichever engine step happens to trigger it. vLLM moves them out of
-the collector's reach once start-up is done (``freeze_gc_heap`` in ``vllm/utils/gc_utils.py``,
-called at the end of ``compile_or_warm_up_model``: collect, then ``gc.freeze()``), so that
-collections while serving walk only the objects made since. jaxpaged does the same at the end
-of ``Engine.__init__`` (after ``precompile``), and again after any step that compiled a new
-step shape (``--enforce-eager``, or a shape ``precompile`` leaves out: logprobs), since
-compiling is what makes start-up's garbage. The collection before each freeze walks only the
-objects that are not frozen yet (tens of milliseconds, next to a compile's hundreds).
+compiled steps). A full (generation-2) collection walks all of them, a pause that lands in
+whichever engine step happens to trigger it (``docs/measurements.md``, "Garbage collection").
+vLLM moves them out of the collector's reach once start-up is done (``freeze_gc_heap`` in
+``vllm/utils/gc_utils.py``, called at the end of ``compile_or_warm_up_model``: collect, then
+``gc.freeze()``), so that collections while serving walk only the objects made since. jaxpaged
+does the same at the end of ``Engine.__init__`` (after ``precompile``), and again after any
+step that compiled a new step shape (``--enforce-eager``, or a shape ``precompile`` leaves out:
+logprobs), since compiling is what makes start-up's garbage. The collection before each freeze
+walks only the objects that are not frozen yet (tens of milliseconds, next to a compile's
+hundreds).
 
 Frozen objects are still freed when their reference count drops to zero (a dropped engine
 is); only reference cycles among them are never collected.
@@ -19,9 +20,8 @@ The first freeze also raises the youngest generation's threshold to at least
 deallocations by its threshold (700 by default), and a step of a large batch holds a few
 objects per sequence at once (its plan, the outputs it returns): at 256 sequences that
 crosses 700 in every step, and each collection walks every young object, the growing token
-lists of cumulative outputs included. Measured with the bundled model, 256 requests x 200
-tokens of cumulative outputs (AMD EPYC Zen 4, 2 cores): 188 generation-0 collections in 205
-steps, 0.62 s of the run; with a threshold of 5,000, one collection (6 ms). The engine's
+lists of cumulative outputs included (``docs/measurements.md``, "Garbage collection", has
+the counts with and without the raised threshold). The engine's
 own objects die by reference count, so a higher threshold only delays reclaiming reference
 cycles, which the engine does not make per step.
 """

@@ -10,12 +10,13 @@ vLLM draws the same line with ``vllm/engine/protocol.py``'s ``EngineClient``.
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.core.input_processor import Prompt
+from jaxpaged.lora.config import LoRAConfig
 from jaxpaged.metrics.stats import EngineStats, StatLogger
 from jaxpaged.outputs import RequestOutput
 from jaxpaged.pooling_params import PoolingParams
@@ -64,11 +65,19 @@ class EngineClient(Protocol):
         model_info: the served model (:class:`ModelInfo`).
         tokenizer: the model's tokenizer (a ``transformers`` tokenizer).
         stat_loggers: called with each step's statistics (append to add one).
+        lora_config: the LoRA limits (``--max-lora-rank``, ...) when LoRA is enabled
+            (``--enable-lora``), else None: what an adapter is checked against before it is
+            loaded (``server/serving_models.py``).
+        fault_injector: a test hook, None in normal use: called before every model step as
+            ``fault_injector(step_index, request_ids)``; what it raises fails that step
+            (``Engine``'s attribute; a data-parallel engine hands it to every replica).
     """
 
     model_info: ModelInfo
     tokenizer: Any
     stat_loggers: list[StatLogger]
+    lora_config: LoRAConfig | None
+    fault_injector: Callable[[int, list[str]], None] | None
 
     def add_request(self, request_id: str, prompt: Prompt,
                     params: SamplingParams | PoolingParams | None = None,

@@ -3,9 +3,10 @@ job's processes, load the model (and a speculative draft model) onto the devices
 its step shapes (or start compiling them in the background,
 ``jaxpaged.runner.background_compile``), and load the tokenizer meanwhile.
 
-The tokenizer (transformers' import and the tokenizer files: ~1.5 s of Python) loads on its
-own thread while this one loads the model and compiles its steps (XLA compiles without the
-GIL); a tokenizer that fails stops the precompile early.
+The tokenizer (transformers' import and the tokenizer files: seconds of Python,
+``docs/measurements.md``, "Start-up") loads on its own thread while this one loads the model
+and compiles its steps (XLA compiles without the GIL); a tokenizer that fails stops the
+precompile early.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from jaxpaged.distributed.multihost import (JobFailed, check_same_everywhere, di
 from jaxpaged.distributed.step_sync import JobStopped, sync_step
 from jaxpaged.arg_utils import DEFAULT_MODEL, EngineArgs
 from jaxpaged.engine.data_parallel import make_engine
+from jaxpaged.core.generation_config import apply_generation_defaults
 from jaxpaged.core.input_processor import Prompt
 from jaxpaged.engine.rollout import GenerationPausedError
 from jaxpaged.entrypoints.rollout_api import RolloutAPI
@@ -22,7 +23,7 @@ from jaxpaged.outputs import (ClassificationRequestOutput, EmbeddingRequestOutpu
 from jaxpaged.pooling_params import PoolingParams
 from jaxpaged.scoring import as_list, cosine_similarity, cross_encoder_prompt, score_pairs
 from jaxpaged.runner.background_compile import OFFLINE
-from jaxpaged.sampling_params import RequestOutputKind, SamplingParams
+from jaxpaged.sampling_params import MODEL_DEFAULT_FIELDS, RequestOutputKind, SamplingParams
 
 
 class LLM(RolloutAPI):
@@ -59,7 +60,8 @@ class LLM(RolloutAPI):
         """``SamplingParams()`` with the model's ``generation_config.json`` defaults applied
         (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens -> max_tokens),
         as vLLM's ``--generation-config auto`` does; used when ``generate`` gets no params."""
-        return SamplingParams(**self.engine.generation_defaults)
+        return apply_generation_defaults(SamplingParams(model_default_fields=MODEL_DEFAULT_FIELDS),
+                                         self.engine.model_info.generation_defaults)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -140,7 +142,9 @@ class LLM(RolloutAPI):
                             f"got {type(sampling_params).__name__}")
         if self.engine.args.num_processes > 1:
             check_same_everywhere("inputs", {"the prompt list": digest(prompts), **{
-                f"SamplingParams.{f.name}": digest([getattr(p, f.name) for p in params])
+                f"SamplingParams.{f.name}": digest([   # (a set's pickle order varies by process)
+                    sorted(v) if isinstance(v := getattr(p, f.name), frozenset) else v
+                    for p in params])
                 for f in dataclasses.fields(SamplingParams)}}, show_values=False)
         return self._add_and_run(prompts, final_only(params), use_tqdm,
                                  per_prompt(lora_request, len(prompts), "lora_request"))

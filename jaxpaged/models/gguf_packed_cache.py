@@ -2,10 +2,9 @@
 
 Keeping a GGUF's projections packed (:meth:`GGUFCheckpoint.get_packed
 <jaxpaged.models.gguf_loader.GGUFCheckpoint.get_packed>`) decodes every tensor's ggml blocks
-and lays them out for the kernel (:func:`jaxpaged.layers.packed_layout.pack_weight`): for
-SmolLM2-135M's Q4_1 file 0.38-0.65 s alone and ~0.8 s beside the tokenizer's load in a warm
-``jaxpaged serve`` (AMD EPYC Zen 4, 2 cores), against 0.06-0.07 s to read the arrays back
-from here (94 MiB). The laid-out arrays are written here as they are made, one ``.npy`` file
+and lays them out for the kernel (:func:`jaxpaged.layers.packed_layout.pack_weight`), several
+times slower than reading the laid-out arrays back (``docs/measurements.md``, "GGUF"). The
+laid-out arrays are written here as they are made, one ``.npy`` file
 per array, and read back on the next load of the same file.
 
 An entry belongs to one file (its real path, size and modification time) and to this

@@ -9,11 +9,11 @@ the result is the ``TokenizersBackend`` that ``from_pretrained`` makes for a Lla
 same special tokens, BOS/EOS flags and ``chat_template`` (checked against it token for token by
 ``tests/test_gguf_smollm2.py``).
 
-The conversion (and the import of transformers' GGUF mapping that it needs) took 0.7 s of each
-start-up for SmolLM2 on an AMD EPYC Zen 4 core; its result, the ``tokenizer.json`` text and the
+The conversion (and the import of transformers' GGUF mapping that it needs) is a large part
+of a start-up (``docs/measurements.md``, "GGUF"); its result, the ``tokenizer.json`` text and the
 tokenizer's arguments, is kept under ``<cache root>/tokenizers`` named by the file's metadata
 digest (:attr:`jaxpaged.gguf_file.GGUFFile.metadata_digest`), and later loads build the
-tokenizer from it (0.1 s; the same ids: ``tests/test_gguf_tokenizer_cache.py``), transformers
+tokenizer from it (the same ids: ``tests/test_gguf_tokenizer_cache.py``), transformers
 reading the ``tokenizer.json`` text from a file of its own beside the entry.
 ``JAXPAGED_DISABLE_COMPILE_CACHE=1`` turns the cache off, as it does the compile cache.
 """
@@ -61,7 +61,7 @@ def gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
         _write_cached(cache, parts)
     text, kwargs = parts
     file = _tokenizer_file(cache, text)
-    if file is not None:    # (a tokenizer_object is deep-copied: ~0.3 s of a start-up)
+    if file is not None:    # (a tokenizer_object is deep-copied: slower, docs/measurements.md)
         return TokenizersBackend(tokenizer_file=file, **kwargs)
     return TokenizersBackend(tokenizer_object=Tokenizer.from_str(text), **kwargs)
 

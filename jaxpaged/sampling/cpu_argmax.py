@@ -1,8 +1,8 @@
 """A greedy step's tokens on the CPU: the argmax of the real logit rows only (XLA FFI).
 
 The forward step's logits are padded to a row bucket (at least 8 rows), and XLA's reductions
-read every row: :func:`~jaxpaged.sampling.sampler.argmax_first` took 0.33 ms for [8, 49152]
-logits where SmolLM2's one real row needs ~10 us (AMD EPYC Zen 4, 2 cores). The C++ kernel
+read every row, padding included (``docs/measurements.md``, "Sampling on XLA:CPU"). The C++
+kernel
 (``jaxpaged/layers/csrc/argmax_rows.cc``) reads only the step's ``rows`` real rows and gives
 each the same id as :func:`argmax_first` (the first index of the largest value, NaN counting
 as the largest); padding rows get 0.

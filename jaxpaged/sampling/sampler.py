@@ -123,9 +123,9 @@ def processed_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     filter (top_k 0 or >= V, top_p 1, min_p 0) keep every token.
 
     What survives a filter is every token at or above a per-row threshold
-    (:func:`_sorted_threshold` defines it on the sorted row). Sorting [8, 49152] logits took
-    27 ms on XLA:CPU (AMD EPYC Zen 4, 2 cores), most of a sampled step of SmolLM2, so the cut
-    is searched row by row, only in rows that filter (not in greedy or padding rows), first
+    (:func:`_sorted_threshold` defines it on the sorted row). Sorting a large vocabulary is
+    most of a sampled step on XLA:CPU (``docs/measurements.md``, "Sampling on XLA:CPU"), so
+    the cut is searched row by row, only in rows that filter (not in greedy or padding rows), first
     among the row's :data:`CANDIDATES` largest logits (``lax.top_k``), which holds whenever
     top-k <= CANDIDATES, min-p cuts inside them, or top-p's nucleus ends inside them (its
     mass measured against the whole kept vocabulary), then among its
@@ -203,9 +203,9 @@ def _candidate_threshold(scaled: jax.Array, meta: SamplingMetadata,
     is the sum over the whole row of the tokens min-p keeps (top-k then keeps at least
     ``n + 1``; the row is found only where top-k keeps all: top_k 0 or >= V)."""
     vocab = scaled.shape[-1]
-    # The barrier keeps XLA:CPU's TopK call (1.2 ms for [8, 49152]): without it, XLA
-    # (jaxlib 0.12) rewrites this top_k, whose values feed the slices below, into a sort of
-    # the whole row (18 ms).
+    # The barrier keeps XLA:CPU's TopK call: without it, XLA (jaxlib 0.12) rewrites this
+    # top_k, whose values feed the slices below, into a sort of the whole row, ~15x slower
+    # (docs/measurements.md, "Sampling on XLA:CPU").
     desc, _ = jax.lax.optimization_barrier(jax.lax.top_k(scaled, n))
     floor = desc[:, :1] + jnp.log(jnp.maximum(meta.min_p, 1e-30))[:, None]
     above = jnp.where(meta.min_p[:, None] > 0, scaled >= floor, True)
@@ -280,8 +280,8 @@ def sample(logits: jax.Array, meta: SamplingMetadata, with_logprobs: bool | jax.
     def with_sampling():
         # jax.random.categorical's draw, argmax(logits + Gumbel noise), with the argmax of
         # argmax_first (the same token; jnp.argmax's variadic reduction is slow on XLA:CPU).
-        # Row by row, so that greedy and padding rows draw no noise: 0.6 ms against 2.1 ms
-        # vmapped for one sampled row of 8 (SmolLM2's 49152 tokens, XLA:CPU, Zen 4).
+        # Row by row, so that greedy and padding rows draw no noise (a third of the vmapped
+        # form's time for one sampled row of 8: docs/measurements.md, "Sampling on XLA:CPU").
         noise = jax.lax.map(gumbel, (meta.seed_lo, meta.seed_hi, meta.position, meta.greedy))
         sampled = argmax_first(processed_logits(adjusted, meta) + noise)
         return jnp.where(meta.greedy, greedy_tokens, sampled)
@@ -296,9 +296,9 @@ def argmax_first(logits: jax.Array) -> jax.Array:
     row's largest value, or of its first NaN (NaN counts as the largest).
 
     Computed as a max, then the smallest index holding it: two plain reductions that XLA:CPU
-    vectorises. ``jnp.argmax`` lowers to one variadic (value, index) reduction, which on
-    XLA:CPU (jaxlib 0.12) took 5-10x as long for W1's [64, 32000] logits (4.6-8.7 ms against
-    0.7-0.9 ms, ``docs/benchmarks.md``, "W1 step profile (CPU)").
+    vectorises. ``jnp.argmax`` lowers to one variadic (value, index) reduction, which is
+    several times slower on XLA:CPU (jaxlib 0.12; ``docs/benchmarks.md``, "W1 step profile
+    (CPU)").
 
     Args:
         logits: [B, V] float.

@@ -123,8 +123,9 @@ class StructuredOutputManager:
         eos_token_ids: the model's EOS ids, the tokens allowed once the grammar is complete.
         max_workers: compilation threads.
 
-    The llguidance tokenizer (about 4 s for Qwen2's 151k tokens on the 2-core CPU) is built
-    in the pool at the first structured request, never at start-up.
+    The llguidance tokenizer (seconds for a large vocabulary, ``docs/measurements.md``,
+    "Structured outputs") is built in the pool at the first structured request, never at
+    start-up.
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int],

@@ -60,11 +60,11 @@ def run_b20(live_server, http, repeats):
 
 
 @pytest.mark.parametrize("repeats", [3, pytest.param(50, marks=pytest.mark.slow)])
-def test_b20_disconnect_aborts_and_frees_pages(live_server, http, repeats):
+def test_a_disconnect_aborts_and_frees_pages(live_server, http, repeats):
     run_b20(live_server, http, repeats)
 
 
-def test_b20_waiting_requests_are_removed_on_disconnect(live_server, http):
+def test_waiting_requests_are_removed_on_disconnect(live_server, http):
     engine = live_server.engine.engine
     with live_server.slow_steps(0.01):
         socks = [open_request(live_server, {**LONG, "stream": s}) for s in [True, False] * 16]
@@ -148,7 +148,7 @@ def run_b22(live_server, http, seconds):
 
 
 @pytest.mark.parametrize("seconds", [5, pytest.param(30, marks=pytest.mark.slow)])
-def test_b22_health_responsive_under_saturation(live_server, http, seconds):
+def test_health_stays_responsive_under_saturation(live_server, http, seconds):
     run_b22(live_server, http, seconds)
 
 

@@ -48,7 +48,7 @@ def ids_prompt(n):
 # ---- B09 -------------------------------------------------------------------------------
 
 
-def test_b09_max_tokens_null_or_omitted(http):
+def test_max_tokens_null_or_omitted_takes_the_default(http):
     base = dict(prompt="test", temperature=0, ignore_eos=True)
     null = completion(http, max_tokens=None, **base)
     omitted = completion(http, **base)
@@ -66,7 +66,7 @@ def test_b09_max_tokens_null_or_omitted(http):
 # ---- B10 -------------------------------------------------------------------------------
 
 
-def test_b10_echo_with_max_tokens_zero_scores_the_prompt(http, live_server, stories_llm):
+def test_echo_with_max_tokens_zero_scores_the_prompt(http, live_server, stories_llm):
     prompt = "Your answer: Yes"
     r = completion(http, prompt=prompt, echo=True, logprobs=1, max_tokens=0, temperature=0)
     assert r.status_code == 200, r.text
@@ -87,7 +87,7 @@ def test_b10_echo_with_max_tokens_zero_scores_the_prompt(http, live_server, stor
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_b11_context_limits(http, live_server, stream):
+def test_prompts_beyond_the_context_are_400s_naming_the_lengths(http, live_server, stream):
     # (a) longer than the context: both numbers, before any SSE
     r = completion(http, prompt=ids_prompt(L + 10), max_tokens=1, stream=stream)
     assert_error(r, 400, "prompt", str(L), str(L + 10))
@@ -129,12 +129,12 @@ def test_b11_context_limits(http, live_server, stream):
     ("", "empty"), ([""], "empty"), ([], "empty"), ([[]], "empty"),
     ([-1], "outside the vocabulary"), ([[-1]], "outside the vocabulary"),
     ([VOCAB], "outside the vocabulary")])
-def test_b12_empty_and_invalid_prompts(http, live_server, prompt, needle):
+def test_empty_and_invalid_prompts_are_400s(http, live_server, prompt, needle):
     assert_error(completion(http, prompt=prompt, max_tokens=2), 400, "prompt", needle)
     assert_serving(http, live_server)
 
 
-def test_b12_chat_messages(http, live_server):
+def test_empty_chat_messages_are_a_400_and_empty_content_is_served(http, live_server):
     assert_error(chat(http, messages=[]), 400, "messages", "empty")
     assert_serving(http, live_server)
     # Documented: an empty content is served (the template still renders a prompt).
@@ -146,7 +146,7 @@ def test_b12_chat_messages(http, live_server):
 # ---- B14 -------------------------------------------------------------------------------
 
 
-def test_b14_n_choices_streaming_and_not(http, live_server):
+def test_n_choices_are_the_same_streamed_and_not(http, live_server):
     body = dict(prompt="Once upon a time", n=4, temperature=1.0, seed=7, max_tokens=32)
     expected = None
     for _ in range(20):
@@ -175,7 +175,7 @@ def test_b14_n_choices_streaming_and_not(http, live_server):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_b17_chat_logprobs_schema(http, live_server, stream):
+def test_chat_logprobs_follow_openais_schema(http, live_server, stream):
     messages = [{"role": "user", "content": "Tell me a story"}]
 
     def content(**kw):
@@ -210,7 +210,7 @@ def test_b17_chat_logprobs_schema(http, live_server, stream):
     assert_serving(http, live_server)
 
 
-def test_b17_bytes_of_a_byte_fallback_token(http):
+def test_logprob_bytes_of_a_byte_fallback_token(http):
     byte_e2 = 3 + 0xE2   # "<0xE2>" in the Llama-2 byte-fallback block (ids 3..258)
     r = chat(http, messages=[{"role": "user", "content": "x"}], max_tokens=1, logprobs=True,
              allowed_token_ids=[byte_e2])
@@ -224,7 +224,7 @@ def test_b17_bytes_of_a_byte_fallback_token(http):
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 @pytest.mark.parametrize("options", [None, {}, {"include_usage": True}, {"include_usage": False}])
-def test_b19_sse_framing(http, endpoint, options):
+def test_sse_streams_are_framed_as_openai_frames_them(http, endpoint, options):
     body = dict(n=2, max_tokens=5, temperature=0, ignore_eos=True)
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": "hi"}]
@@ -268,7 +268,7 @@ def test_b19_sse_framing(http, endpoint, options):
 # ---- B27 -------------------------------------------------------------------------------
 
 
-def test_b27_chat_template_errors(http, live_server):
+def test_chat_template_errors_are_400s_that_say_why(http, live_server):
     messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     with live_server.configured(chat_template=None):        # the bundled tokenizer has no template
         for stream in (False, True):
@@ -290,7 +290,7 @@ def test_b27_chat_template_errors(http, live_server):
 # ---- B29 -------------------------------------------------------------------------------
 
 
-def test_b29_error_shapes_and_models(http):
+def test_errors_and_model_lists_have_openais_shape(http):
     error = assert_error(completion(http, prompt="x", **{"model": "does-not-exist"}), 404,
                          "model", "does-not-exist")
     assert error["code"] == 404
@@ -325,7 +325,7 @@ def test_b29_error_shapes_and_models(http):
     ("priority", 5, "scheduling-policy"), ("response_format", {"type": "json_schema"}, "schema"),
     ("tools", [{"type": "function"}], "not supported"), ("use_beam_search", True, "not"),
     ("stream_options", {"include_usage": True}, "stream=true")])
-def test_b30_out_of_range_parameters(http, live_server, field, value, needle):
+def test_out_of_range_parameters_are_400s_naming_the_field(http, live_server, field, value, needle):
     r = completion(http, **{"prompt": "Once", "max_tokens": 2, field: value})
     assert_error(r, 400, field, needle)
     assert not live_server.engine.engine.has_unfinished_requests()
@@ -349,7 +349,7 @@ def test_malformed_bodies_get_400(http, live_server, body, needle):
 @pytest.mark.parametrize("field, value", [
     ("temperature", 0), ("top_p", 1), ("top_k", -1), ("top_k", 0), ("top_k", 1), ("n", 1),
     ("stop", ["x"] * 100)])
-def test_b30_valid_boundaries_pass(http, field, value):
+def test_parameters_at_their_boundaries_are_served(http, field, value):
     assert completion(http, prompt="Once", max_tokens=2, **{field: value}).status_code == 200
 
 

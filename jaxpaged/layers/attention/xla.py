@@ -15,12 +15,8 @@ sit at fixed token positions, so a sequence's result does not depend on what els
 batch.
 
 The chunk is small on purpose: on XLA:CPU the chunk's K/V gather is materialized, and a
-few pages keep it in cache; on W1 (``docs/benchmarks.md``) a decode step of 64 sequences
-took 440 ms with 8-page chunks and 310 ms with 2-page chunks (jaxlib 0.11). Under jaxlib
-0.12, which hands the chunk's multiply-and-reduce to YNNPACK, 4-page chunks in 8 runs
-measured 0.947x and 0.948x the step time of 2-page chunks in 4 runs (two interleaved rounds,
-"W1 step profile (CPU)"); 8-page chunks were slower again (1.13x, 1.64x), and a whole
-run per iteration far slower (a 64-block run: 2.2x). Decode blocks gather their pages as
+few pages keep it in cache (the chunk and run sizes were chosen by measuring W1's decode
+step: ``docs/measurements.md``, "XLA attention"). Decode blocks gather their pages as
 whole rows of a flat view of the pool (:func:`gather_pages`). Float32 decode blocks (one
 query row) compute their scores and weighted values as multiply-and-reduce instead of
 matrix-vector products, which XLA:CPU runs one small dot at a time; bfloat16 decode blocks
@@ -90,9 +86,8 @@ def paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     if num_runs == 1:
         return attend(q, pages, block_positions)
     # Equal runs (the last padded with blocks that see nothing), walked by one loop: one
-    # copy of the run's body in the program instead of one per run. Unrolled, the runs made
-    # 8 loop bodies per layer: the bundled model's smallest decode step lowered to 5465
-    # StableHLO lines and compiled in 7.8 s; as one loop, 1565 lines (docs/benchmarks.md).
+    # copy of the run's body in the program instead of one per run (unrolled runs made the
+    # program several times longer to lower and compile: docs/measurements.md).
     size = -(-nb // num_runs)
     extra = num_runs * size - nb
     if extra:
@@ -168,9 +163,8 @@ def gather_pages(pages: jax.Array, ids: jax.Array) -> jax.Array:
 
     The pool is viewed as [num_pages, page_size * KVH * D] (a free reshape) so each index
     selects one contiguous row. XLA:CPU's gather loop then copies a page per index instead of
-    walking the [page_size, KVH, D] slice element by element: one layer of W1's 64-sequence
-    decode step attended 0.80-0.84x the time of ``pages[ids]`` (``docs/benchmarks.md``,
-    "Decode attention on XLA:CPU").
+    walking the [page_size, KVH, D] slice element by element, which is faster for decode
+    blocks (``docs/benchmarks.md``, "Decode attention on XLA:CPU").
     """
     rows = pages.reshape(pages.shape[0], -1)[ids]
     return rows.reshape(ids.shape + pages.shape[1:])
@@ -183,7 +177,7 @@ class _MatmulProducts:
     KEY_AXIS = -1
 
     @staticmethod
-    def gather(pages, ids):      # rows (gather_pages) measured 1.13x / 1.03x on W1 prefill
+    def gather(pages, ids):      # (gather_pages was slower for prefill: docs/measurements.md)
         return pages[ids]
 
     @staticmethod
@@ -214,8 +208,8 @@ class _DecodeProducts:
     """Decode blocks (Bq = 1): scores and values as multiply-and-reduce, rows laid out
     [NB, KVH, G] and scores [NB, L, KVH, G]. A one-row query makes every matmul a
     matrix-vector product; XLA:CPU runs those batched over (block, head) one small dot at a
-    time, while the elementwise form is one fused loop nest over the chunk (a decode step
-    of 64 W1 sequences: 5.8 ms against 11.9 ms per layer per device)."""
+    time, while the elementwise form is one fused loop nest over the chunk, about twice as
+    fast (``docs/measurements.md``, "XLA attention")."""
 
     KEY_AXIS = 1
     gather = staticmethod(gather_pages)
@@ -247,9 +241,9 @@ class _DecodeDotProducts(_DecodeProducts):
     """Decode blocks in a 16-bit dtype: the same products as batched dots of the stored
     dtype with float32 results (the weights rounded to that dtype for the values, as
     :class:`_MatmulProducts` and the Pallas kernels do). XLA:CPU's YNNPACK runs bf16 dots
-    natively where the CPU has AVX512-BF16, without widening the chunk: one W1 decode layer
-    in bfloat16 took 0.6-0.8x the multiply-and-reduce form's time (``docs/benchmarks.md``,
-    "Decode attention on XLA:CPU"); in float32 the dots were slower (1.1x)."""
+    natively where the CPU has AVX512-BF16, without widening the chunk, faster than the
+    multiply-and-reduce form in bfloat16 and slower in float32 (``docs/benchmarks.md``,
+    "Decode attention on XLA:CPU")."""
 
     @staticmethod
     def scores(qb, kc):                                     # -> [NB, L, KVH, G]
