@@ -55,3 +55,21 @@ def test_cache_off_converts_every_time(monkeypatch, tmp_path):
     monkeypatch.setenv(compile_cache.DISABLE_ENV, "1")
     gguf_tokenizer.gguf_tokenizer(smollm2_gguf())
     assert not os.path.exists(tmp_path / "tokenizers")
+
+
+def test_a_cached_tokenizer_does_not_read_the_metadata_again(monkeypatch, tmp_path):
+    """A start-up's tokenizer finds its cache entry by the metadata digest the config read
+    left, even after the weights' loader dropped the opened file (forget_gguf_files)."""
+    from jaxpaged import gguf_config
+    monkeypatch.setenv(compile_cache.CACHE_ROOT_ENV, str(tmp_path))
+    monkeypatch.delenv(compile_cache.DISABLE_ENV, raising=False)
+    path = smollm2_gguf()
+    first = gguf_tokenizer.gguf_tokenizer(path)               # converts and caches
+    gguf_config.forget_gguf_files()
+    reads, read = [], gguf_config.read_gguf
+    monkeypatch.setattr(gguf_config, "read_gguf", lambda p: reads.append(p) or read(p))
+    again = gguf_tokenizer.gguf_tokenizer(path)
+    assert reads == [] and again.encode(TEXTS[1]) == first.encode(TEXTS[1])
+    gguf_config._DIGESTS.clear()                   # a digest not known yet: the file is read
+    gguf_tokenizer.gguf_tokenizer(path)
+    assert reads == [os.path.realpath(path)]

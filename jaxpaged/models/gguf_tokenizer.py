@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 from jaxpaged.atomic_file import write_text_atomically
-from jaxpaged.gguf_config import BadGGUFError, metadata, open_gguf
+from jaxpaged.gguf_config import BadGGUFError, metadata, metadata_digest, open_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +53,10 @@ def gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     from tokenizers import Tokenizer
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-    gguf = open_gguf(path)
-    cache = _cache_path(gguf.metadata_digest)
+    cache = _cache_path(metadata_digest(path))
     parts = _read_cached(cache)
     if parts is None:
-        parts = _convert(path, metadata(gguf))
+        parts = _convert(path, metadata(open_gguf(path)))
         _write_cached(cache, parts)
     text, kwargs = parts
     file = _tokenizer_file(cache, text)
