@@ -68,6 +68,20 @@ def test_a_sliding_group_holds_only_its_window(caching):
     assert kv.num_free_pages == 31 and kv.group_usage() == [0, 0]
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_the_first_decode_after_a_prefill_gives_back_what_the_prefill_passed(caching):
+    """(A decode inside its page takes a shortcut that must not skip this release.)"""
+    kv = HybridKVCacheManager(16, 16, caching, kv_layout((8, None)))
+    ids = list(range(3, 70))
+    assert kv.allocate_slots("a", 56, ids, 0) and kv.group_usage() == [4, 4]
+    assert kv.allocate_slots("a", 57, ids, 56)          # keys 49.. live: pages 0-2 are dead
+    assert kv.group_page_tables("a")[0][:3] == [NULL_PAGE] * 3
+    assert kv.group_usage() == [4, 1]
+    for n in range(57, 63):                             # decodes inside page 3
+        assert kv.allocate_slots("a", n + 1, ids, n)
+    assert kv.group_usage() == [4, 1] and kv.num_free_pages == 10
+
+
 def test_allocation_takes_pages_in_every_group_or_none():
     kv = HybridKVCacheManager(8, 4, False, kv_layout((8, None)))   # 7 usable pages
     assert kv.allocate_slots("a", 12)                              # 3 + 3 pages
@@ -217,4 +231,28 @@ def test_kv_memory_reports_pages_per_group(tmp_path):
     assert all(g["max_pages"] <= 4 * 4 for g in r["groups"][1:])
     layer_page = r["one_page_per_layer_bytes_per_seq"] // (6 * 4)
     assert r["bytes_per_seq_at_end"] <= (4 + 5 * 2) * layer_page
-    assert r["max_concurrency"] >= 1.5 * r["one_page_per_layer_max_concurrency"]
+    # 97 one-layer pages (4 requests' worst case), 25 of them kept for one step's chunks:
+    # (97 - 1 - 25) / (4 + 5 x 2) against (97 // 6 - 1) / 4 for six-layer pages
+    assert r["max_concurrency"] == pytest.approx(71 / 14)
+    assert r["one_page_per_layer_max_concurrency"] == pytest.approx(15 / 4)
+
+
+def test_the_runner_lays_out_every_groups_page_table_and_slots():
+    """token_layout and attention_metadata: group 1's table (a window's released entries on
+    the null page) beside group 0's, its own slot for each new token."""
+    from jaxpaged.layers.attention import get_attention_backend
+    from jaxpaged.runner import step_builders as sb
+    from jaxpaged.runner.input_batch import attention_metadata
+    from tests.test_step_builders import ScheduledRequest, request
+
+    a = ScheduledRequest(request("a", [10, 11, 12, 13, 14]), 0, 5, [3, 4], True, 1,
+                         group_page_ids=[[5, 6]])
+    b = ScheduledRequest(request("b", [20] * 6, output=[21]), 6, 1, [7, 8], True, 1,
+                         group_page_ids=[[NULL_PAGE, 9]])
+    layout = sb.token_layout(sb.plan_step([a, b], lambda *_: (8, 4, 4), 0), 4, 0)
+    assert layout.slot_mapping.tolist() == [12, 13, 14, 15, 16, 34, 0, 0]
+    assert layout.group_page_tables.tolist() == [[[5, 6, 0, 0], [0, 9, 0, 0], [0] * 4,
+                                                  [0] * 4]]
+    assert layout.group_slot_mappings.tolist() == [[20, 21, 22, 23, 24, 38, 0, 0]]
+    metadata = attention_metadata(get_attention_backend("xla"), layout)
+    assert metadata["kv_groups"]["page_table"] is layout.group_page_tables

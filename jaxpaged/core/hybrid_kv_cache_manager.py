@@ -196,12 +196,10 @@ class HybridKVCacheManager:
     def _decodes_in_place(self, request_id: str, position: int, registers: bool) -> bool:
         """Whether a decode at ``position`` changes nothing in any group (checked once rather
         than per group: the host cost of a step): it neither starts nor fills a page, no
-        window boundary passes, every group's page it writes is its own, and no full page
-        waits to be registered."""
+        window boundary passes and no page out of a window waits to go back, every group's
+        page it writes is its own, and no full page waits to be registered."""
         s = self.page_size
-        if not position % s or not (position + 1) % s or any(
-                w is not None and position >= w and not (position - w + 1) % s
-                for w in self._windows):
+        if not position % s or not (position + 1) % s:
             return False
         i = position // s
         first = self.groups[0]._tables.get(request_id)
@@ -209,9 +207,11 @@ class HybridKVCacheManager:
                 registers and self.enable_prefix_caching and first.num_cached_pages < i):
             return False
         pages = self.groups[0]._pages
-        for g in self.groups:
+        for g, w in zip(self.groups, self._windows):
             table = g._tables.get(request_id)
-            if table is None or pages[table.pages[i]].ref_cnt != 1:
+            if table is None or pages[table.pages[i]].ref_cnt != 1 or (
+                    w is not None and g._released.get(request_id, 0)
+                    < dead_pages(position, w, s)):      # (a release a prefill left to do)
                 return False
         return True
 
