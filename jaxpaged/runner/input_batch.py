@@ -113,7 +113,7 @@ def attention_metadata(backend: AttentionBackend, layout: BatchLayout) -> dict:
     metadata.update(slot_mapping=layout.slot_mapping, page_table=layout.page_table,
                     seq_lens=layout.seq_lens, query_start_loc=layout.query_start_loc,
                     positions=layout.positions)
-    if layout.group_page_tables is not None:    # (jaxpaged.layers.attention.kv_groups)
+    if layout.group_page_tables is not None:    # (jaxpaged.layers.kv_group_layers)
         metadata["kv_groups"] = {"page_table": layout.group_page_tables,
                                  "slot_mapping": layout.group_slot_mappings}
     return metadata
