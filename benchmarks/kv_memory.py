@@ -11,6 +11,9 @@ Part 2 (W1's model shape, dummy weights): TTFT of requests that share a 1024-tok
 prompt followed by a 32-token question, prefix caching on vs off; compile time is excluded by
 warm-up requests of the same shapes.
 
+Part 3 (a Gemma 3 shape, dummy weights): KV pages by layer kind, per group
+(:func:`group_report`).
+
 Usage: ``python benchmarks/kv_memory.py [--output-json FILE]`` (about two minutes on 2 CPU cores).
 """
 
@@ -111,6 +114,70 @@ def ttft_report(tmp: str, questions: int) -> dict:
     return result
 
 
+def gemma3_config(layers: int, window: int, max_positions: int) -> dict:
+    """A small Gemma 3 text config (``Gemma3ForCausalLM``, every sixth layer global, the
+    bundled tokenizer's 512 ids) for dummy weights: its KV pages by layer kind do not
+    depend on the width."""
+    kinds = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+             for i in range(layers)]
+    rope = {"rope_theta": 10000.0, "rope_type": "default"}
+    return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "head_dim": 16, "hidden_size": 64, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": layers,
+            "layer_types": kinds, "sliding_window": window, "query_pre_attn_scalar": 16,
+            "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+            "max_position_embeddings": max_positions, "vocab_size": 512,
+            "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+            "rope_parameters": {"full_attention": {**rope, "rope_theta": 1e6},
+                                "sliding_attention": rope}}
+
+
+def group_report(tmp: str, *, layers: int = 12, window: int = 128, max_model_len: int = 1024,
+                 num_requests: int = 16, output_len: int = 64) -> dict:
+    """Part 3: KV pages by layer kind (``jaxpaged.core.kv_groups``) on a Gemma 3 shape with
+    dummy weights: ``num_requests`` requests of ``max_model_len`` tokens
+    (``max_model_len - output_len`` of prompt) run together; at every step each group's pages
+    held (the allocator's ``group_usage``). Reports per group its kind, layers, most and mean
+    pages held, and pages per sequence at the end; the bytes a sequence holds against a
+    one-page-per-token-per-layer pool's; the concurrency start-up reports against that
+    pool's for the same bytes."""
+    model = os.path.join(tmp, f"gemma3-{layers}x{window}")
+    os.makedirs(model, exist_ok=True)
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(gemma3_config(layers, window, max_model_len), f)
+    pages = max_model_len // PAGE
+    llm = LLM(model=model, tokenizer=DEFAULT_MODEL, load_format="dummy", enforce_eager=True,
+              block_size=PAGE, max_model_len=max_model_len, max_num_seqs=num_requests,
+              max_num_batched_tokens=512, enable_prefix_caching=False)
+    engine = llm.engine
+    kv = engine.kv_cache_manager
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    rng = np.random.default_rng(0)
+    for i in range(num_requests):
+        engine.add_request(str(i), rng.integers(3, 512, max_model_len - output_len).tolist(),
+                           params)
+    usage, per_seq = [], []
+    while engine.has_unfinished_requests():
+        engine.step()
+        usage.append(kv.group_usage())
+        seqs = engine.scheduler.running
+        if seqs and all(r.num_computed_tokens >= max_model_len - 1 for r in seqs):
+            per_seq = [kv.num_held_pages(r.request_id) for r in seqs]
+    layout = kv.layout
+    groups = [{"kind": "full" if g.window is None else f"window {g.window}",
+               "layers": len(g.layers), "max_pages": max(u[k] for u in usage),
+               "mean_pages": statistics.fmean(u[k] for u in usage)}
+              for k, g in enumerate(layout.groups)]
+    layer_page = engine.kv_bytes_per_page // layout.slots
+    return {"layers": layers, "window": window, "max_model_len": max_model_len,
+            "page_slots": layout.slots, "groups": groups,
+            "bytes_per_seq_at_end": max(per_seq) * engine.kv_bytes_per_page,
+            "one_page_per_layer_bytes_per_seq": layers * pages * layer_page,
+            "max_concurrency": engine.kv_max_concurrency,
+            "one_page_per_layer_max_concurrency":
+                (kv.num_pages * layout.slots // layers - 1) / pages}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--budget-requests", type=int, default=8,
@@ -134,7 +201,17 @@ def main(argv=None) -> int:
               f"({ttft['num_cached_tokens_cache_on']} tokens cached)")
         print(f"  prefix caching off {1e3 * ttft['ttft_s_cache_off']:8.1f} ms "
               f"-> {ttft['ttft_ratio_off_over_on']:.1f}x lower with caching")
-    summary = {**mem, **ttft}
+        groups = group_report(tmp)
+        print(f"Gemma 3 shape, {groups['layers']} layers (window {groups['window']}), pages "
+              f"of {groups['page_slots']} layers, {groups['max_model_len']}-token requests:")
+        for g in groups["groups"]:
+            print(f"  {g['kind']:>12} x{g['layers']}: pages held max {g['max_pages']}, "
+                  f"mean {g['mean_pages']:.1f}")
+        print(f"  bytes per sequence {groups['bytes_per_seq_at_end']} vs "
+              f"{groups['one_page_per_layer_bytes_per_seq']} one page per token per layer; "
+              f"max concurrency {groups['max_concurrency']:.2f} vs "
+              f"{groups['one_page_per_layer_max_concurrency']:.2f}")
+    summary = {**mem, **ttft, "kv_groups": groups}
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(summary, f, indent=1)

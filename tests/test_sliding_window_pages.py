@@ -2,11 +2,11 @@
 .sliding_window_pages): host bookkeeping, and an all-sliding model (Mistral fixture, window 8)
 giving transformers' tokens from a pool too small for its sequences' whole length."""
 
-import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.constants import NULL_PAGE
+from jaxpaged.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.sliding_window_pages import (SlidingWindowKVCacheManager, dead_pages,
                                                   make_kv_cache_manager, uniform_window)
@@ -86,8 +86,17 @@ def test_all_sliding_model_runs_in_a_pool_smaller_than_its_sequences(backend):
     assert kv.num_free_pages == 12
 
 
-def test_mixed_layers_keep_every_page():
-    llm = LLM(enforce_eager=True, model=fixture("gemma2_softcap"), tokenizer=DEFAULT_MODEL,
+def test_mixed_layers_get_a_page_table_per_kind():
+    """Gemma 2 (window-8 and full layers alternating): two KV cache groups of two layers
+    (jaxpaged.core.kv_groups), each page two layers' K/V; greedy tokens stay transformers'."""
+    name = "gemma2_softcap"
+    llm = LLM(enforce_eager=True, model=fixture(name), tokenizer=DEFAULT_MODEL,
               max_num_seqs=2, block_size=4, max_model_len=64)
-    assert type(llm.engine.kv_cache_manager) is KVCacheManager
-    assert np.isin(None, llm.engine.model_config.sliding_windows)
+    kv = llm.engine.kv_cache_manager
+    assert isinstance(kv, HybridKVCacheManager)
+    assert [(g.window, g.layers) for g in kv.layout.groups] == [(None, (1, 3)), (8, (0, 2))]
+    assert len(llm.engine.runner._kv_caches) == 2
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    out = llm.generate([fixture(name, "greedy_prompt.npy").tolist()], greedy, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == fixture(name, "greedy_tokens.npy").tolist()
+    assert kv.num_released_pages >= 7 and kv.num_free_pages == kv.num_usable_pages

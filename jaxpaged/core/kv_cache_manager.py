@@ -134,6 +134,63 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         return table.pages if table else []
 
+    def group_page_tables(self, request_id: str) -> list[list[int]] | None:
+        """The page tables of the request's other KV cache groups (copies), or None: one
+        page table serves every layer here (``jaxpaged.core.kv_groups``)."""
+        return None
+
+    def share_pool(self, other: "KVCacheManager") -> None:
+        """Draw pages from ``other``'s pool: its pages, free queue, prefix-cache index and
+        counters become this manager's too (the groups of
+        ``jaxpaged.core.hybrid_kv_cache_manager``; their cache keys must differ). Call it
+        before any allocation."""
+        self._pages, self._free, self._cached = other._pages, other._free, other._cached
+        self.stats = other.stats
+
+    def pages_to_allocate(self, request_id: str, num_tokens: int,
+                          num_computed_tokens: int) -> int:
+        """Free pages :meth:`allocate_slots` with these arguments would take: new pages for
+        the growth and copies of the shared pages the write touches."""
+        table = self._tables.get(request_id)
+        pages = table.pages if table else []
+        s = self.page_size
+        grow = max(0, -(-num_tokens // s) - len(pages))
+        first = num_computed_tokens // s
+        if first == len(pages) - 1:     # a decode in its last page (the common case)
+            return grow + (self._pages[pages[first]].ref_cnt > 1)
+        return grow + sum(1 for i in range(first, len(pages))
+                          if self._pages[pages[i]].ref_cnt > 1)
+
+    def lookup_cached(self, request_id: str, token_ids: list[int], extra_keys: tuple,
+                      max_pages: int) -> list[int | None]:
+        """Per page of the first ``max_pages`` full pages of ``token_ids``: the cached page
+        holding it (its tokens confirmed, and its parent when the page before is cached too),
+        or None; takes nothing. The request's hashes are kept for later registration."""
+        table = self._tables.setdefault(request_id, _Table())
+        hashes = self._page_hashes(table, token_ids, extra_keys)
+        s, found = self.page_size, []
+        for i, h in enumerate(hashes[:max_pages]):
+            page_id = self._cached.get(h)
+            if page_id is not None:
+                page = self._pages[page_id]
+                parent = found[i - 1] if i else None
+                if page.token_ids != tuple(token_ids[i * s:(i + 1) * s]) or \
+                        (parent is not None or not i) and page.parent != parent:
+                    page_id = None      # a hash collision
+            found.append(page_id)
+        return found
+
+    def adopt_cached(self, request_id: str, page_ids: list[int], first: int = 0) -> None:
+        """Give the request (holding no pages) the cached pages ``page_ids[first:]`` as its
+        first ``len(page_ids)`` pages, entries before ``first`` pointing at the null page
+        (a sliding group's pages out of the window)."""
+        table = self._tables.setdefault(request_id, _Table())
+        assert not table.pages, "adopt_cached on a request that holds pages"
+        for page_id in page_ids[first:]:
+            self._take(page_id)
+        table.pages = [NULL_PAGE] * first + list(page_ids[first:])
+        table.num_cached_pages = len(page_ids)
+
     def slots(self, request_id: str, start: int, end: int) -> list[int]:
         """Flat pool slots (``page * page_size + row``) of positions ``[start, end)``."""
         pages = np.asarray(self._tables[request_id].pages, np.int64)

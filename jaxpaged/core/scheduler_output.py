@@ -37,6 +37,9 @@ class ScheduledRequest:
             when the sequence does not speculate this step. With a draft model the
             scheduler leaves ``-1`` placeholders that the draft's proposer fills in place
             before the step is dispatched (the one change after scheduling).
+        group_page_ids: a model whose layers form KV cache groups (``jaxpaged.core
+            .kv_groups``): the page tables of groups 1.. (``page_ids`` is group 0's), each as
+            long as ``page_ids``; None when one page table serves every layer.
     """
 
     request: Request
@@ -46,6 +49,7 @@ class ScheduledRequest:
     samples: bool
     num_samples: int
     draft_token_ids: list[int] | None = None
+    group_page_ids: list[list[int]] | None = None
 
     @property
     def end(self) -> int:

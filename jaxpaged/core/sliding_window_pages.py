@@ -12,9 +12,9 @@ its hash on the free queue (evictable, as any freed page): a later request with 
 prefix still hits it until it is reused. Pages are released only once registered in the cache
 (their token ids known), so a released page is never hashed afterwards.
 
-Only uniform models gain: one page table serves every layer, so a model with any
-full-attention layer (Gemma 2 and 3) keeps every page (vLLM's hybrid allocator, separate page
-tables per layer kind, is what frees their sliding layers' pages; not built here). Speculative
+A model mixing full-attention and sliding layers (Gemma 2 and 3) has one such manager per
+sliding group of its layers, beside the full groups' plain ones, all drawing from one pool
+(``jaxpaged.core.kv_groups``, ``jaxpaged.core.hybrid_kv_cache_manager``). Speculative
 decoding turns it off (a draft model may attend over the whole sequence, and rejected drafts
 move a sequence's next query back).
 
@@ -98,6 +98,18 @@ class SlidingWindowKVCacheManager(KVCacheManager):
             self._released[request_id] = end
             self.num_released_pages += end - start
         return max(0, end - start)
+
+    def share_pool(self, other: KVCacheManager) -> None:
+        """:meth:`KVCacheManager.share_pool`, the shared null page made unfreeable."""
+        super().share_pool(other)
+        self._pages[NULL_PAGE].ref_cnt = _NULL_REFS
+
+    def adopt_cached(self, request_id: str, page_ids: list[int], first: int = 0) -> None:
+        """:meth:`KVCacheManager.adopt_cached`; the entries before ``first`` count as
+        released."""
+        super().adopt_cached(request_id, page_ids, first)
+        if first:
+            self._released[request_id] = first
 
     def allocate_slots(self, request_id: str, num_tokens: int, token_ids: list[int] | None = None,
                        num_computed_tokens: int = 0, extra_keys: tuple = ()) -> bool:

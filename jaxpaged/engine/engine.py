@@ -33,7 +33,7 @@ from jaxpaged.core.pooling import POOLING_SAMPLING, pooling_state
 from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.engine_step import EngineSteps, InFlightStep
 from jaxpaged.engine.protocol import ModelInfo
-from jaxpaged.core.sliding_window_pages import make_kv_cache_manager
+from jaxpaged.core.hybrid_kv_cache_manager import kv_cache_manager_for
 from jaxpaged.engine.rollout import Rollout
 from jaxpaged.engine.sleep import Sleep
 from jaxpaged.engine.startup import join_processes, load_and_compile
@@ -72,7 +72,8 @@ class Engine(EngineSteps, Rollout, Sleep):
             step runs, in batch order); whatever it raises is raised inside the step. An
             ``Exception`` fails the step's requests (:meth:`step`); a ``BaseException``
             escapes ``step`` (it kills an ``AsyncEngine``'s loop). ``docs/reliability.md``.
-        kv_bytes_per_page: bytes one KV page takes on one device, all layers, K and V, in
+        kv_bytes_per_page: bytes one KV page takes on one device, all layers (with KV cache
+            groups, ``jaxpaged.core.kv_groups``: a group's ``slots`` layers), K and V, in
             the KV cache dtype.
 
     Raises:
@@ -134,10 +135,12 @@ class Engine(EngineSteps, Rollout, Sleep):
         #: Each layer's ``(k_scale, v_scale)`` (``jaxpaged.runner.kv_scales``).
         self.kv_scales = worker.kv_scales
         self.kv_bytes_per_page = worker.kv_bytes_per_page
+        #: ``max_model_len`` requests the KV pool holds at once, as start-up logs it.
+        self.kv_max_concurrency = worker.max_concurrency
         num_pages, page_size = worker.num_pages, worker.page_size
-        self.kv_cache_manager = make_kv_cache_manager(
+        self.kv_cache_manager = kv_cache_manager_for(
             num_pages, page_size, args.enable_prefix_caching, cfg.sliding_windows,
-            speculative=speculative_config is not None)
+            worker.kv_layout, speculative=speculative_config is not None)
         lora_config = LoRAConfig.from_engine_args(args)
         #: Multi-LoRA state (``jaxpaged.lora.manager``); None without ``enable_lora``.
         self.lora = lora_config and LoRAManager(lora_config, cfg)

@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.layers.attention import AttentionBackend, KVPages
+from jaxpaged.layers.kv_group_layers import run_grouped_layers
 from jaxpaged.layers.layer_stack import stack_layer_weights
 from jaxpaged.layers.linear import linear
 from jaxpaged.layers.packed_layout import LANES, PACKED_LEAVES
@@ -201,10 +202,17 @@ class LlamaModel(nnx.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
                             unit_offset=gemma_style)
         self.embed_scale = config.hidden_size ** 0.5 if gemma_style else None
+        #: The pool's KV cache groups (``jaxpaged.layers.kv_group_layers``; None: one
+        #: ``(k_pages, v_pages)`` per layer).
+        self.kv_layout = None
 
     def __call__(self, input_ids, positions, kv_caches: list[KVPages], metadata):
         x = embed(self.embed_tokens, self.embed_scale, input_ids)
-        x, new_caches = run_layers(self.layers, x, positions, kv_caches, metadata)
+        if self.kv_layout is not None:
+            x, new_caches = run_grouped_layers(self.layers, x, positions, kv_caches, metadata,
+                                               self.kv_layout)
+        else:
+            x, new_caches = run_layers(self.layers, x, positions, kv_caches, metadata)
         return self.norm(x), new_caches
 
     def stack_packed_weights(self) -> int:

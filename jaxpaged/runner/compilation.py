@@ -122,9 +122,15 @@ class RunnerCompilation:
 
     # ---- shapes ------------------------------------------------------------------------------
 
+    @property
+    def num_kv_groups(self) -> int:
+        """KV cache groups the model's layers form (1: one page table for every layer)."""
+        layout = getattr(self, "kv_layout", None)
+        return 1 if layout is None else len(layout.groups)
+
     def _dummy_inputs(self, layout: BatchLayout) -> StepInputs:
         return dummy_inputs(layout, self._backend, self._limits.max_adjust_entries,
-                            self._limits.vocab_size)
+                            self._limits.vocab_size, self.num_kv_groups)
 
     def profile_peak_bytes(self) -> int | None:
         """Run the largest prefill step once on dummy data; the device's peak bytes in use

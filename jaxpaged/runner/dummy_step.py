@@ -6,6 +6,8 @@ to the null page, so running one leaves the serving pool's pages as they were.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout
@@ -30,11 +32,18 @@ def dummy_layout(t_pad: int, b_pad: int, p_pad: int, decode_only: bool,
 
 
 def dummy_inputs(layout: BatchLayout, backend: AttentionBackend, max_adjust_entries: int,
-                 vocab_size: int) -> StepInputs:
+                 vocab_size: int, num_kv_groups: int = 1) -> StepInputs:
     """The step inputs of ``layout``: zero token ids, greedy rows (one per token of a
     verification step, else one per sequence), no logit adjustments (capacity
-    ``max_adjust_entries`` a row), every one of ``vocab_size`` tokens allowed, no logprobs."""
+    ``max_adjust_entries`` a row), every one of ``vocab_size`` tokens allowed, no logprobs;
+    with ``num_kv_groups`` > 1 KV cache groups (``jaxpaged.core.kv_groups``), the other
+    groups' page tables and slots all on the null page too."""
     t_pad = layout.positions.shape[0]
+    if num_kv_groups > 1:
+        layout = dataclasses.replace(
+            layout, group_page_tables=np.zeros((num_kv_groups - 1, *layout.page_table.shape),
+                                               np.int32),
+            group_slot_mappings=np.zeros((num_kv_groups - 1, t_pad), np.int32))
     b_pad = t_pad if layout.verify_block_q else layout.seq_lens.shape[0]   # rows
     k = max_adjust_entries
     return StepInputs(np.zeros(t_pad, np.int32), layout.positions, np.zeros(b_pad, np.int32),

@@ -106,11 +106,16 @@ class PreparedStep:
 
 
 def attention_metadata(backend: AttentionBackend, layout: BatchLayout) -> dict:
-    """The backend's metadata for ``layout`` plus the layout's own arrays."""
+    """The backend's metadata for ``layout`` plus the layout's own arrays (and, for KV cache
+    groups, ``kv_groups``: the other groups' ``page_table`` [G-1, B, P] and ``slot_mapping``
+    [G-1, T])."""
     metadata = backend.build_metadata(layout)
     metadata.update(slot_mapping=layout.slot_mapping, page_table=layout.page_table,
                     seq_lens=layout.seq_lens, query_start_loc=layout.query_start_loc,
                     positions=layout.positions)
+    if layout.group_page_tables is not None:    # (jaxpaged.layers.kv_group_layers)
+        metadata["kv_groups"] = {"page_table": layout.group_page_tables,
+                                 "slot_mapping": layout.group_slot_mappings}
     return metadata
 
 

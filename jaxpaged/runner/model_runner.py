@@ -35,6 +35,7 @@ from jaxpaged.runner.kv_scales import KVScales, set_kv_scales
 from jaxpaged.core.scheduler_output import SchedulerOutput
 from jaxpaged.layers import cpu_matmul
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, allocate_kv_pool
+from jaxpaged.layers.kv_group_layers import model_kv_layout
 from jaxpaged.layers.layer_stack import distinct_leaves
 from jaxpaged.lora.device import LoRASlotWriter, token_slots
 from jaxpaged.runner.buckets import ShapeBuckets, padding_budget_tokens
@@ -131,6 +132,8 @@ class ModelRunner(RunnerCompilation, ScratchPrefill, RunnerWeights):
         for _, node in nnx.iter_graph(model):    # (layer_stack: fewer step arguments)
             if hasattr(node, "stack_packed_weights"):
                 node.stack_packed_weights()
+        #: The pool's KV cache groups (``jaxpaged.core.kv_groups``; None: a pair per layer).
+        self.kv_layout = model_kv_layout(model)
         with self._compile_lock:        # (after a background compilation's current shape)
             graphdef, self._state = nnx.split(model)
             self._graphdef = graphdef

@@ -31,7 +31,9 @@ class ScratchPrefill:
 
         Returns:
             ([T, vocab_size] float32 logits at every position, the scratch pool: one
-            ``(k_pages, v_pages)`` of [n + 1, page_size, KVH, head_dim] per layer).
+            ``(k_pages, v_pages)`` of [n + 1, page_size, KVH, head_dim] per layer; with KV
+            cache groups one per pool slot, of [G * n + 1, ...], group k in pages
+            ``1 + k * n ..``).
 
         Raises:
             ValueError: an empty prompt.
@@ -41,15 +43,18 @@ class ScratchPrefill:
             raise ValueError("run_prefill needs at least one token")
         page_size = self._page_size
         num_pages = -(-t // page_size)
+        groups = self.num_kv_groups          # (each KV cache group gets its own pages)
         k_pages = self._kv_caches[0][0]
-        pool = allocate_kv_pool(len(self._kv_caches), num_pages + 1, page_size,
+        pool = allocate_kv_pool(len(self._kv_caches), groups * num_pages + 1, page_size,
                                 *k_pages.shape[2:], k_pages.dtype, k_pages.sharding)
         positions = np.arange(t, dtype=np.int32)
-        pages = np.arange(1, num_pages + 1, dtype=np.int32)
+        pages = 1 + np.arange(groups * num_pages, dtype=np.int32).reshape(groups, num_pages)
+        slots = pages[:, positions // page_size] * page_size + positions % page_size
         layout = BatchLayout(
             query_start_loc=np.array([0, t], np.int32), seq_lens=np.array([t], np.int32),
-            positions=positions, slot_mapping=pages[positions // page_size] * page_size
-            + positions % page_size, page_table=pages[None], num_seqs=1, num_tokens=t)
+            positions=positions, slot_mapping=slots[0], page_table=pages[:1], num_seqs=1,
+            num_tokens=t, group_page_tables=pages[1:, None] if groups > 1 else None,
+            group_slot_mappings=slots[1:] if groups > 1 else None)
         logits, pool = self._programs.prefill(self._state_leaves, pool,
                                               np.asarray(token_ids, np.int32), positions,
                                               attention_metadata(self._backend, layout))

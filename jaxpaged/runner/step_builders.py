@@ -113,7 +113,8 @@ def plan_step(seqs: list[ScheduledRequest],
 
 
 def token_layout(plan: StepPlan, page_size: int, verify_block_q: int) -> BatchLayout:
-    """The padded page table, positions, slot mapping, sequence lengths and query starts."""
+    """The padded page table, positions, slot mapping, sequence lengths and query starts
+    (and KV cache groups' page tables and slot mappings where the sequences carry them)."""
     b, seqs = len(plan.seqs), plan.seqs
     token_seq = np.repeat(np.arange(b), plan.counts)
     token_pos = np.arange(plan.num_tokens) - plan.cu_tokens[token_seq] + plan.starts[token_seq]
@@ -128,6 +129,18 @@ def token_layout(plan: StepPlan, page_size: int, verify_block_q: int) -> BatchLa
     slot_mapping = np.full(plan.t_pad, NULL_PAGE * page_size, np.int32)
     slot_mapping[:plan.num_tokens] = (page_table[token_seq, token_pos // page_size] * page_size
                                       + token_pos % page_size)
+    groups = seqs[0].group_page_ids
+    group_tables = group_slots = None
+    if groups is not None:       # every group's table as long as page_ids
+        group_tables = np.full((len(groups), plan.b_pad, plan.p_pad), NULL_PAGE, np.int32)
+        group_slots = np.full((len(groups), plan.t_pad), NULL_PAGE * page_size, np.int32)
+        for k in range(len(groups)):
+            group_tables[k, page_rows, np.arange(cu_pages[-1]) - cu_pages[page_rows]] = \
+                np.fromiter(chain.from_iterable(s.group_page_ids[k] for s in seqs), np.int32,
+                            int(cu_pages[-1]))
+            group_slots[k, :plan.num_tokens] = (
+                group_tables[k, token_seq, token_pos // page_size] * page_size
+                + token_pos % page_size)
     seq_lens = np.zeros(plan.b_pad, np.int32)
     seq_lens[:b] = plan.starts + plan.counts
     query_start_loc = np.full(plan.b_pad + 1, plan.num_tokens, np.int32)
@@ -135,7 +148,8 @@ def token_layout(plan: StepPlan, page_size: int, verify_block_q: int) -> BatchLa
     return BatchLayout(query_start_loc=query_start_loc, seq_lens=seq_lens,
                        positions=positions, slot_mapping=slot_mapping, page_table=page_table,
                        num_seqs=b, num_tokens=plan.num_tokens,
-                       verify_block_q=verify_block_q if plan.verify else 0)
+                       verify_block_q=verify_block_q if plan.verify else 0,
+                       group_page_tables=group_tables, group_slot_mappings=group_slots)
 
 
 def token_ids(plan: StepPlan, prev_rows: Callable[[], dict[str, int]]

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.core.kv_groups import KVLayout, kv_layout, max_concurrency
 from jaxpaged.distributed.pipeline_parallel import PipelineParallel
 from jaxpaged.distributed.tensor_parallel import TensorParallel
 from jaxpaged.arg_utils import EngineArgs
@@ -33,6 +34,7 @@ from jaxpaged.layers.attention import (allocate_kv_pool, get_attention_backend,
                                        kv_bytes_per_page, resolve_kv_cache_dtype)
 from jaxpaged.layers.attention.tensor_parallel import TensorParallelAttention
 from jaxpaged.layers.cpu_build import cpu_flags
+from jaxpaged.layers.kv_group_layers import set_kv_layout
 from jaxpaged.lora.config import LoRAConfig
 from jaxpaged.lora.device import LoRASlotWriter, add_lora_slots
 from jaxpaged.models.mixtral import use_expert_parallelism
@@ -59,8 +61,13 @@ class Worker:
         kv_scales: each layer's ``(k_scale, v_scale)`` (1.0 unless calibrated).
         num_pages: KV pages in the pool, the null page included.
         page_size: tokens per page (``--block-size``, resolved when ``auto``).
-        kv_bytes_per_page: bytes of one page on one device (all layers, K and V).
+        kv_bytes_per_page: bytes of one page on one device (all layers, K and V; with KV
+            cache groups, ``kv_layout.slots`` layers).
         tensor_parallel_size: devices the model is split over (in each pipeline stage).
+        kv_layout: the pool's KV cache groups (``jaxpaged.core.kv_groups``), None when every
+            layer has a page per token.
+        max_concurrency: ``max_model_len``-token requests the pool holds at once, as logged
+            (``jaxpaged.core.kv_groups.max_concurrency``).
     """
 
     runner: ModelRunner
@@ -71,6 +78,8 @@ class Worker:
     page_size: int
     kv_bytes_per_page: int
     tensor_parallel_size: int
+    kv_layout: KVLayout | None = None
+    max_concurrency: float = 0.0
 
 
 def resolve_dtype(name: str, checkpoint_dtype: str):
@@ -176,6 +185,10 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
     lora = None if lora_config is None else LoRASlotWriter(
         add_lora_slots(model, cfg, lora_config, tp, dtype), tp)
     pages_per_seq = -(-max_model_len // page_size)
+    layout = kv_layout(cfg.sliding_windows, enabled=pipeline is None
+                       and args.speculative_config is None and not args.calculate_kv_scales)
+    if layout is not None and not set_kv_layout(model, layout):
+        layout = None       # (a model without the grouped decoder)
 
     def pool(num_pages, pool_dtype=kv_cache_dtype):
         if pipeline is not None:    # each stage's layers on its own devices
@@ -183,8 +196,9 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
                     for pair in allocate_kv_pool(b - a, num_pages, page_size, kv_heads,
                                                  cfg.head_dim, pool_dtype,
                                                  stage.kv_pool_sharding)]
-        return allocate_kv_pool(cfg.num_layers, num_pages, page_size, kv_heads, cfg.head_dim,
-                                pool_dtype, tp.kv_pool_sharding)
+        return allocate_kv_pool(layout.slots if layout else cfg.num_layers, num_pages,
+                                page_size, kv_heads, cfg.head_dim, pool_dtype,
+                                tp.kv_pool_sharding)
 
     # Calibration reads the exact K/V, so it runs on an unquantized scratch pool first.
     runner_cls = (ModelRunner if pipeline is None else
@@ -209,31 +223,44 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
                     " ".join(f"{v:.3g}" for _, v in scales))
     # Budgets are per device: each holds kv_heads / tp heads of every page, of its stage's
     # layers (the largest stage's count bounds the page count).
+    # With KV cache groups a page spans layout.slots layers, and a sequence holds each group's
+    # real need (its window's pages in a sliding group).
     layers_per_device = max(b - a for a, b in pipeline.layer_ranges) if pipeline \
-        else cfg.num_layers
+        else layout.slots if layout else cfg.num_layers
+    seq_pages = layout.pages_per_seq(max_model_len, page_size, args.max_num_batched_tokens) \
+        if layout else pages_per_seq
     bytes_per_page = kv_bytes_per_page(layers_per_device, page_size, kv_heads // tp.size,
                                        cfg.head_dim, kv_cache_dtype)
     num_devices = tp.size * args.pipeline_parallel_size * args.data_parallel_size
     extra = extra_bytes_per_page(page_size) if extra_bytes_per_page else 0
     num_pages = num_kv_pages(
-        bytes_per_page=bytes_per_page + extra, pages_per_seq=pages_per_seq,
+        bytes_per_page=bytes_per_page + extra, pages_per_seq=seq_pages,
         max_num_seqs=args.max_num_seqs, num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         profile_peak_bytes=runner.profile_peak_bytes, num_devices=num_devices,
         device=tp.mesh.devices.flat[0], kv_cache_memory_share=args.kv_cache_memory_share)
     check_pool_fits(num_pages, bytes_per_page + extra, num_devices)
-    if num_pages - 1 < pages_per_seq:     # page 0 is the null page
+    if num_pages - 1 < seq_pages:     # page 0 is the null page
         raise ValueError(
             f"the KV pool ({num_pages - 1} usable pages of {page_size} tokens) cannot hold one "
             f"request of max_model_len={max_model_len} tokens; give more KV memory or lower "
             "max_model_len")
     runner.set_kv_pool(pool(num_pages))
+    concurrency = max_concurrency(num_pages, max_model_len, page_size,
+                                  args.max_num_batched_tokens, layout)
     logger.info("KV cache: %d pages of %d tokens in %s, %d bytes per page (%.1f MiB in all); "
                 "maximum concurrency for %d-token requests: %.2fx", num_pages, page_size,
                 np.dtype(kv_cache_dtype).name, bytes_per_page,
                 num_pages * bytes_per_page / 2**20, max_model_len,
-                (num_pages - 1) / pages_per_seq)
+                concurrency)
+    if layout is not None:
+        logger.info("KV cache groups: %s, a page spanning %d layers; a %d-token request holds "
+                    "%s pages of them", ", ".join(
+                        f"{len(g.layers)} {'full' if g.window is None else f'window-{g.window}'}"
+                        for g in layout.groups), layout.slots, max_model_len,
+                    "+".join(map(str, layout.group_pages_per_seq(
+                        max_model_len, page_size, args.max_num_batched_tokens))))
     logger.info("model %s (%s, %d layers), dtype %s, quantization %s (weights %.1f MiB), "
                 "max_model_len %d, attention %s, tensor parallel %d, pipeline stages %s",
                 args.model, cfg.architecture, cfg.num_layers, np.dtype(dtype).name,
@@ -242,4 +269,5 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
                 pipeline.layer_ranges if pipeline else 1)
     return Worker(runner=runner, dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_scales=scales,
                   num_pages=num_pages, page_size=page_size, kv_bytes_per_page=bytes_per_page,
-                  tensor_parallel_size=tp.size)
+                  tensor_parallel_size=tp.size, kv_layout=layout,
+                  max_concurrency=concurrency)

@@ -68,6 +68,10 @@ class BatchLayout:
             ``B * verify_block_q``) the query-block size that holds any sequence's tokens,
             so attention runs one small block per sequence
             (``docs/speculative_decoding.md``, "The verify step").
+        group_page_tables: None, or for a model whose layers form KV cache groups
+            (``jaxpaged.core.kv_groups``) [G - 1, B, P] int32, the page tables of groups
+            1 .. G-1 (``page_table`` is group 0's).
+        group_slot_mappings: None, or [G - 1, T] int32, each such group's slot mapping.
     """
 
     query_start_loc: np.ndarray
@@ -78,6 +82,8 @@ class BatchLayout:
     num_seqs: int
     num_tokens: int
     verify_block_q: int = 0
+    group_page_tables: np.ndarray | None = None
+    group_slot_mappings: np.ndarray | None = None
 
     @property
     def is_decode_only(self) -> bool:
