@@ -1,7 +1,9 @@
 """jaxpaged: a JAX/Pallas LLM inference and serving engine in the spirit of vLLM.
 
 Public API: :class:`LLM`, :class:`SamplingParams`, :class:`EngineArgs`, :class:`Engine`,
-:class:`RequestOutput`, :class:`CompletionOutput`. They are imported on first use, so that
+:class:`RequestOutput`, :class:`CompletionOutput`, the pooling outputs, and the errors of
+the RL surface (:class:`WeightUpdateError`, :class:`GenerationPausedError`,
+:class:`WeightsNotLoadedError`, ``docs/rl.md``). They are imported on first use, so that
 ``import jaxpaged`` (and the command line's argument parsing) stays cheap.
 """
 
@@ -23,6 +25,9 @@ _EXPORTS = {
     "ClassificationRequestOutput": "jaxpaged.outputs",
     "ScoringRequestOutput": "jaxpaged.outputs",
     "PoolingParams": "jaxpaged.pooling_params",
+    "WeightUpdateError": "jaxpaged.runner.weight_update",
+    "GenerationPausedError": "jaxpaged.engine.rollout",
+    "WeightsNotLoadedError": "jaxpaged.engine.sleep",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -202,6 +202,9 @@ class ChatCompletionChunk(ApiModel):
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None    # the first chunk's, with return_token_ids
+    #: The weights that produced the chunk's tokens (docs/rl.md); null on the first chunk
+    #: (the role, sent before any token) and the usage chunk.
+    weight_version: int | None = None
 
 
 class TokenizeRequest(_Request):

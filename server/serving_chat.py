@@ -269,7 +269,7 @@ class OpenAIServingChat(OpenAIServing):
     @staticmethod
     def _chunk(request_id: str, model: str, choice: ChatChunkChoice, **fields) -> str:
         """One SSE chunk of one choice (``fields``: the chunk's ``usage``,
-        ``prompt_token_ids``)."""
+        ``prompt_token_ids``, ``weight_version``)."""
         return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice], **fields))
 
     async def _stream(self, request_id: str, body: ChatCompletionRequest, prompt: PreparedPrompt,
@@ -316,7 +316,8 @@ class OpenAIServingChat(OpenAIServing):
                                 index=seq.index, delta=message,
                                 logprobs=logprobs if i == 0 else None, finish_reason=last,
                                 stop_reason=seq.stop_reason if last else None,
-                                token_ids=token_ids if i == 0 else None), **extra(seq.index))
+                                token_ids=token_ids if i == 0 else None),
+                                weight_version=out.weight_version, **extra(seq.index))
             except Exception as e:   # noqa: BLE001 - the stream has started: report in-band
                 yield sse(error_body(self.request_error(e)))
         opts = body.stream_options

@@ -42,16 +42,16 @@ class UpdateWeightsFromDiskRequest(ApiModel):
     model_path: str
 
 
-async def _call(request: Request, fn):
+async def _call(request: Request, fn, param: str | None = None):
     """``fn(engine)`` on the engine thread of ``request.app.state.engine`` (an
-    ``AsyncEngine``), its errors as API errors (400 for bad input, 409 for a state that
-    refuses it)."""
+    ``AsyncEngine``), its errors as API errors (400 for bad input, naming ``param`` when
+    given; 409 for a state that refuses it)."""
     ready(request)
     try:
         return await request.app.state.engine.call(fn)
     except (ValueError, TypeError, WeightsNotLoadedError, WeightUpdateError,
             FileNotFoundError) as e:
-        raise bad_request(str(e)) from None
+        raise bad_request(str(e), param) from None
     except (RuntimeError, NotImplementedError) as e:
         raise APIError(409, str(e), "invalid_request_error") from None
 
@@ -114,7 +114,7 @@ async def reset_prefix_cache(request: Request) -> Response:
 async def update_from_disk(request: Request) -> Response:
     """``POST /update_weights_from_disk`` with ``{"model_path": ...}``."""
     body = await parse(request, UpdateWeightsFromDiskRequest)
-    version = await _call(request, lambda e: e.update_weights(body.model_path))
+    version = await _call(request, lambda e: e.update_weights(body.model_path), "model_path")
     return JSONResponse({"success": True, "weight_version": version})
 
 

@@ -4,8 +4,7 @@ no compilation; a level-2 wake without new weights is an error."""
 import jax
 import pytest
 
-from jaxpaged.engine.rollout import GenerationPausedError
-from jaxpaged.engine.sleep import WeightsNotLoadedError
+from jaxpaged import GenerationPausedError, WeightsNotLoadedError
 from tests.helpers.rl import backend_compiles
 from tests.test_pause_resume import PARAMS, add_all, dirs, run_to_end, w1  # noqa: F401
 from tests.test_weight_update import PROMPTS, greedy, make_llm

@@ -5,9 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpaged import LLM, SamplingParams
-from jaxpaged.engine.rollout import GenerationPausedError
-from jaxpaged.runner.weight_update import WeightUpdateError
+from jaxpaged import GenerationPausedError, LLM, SamplingParams, WeightUpdateError
 from tests.conftest import STORIES
 from tests.helpers.rl import backend_compiles, llama_tensors, write_checkpoint
 from tests.test_continuous_batching import random_prompts

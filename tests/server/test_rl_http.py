@@ -73,11 +73,20 @@ def test_update_weights_from_disk_tags_outputs(http, other_weights):
                  if line.startswith("data: {")]
     assert lines and all(c["weight_version"] == base + 1 for c in lines)
     assert "".join(c["choices"][0]["text"] for c in lines) == text1
+    with http.stream("POST", "/v1/chat/completions", json={
+            "model": MODEL, "max_tokens": 4, "stream": True,
+            "messages": [{"role": "user", "content": "Hi"}]}) as chunks:
+        lines = [json.loads(line[6:]) for line in chunks.iter_lines()
+                 if line.startswith("data: {")]
+    assert lines[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert lines[0]["weight_version"] is None           # sent before any token
+    assert len(lines) > 1 and all(c["weight_version"] == base + 1 for c in lines[1:])
     assert http.post("/update_weights_from_disk", json={"model_path": STORIES}).json()[
         "weight_version"] == base + 2
     assert complete(http) == (text0, base + 2)
     bad = http.post("/update_weights_from_disk", json={"model_path": "/nonexistent"})
     assert bad.status_code == 400 and "nonexistent" in bad.json()["error"]["message"]
+    assert bad.json()["error"]["param"] == "model_path"
     assert http.post("/update_weights_from_disk", json={}).status_code == 400
 
 
