@@ -188,17 +188,15 @@ class SpecDecodeScheduling:
             self.step_drafts -= len(drafts)
 
     def apply_verified(self, req: Request, drafts: list[int], tokens: list[int],
-                       logprobs: list | None, append, finish) -> int:
+                       logprobs: list | None, append) -> int:
         """Apply a verified run: ``tokens`` are the accepted proposals, then the resampled
         or bonus token. Moves ``req.num_computed_tokens`` back over the rejected positions,
-        counts, and hands the tokens in order to ``append`` (``OutputProcessor.append_token``)
-        until one of them stops the sequence (then ``finish(req, *stop)``,
-        ``Scheduler.finish_request``); returns how many tokens were dropped after the stop."""
+        counts, and hands the tokens in order to ``append`` (``Scheduler.append_token``,
+        which returns True once one stops the sequence); returns how many tokens were
+        dropped after the stop."""
         self._count(req, drafts, len(tokens))
         for j, token in enumerate(tokens):
-            stop = append(req, token, None if logprobs is None else logprobs[j])
-            if stop is not None:
-                finish(req, *stop)
+            if append(req, token, None if logprobs is None else logprobs[j]):
                 return len(tokens) - j - 1
         return 0
 
