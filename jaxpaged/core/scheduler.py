@@ -138,8 +138,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         spec = self.spec
-        if spec is not None:
-            spec.begin_step(self.running)
+        num_running = len(self.running)
         drafts = None
         i = 0
         while i < len(self.running) and budget > 0:
@@ -149,11 +148,10 @@ class Scheduler:
                 continue
             num_new = self._chunk(req, budget)
             if spec is not None:    # proposals to verify ride along as extra tokens
-                drafts = spec.drafts(req, num_new, budget - num_new)
+                drafts = spec.drafts(req, num_new, budget - num_new, self.running)
                 num_new += len(drafts) if drafts else 0
             while not self._allocate(req, num_new):
                 if drafts:     # speculation never costs another sequence its pages
-                    spec.unschedule(drafts)
                     num_new, drafts = num_new - len(drafts), None
                     continue
                 victim = self.policy.victim(self.running)
@@ -161,24 +159,20 @@ class Scheduler:
                     undone = next(s for s in scheduled if s.request is victim)
                     scheduled.remove(undone)
                     budget += undone.num_new_tokens
-                    if spec is not None:
-                        spec.unschedule(undone.draft_token_ids)
                     i -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
             if req.status is not running_status:
-                if spec is not None:
-                    spec.unschedule(drafts)
                 continue   # req itself was preempted; running[i] is now the next one
             scheduled.append(self._scheduled(req, num_new - len(drafts), drafts) if drafts
                              else self._scheduled(req, num_new))
             budget -= num_new
             i += 1
         admitted = [] if preempted else self._admit_waiting(scheduled, budget)
-        if spec is not None:
-            spec.finish_step(scheduled)
+        if spec is not None:    # (the final plan: a verification step or none)
+            spec.finish_step(scheduled, num_running)
         forks = False
         for s in scheduled:
             req = s.request
