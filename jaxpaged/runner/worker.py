@@ -12,7 +12,6 @@ allocate the serving pool. The engine gets the runner and the figures the host s
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 from collections.abc import Callable
@@ -42,7 +41,6 @@ from jaxpaged.models.loader import load_model
 from jaxpaged.runner.compile_cache import configure_compilation_cache, resolve_cache_dir
 from jaxpaged.runner.model_runner import ModelRunner, RunnerLimits
 from jaxpaged.runner.page_size import DEFAULT_PAGE_SIZE, choose_page_size
-from jaxpaged.runner.pipeline_runner import PipelineModelRunner
 from jaxpaged.sampling.logits_adjust import capacity as adjust_capacity
 
 logger = logging.getLogger(__name__)
@@ -187,11 +185,9 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
                                 pool_dtype, tp.kv_pool_sharding)
 
     # Calibration reads the exact K/V, so it runs on an unquantized scratch pool first.
-    runner_cls = (ModelRunner if pipeline is None else
-                  functools.partial(PipelineModelRunner, pipeline=pipeline))
-    runner = runner_cls(
+    runner = ModelRunner(
         model, pool(2, dtype if args.calculate_kv_scales else kv_cache_dtype), backend,
-        page_size=page_size, replicated=tp.replicated,
+        page_size=page_size, replicated=tp.replicated, pipeline=pipeline,
         executable_dir=cache_dir and os.path.join(cache_dir, "steps"), lora=lora,
         limits=RunnerLimits(max_num_tokens=args.max_num_batched_tokens,
                             max_num_seqs=args.max_num_seqs, max_pages_per_seq=pages_per_seq,
