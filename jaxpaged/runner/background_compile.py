@@ -1,8 +1,8 @@
 """Start-up without waiting for every step program: the shapes a first short request
 needs first, the rest on a background thread while the engine already runs steps.
 
-A server's ``/health`` waited for every step shape to compile (27 executables for SmolLM2 on
-the 2-core CPU: 30 s of a 38 s start with an empty compile cache). :func:`split_shapes` picks
+A server's ``/health`` waited for every step shape to compile, most of a start with an empty
+compile cache (``docs/measurements.md``, "Background compile"). :func:`split_shapes` picks
 two forward shapes a first short request needs: the decode step of the smallest sequence
 bucket and the prompt step of the widest token bucket up to :data:`FIRST_PROMPT_TOKENS`
 tokens. :func:`compile_plan` says what compiles before the engine is handed out and what
@@ -14,8 +14,8 @@ tokens. :func:`compile_plan` says what compiles before the engine is handed out 
   (``ModelRunner.ready_pad_sizes``: a 20-token prompt runs in the 64-token program), and only
   a step that no ready shape holds compiles its own on the spot, after the compilation in
   progress (``ModelRunner._compiled`` holds one lock), so requests wait but never fail.
-- ``"offline"`` (``LLM()``): nothing before ``LLM()`` returns (the bundled model's six
-  programs took 4.1-5.2 s of a 6.9 s cold ``LLM()`` on a Zen 4); the same order in the
+- ``"offline"`` (``LLM()``): nothing before ``LLM()`` returns (its programs were most of a
+  cold ``LLM()``: ``docs/measurements.md``, "Background compile"); the same order in the
   background, and a step whose program is not ready compiles it itself (no padding: its
   tokens never depend on how far the background got).
 - None: every shape, forward and sampler, before the engine is handed out (multi-host jobs,
@@ -96,7 +96,7 @@ class BackgroundCompile:
             the background got.
         start: start the thread now; False: at :meth:`start` (a server starts it after its
             warm-up request, which would otherwise wait behind the first background shape
-            for the runner's compile lock: 0.2-0.8 s of a warm start).
+            for the runner's compile lock: ``docs/measurements.md``, "Background compile").
 
     The thread stops after its current shape when :meth:`stop` is called, when the engine
     that started it is collected, and at interpreter exit (which waits for it: a

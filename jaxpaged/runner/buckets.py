@@ -24,17 +24,15 @@ from __future__ import annotations
 
 #: Extra matmul FLOPs a padded step may cost over its real size before a smaller bucket is
 #: worth its compilation (:func:`padding_budget_tokens`). Every bucket is one more XLA
-#: compilation at start-up (2.5-3.7 CPU seconds each for the bundled model on the 2-core CPU,
-#: jaxlib 0.12.0.1), while padding a tiny model costs little: on the bundled model (0.26 M
-#: parameters) a mixed step padded to 2048 tokens took 26 ms against 1.2 ms at 16, and a
-#: decode step of 256 rows 4.5 ms against 1.0 ms at 8. W1's 110 M-parameter model gets
-#: 9 tokens of slack, so its ladders stay powers of two.
+#: compilation at start-up, while padding a tiny model costs little (``docs/measurements.md``,
+#: "Buckets"). W1's 110 M-parameter model gets 9 tokens of slack, so its ladders stay powers
+#: of two.
 PADDING_BUDGET_FLOPS = 2e9
 
 #: Token buckets from this size on have a bucket half-way to the next power of two too
 #: (1536 between 1024 and 2048): a prompt step of 1025-1536 tokens otherwise pads up to 1023
-#: tokens. W1's last prompt step holds 1382 tokens: padded to 1536 instead of 2048, W1 ran
-#: 19.95 -> 19.76 s (Intel Xeon, 2 cores).
+#: tokens. W1's last prompt step holds 1382 tokens, and padding it to 1536 instead of 2048
+#: shortened W1's run (``docs/measurements.md``, "Buckets").
 TOKEN_MIDPOINTS_FROM = 1024
 
 

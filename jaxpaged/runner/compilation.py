@@ -147,8 +147,8 @@ class RunnerCompilation:
         needs it).
 
         One shape at a time: on the 2-core CPU two compilations on two threads took as long
-        as one after the other (measured again with jaxlib 0.12.0.1: 8.5 CPU seconds either
-        way, no overlap), so threads would only add contention. ``progress``: show a tqdm
+        as one after the other (``docs/measurements.md``, "Compilation"), so threads would
+        only add contention. ``progress``: show a tqdm
         bar (None: only on a terminal). With the
         compilation cache (``jaxpaged.runner.compile_cache``) a shape compiled by an
         earlier run is loaded instead.

@@ -9,9 +9,9 @@ go to ``$JAXPAGED_CACHE_ROOT/compile_cache``, where ``$JAXPAGED_CACHE_ROOT`` def
 JAX keys every entry on the lowered module (shapes, dtypes, shardings and every constant baked
 into the program, e.g. fp8 KV scales), the compile options, the XLA flags, the device kind and
 the jax/jaxlib versions (``jax/_src/cache_key.py``), so models and engine settings never share
-an entry; the weights are arguments of the step, not part of it. Measured on the 2-core CPU
-with jax 0.12.0.1: the bundled model's decode step compiles in 1.6 s cold and loads from the
-cache in 0.19 s; tracing and lowering it (0.35-0.45 s) is paid either way.
+an entry; the weights are arguments of the step, not part of it. Loading a step from the
+cache is several times faster than compiling it, while tracing and lowering it is paid either
+way (``docs/measurements.md``, "Compile cache").
 
 The directory is trusted: whoever can write to it can make this process run code (JAX's
 warning in ``jax.experimental.compilation_cache``), so it is created private to the user.

@@ -2,8 +2,7 @@
 
 JAX's persistent compilation cache (``jaxpaged.runner.compile_cache``) saves the XLA compile
 but keys on the lowered program, so every start-up still traces and lowers each step shape
-first: measured on the 2-core CPU (load ~3), 2.0 s a shape for W1's 12-layer model and 0.6 s
-for the bundled one, most of a warm start-up. This store saves each compiled step
+first, most of a warm start-up (``docs/measurements.md``, "Executable store"). This store saves each compiled step
 (``jax.experimental.serialize_executable``) under ``<cache dir>/steps`` and loads it by a
 fingerprint of everything the traced program depends on: the model's graph (its modules and
 static attributes: dtypes, attention backend, KV scales), the shapes, dtypes and shardings of
@@ -82,8 +81,8 @@ def _avals(tree) -> list:
 def model_digest(graphdef, state) -> str:
     """Hex digest of a model for :func:`fingerprint`: ``graphdef`` (addresses of the
     functions it holds removed) and the avals and shardings of ``state``. (Computed once per
-    model: for SmolLM2's graph and 694 variables it took ~0.09 s, paid by each of the 27
-    step programs of a start-up before.)"""
+    model: it is not free, and each step program of a start-up paid it before;
+    ``docs/measurements.md``, "Executable store".)"""
     parts = (re.sub(r" at 0x[0-9a-f]+", "", repr(graphdef)), _avals(state))
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 

@@ -10,20 +10,19 @@ the host does not wait in between):
   greedy, with no logprobs, logit adjustments or grammar masks (the runner decides on the
   host, :func:`is_plain_greedy`), which then runs nothing else. On the CPU the argmax reads
   the real rows only (:mod:`jaxpaged.sampling.cpu_argmax`). A separate greedy program cost a
-  second dispatch and ~0.3 ms of padded-row argmax a step, ~1 ms of SmolLM2's ~9.5 ms per
-  token at one user (AMD EPYC Zen 4, 2 cores);
+  second dispatch and a padded-row argmax every step (``docs/measurements.md``, "Step
+  programs");
 - ``sample``, one executable per row bucket ``B`` (and adjustment capacity): the sampler
   and the sampled tokens' log-probabilities over those logits, for every other step.
-  ``sample`` sizes its XLA temp buffer for the branches it skips (76 MB for W1's 64 rows:
-  the sort and the random draws); above glibc's 32 MB mmap ceiling that buffer is mapped
-  afresh every call and faulted in again, ~860 k minor faults and ~1.9 s of system CPU in
-  one W1 run (Intel Xeon, 2 cores), against 72-130 k and 0.4-0.6 s without it: a greedy
-  step does not call it.
+  ``sample`` sizes its XLA temp buffer for the branches it skips (the sort and the random
+  draws); above glibc's mmap ceiling that buffer is mapped afresh every call and faulted in
+  again, costing system CPU (``docs/measurements.md``, "Step programs"): a greedy step does
+  not call it.
 
 Splitting them lets every forward bucket of the same row count share one compiled sampler:
-on the 2-core CPU the sampler (sort, top-k, the random draws, penalties, logprobs) is about
-a third of a bundled-model step's XLA compile (1.3 of 4.0 CPU seconds for T = B = 16,
-jaxlib 0.12.0.1), and the bundled model's 14 step shapes have 6 row buckets. vLLM keeps the
+the sampler (sort, top-k, the random draws, penalties, logprobs) is a large part of a step's
+XLA compile (``docs/measurements.md``, "Step programs"), and the bundled model's 14 step
+shapes have 6 row buckets. vLLM keeps the
 sampler outside the captured model graph the same way (``vllm/v1/worker/gpu_model_runner.py``
 runs ``self.sampler`` after the model's forward).
 """
@@ -172,8 +171,8 @@ def build_programs(graphdef: nnx.GraphDef, state_sharding, kv_sharding,
     kernel (:mod:`jaxpaged.layers.cpu_matmul`), and with ``cpu_argmax`` its greedy tokens the
     C++ argmax (:func:`greedy_step_rows`). With ``state_def`` (the state's treedef) the
     forward and prefill programs take the state as its flat list of leaves (and
-    ``state_sharding`` is their list): calling a program with SmolLM2's 694 NNX variables cost
-    ~0.8 ms of host time a step to flatten them, against ~0.15 ms for the list. With
+    ``state_sharding`` is their list): flattening a model's NNX variables at every call cost
+    host time each step (``docs/measurements.md``, "Step programs"). With
     ``leaf_index`` too, the list holds each distinct array once and leaf ``i`` of the state
     is ``state[leaf_index[i]]`` (weights stacked over the layers appear once per layer,
     :mod:`jaxpaged.layers.layer_stack`)."""
