@@ -37,7 +37,7 @@ def pallas_call_options(*, num_warps: int, num_stages: int,
         num_stages: software-pipelining depth of loops with loads (Triton).
         interpret: run in the Pallas interpreter; None = :func:`default_interpret`.
     """
-    from jax.experimental.pallas import triton as plt   # (~0.3 s: when a kernel is built)
+    from jax.experimental.pallas import triton as plt   # (slow import: docs/measurements.md)
     if interpret is None:
         interpret = default_interpret()
     return {"compiler_params": plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),

@@ -50,7 +50,7 @@ class _Page:
 
 class _Pages(dict):
     """Page id -> :class:`_Page`, each made when first looked up (a pool of 100k+ pages
-    built eagerly cost ~0.1 s of every start-up)."""
+    built eagerly slowed every start-up: ``docs/measurements.md``, "KV cache manager")."""
 
     def __missing__(self, page_id: int) -> _Page:
         page = self[page_id] = _Page(page_id)

@@ -1,12 +1,11 @@
 """Float32 projections of few rows through the C++ small-rows matmul (XLA FFI) on the CPU.
 
 A decode step multiplies every weight by as many rows as it has sequences (64 for W1), and
-XLA:CPU's dot then spends about as long repacking the weight as multiplying: for a 768 x 768
-weight a call cost ~0.24 ms plus ~3.5 us a row (Intel Xeon, AVX-512, 2 cores, jaxlib
-0.12.0.1), so 64 rows ran at ~half the machine's matmul peak. ``csrc/small_rows_matmul.cc``
-reads the ``[out, in]`` weight where it lies and keeps the rows (transposed by XLA, in the
-fusion that produces them) in cache; on W1's 64-row shapes it was 1.2-1.9x XLA's dot (figures
-in ``docs/benchmarks.md``, "Small-row matmuls").
+XLA:CPU's dot then spends about as long repacking the weight as multiplying, so few rows run
+well below the machine's matmul peak. ``csrc/small_rows_matmul.cc`` reads the ``[out, in]``
+weight where it lies and keeps the rows (transposed by XLA, in the fusion that produces them)
+in cache, and is faster than XLA's dot on W1's 64-row shapes (``docs/measurements.md``,
+"CPU matmul"; ``docs/benchmarks.md``, "Small-row matmuls").
 
 The runner turns it on while tracing a forward step (:func:`small_rows_matmuls`) when
 :func:`wanted`: the model runs on one CPU device with AVX-512 and the ``cpu`` attention
@@ -30,8 +29,8 @@ import numpy as np
 
 from jaxpaged.layers.cpu_build import SMALL_ROWS_MATMUL_TARGET, cpu_flags, load_cpu_kernels
 
-#: Row counts the kernel takes (W1's shapes, same machine: below 16 rows XLA's matrix-vector
-#: path was as fast; at 128 rows the kernel was 1.03-1.08x XLA; at 256 rows XLA was faster).
+#: Row counts the kernel takes: outside them XLA's dot was as fast or faster on W1's shapes
+#: (``docs/measurements.md``, "CPU matmul").
 MIN_ROWS, MAX_ROWS = 16, 128
 #: The kernel's rows come in vectors of this many (the transposed input is padded to them).
 _LANES = 16

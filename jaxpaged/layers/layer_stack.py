@@ -4,8 +4,8 @@ A jitted step takes its weights as arguments, and JAX's dispatch pays for each o
 reference counts and usage events on ~10 cache lines of host metadata per array, which the
 step's own weight streaming has evicted. SmolLM2-135M's GGUF keeps 694 arrays (30 layers of
 seven packed projections of three arrays each, and two norms), and calling its decode step
-cost ~1.1-1.4 ms of host time (of a ~7-8 ms step; AMD EPYC Zen 4, 2 cores), most of it these
-arguments, on the cores the step's kernels need.
+cost a noticeable share of the step in host time, most of it these arguments, on the cores the
+step's kernels need (``docs/measurements.md``, "Layer stack").
 
 :func:`stack_layer_weights` replaces every layer's copy of one kind (say ``q_proj``'s
 ``blocks``) with a :class:`LayerSlice`, a view of row ``i`` of one stacked ``[L, ...]``
@@ -102,7 +102,7 @@ def stack_layer_weights(layers: Sequence[nnx.Module],
                 len({(x.shape, x.dtype) for x in values}) != 1:
             continue
         # Stacked on the host and placed once: jnp.stack would compile a program for each
-        # kind's shape at every start-up (~0.2 s of the bundled model's ~3 s warm start).
+        # kind's shape at every start-up (docs/measurements.md, "Layer stack").
         stack = jax.device_put(np.stack([np.asarray(x) for x in values]), values[0].sharding)
         for i, v in enumerate(variables):
             v.set_value(LayerSlice(stack, i))

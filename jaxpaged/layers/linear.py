@@ -4,7 +4,7 @@ Every dense projection of every model family is built by :func:`linear`, so that
 naming and tensor-parallel sharding rules (keyed by the module's name and leaf) hold for all
 of them. A float projection is a :class:`Linear`, whose ``weight`` keeps torch's ``[out, in]``
 layout: checkpoints load without a transpose, and XLA:CPU's matmuls contract both operands
-on their last, contiguous dimension (measured below).
+on their last, contiguous dimension (faster: :class:`Linear`).
 """
 
 from __future__ import annotations
@@ -26,10 +26,9 @@ class Linear(nnx.Module):
     (torch's ``nn.Linear`` layout and checkpoint name) and optional ``bias`` [dout], both of
     ``dtype``; inputs are cast to ``dtype`` and the matmul accumulates in it.
 
-    Why not ``nnx.Linear`` (``kernel`` [din, dout]): on W1's decode step (64 rows, Intel Xeon
-    with AVX-512, 2 cores, jaxlib 0.12.0.1) XLA:CPU's YNNPACK dots ran 8% faster with the
-    weight as [dout, din] (112.0 -> 103.2 ms a step, the prefill step 1.3% faster), the
-    64-row shapes [768 -> 2048], [2048 -> 768] and the [768 -> 32000] ``lm_head`` 8-11%.
+    Why not ``nnx.Linear`` (``kernel`` [din, dout]): XLA:CPU's YNNPACK dots ran faster with
+    the weight as [dout, din], W1's decode and prefill steps included
+    (``docs/measurements.md``, "Linear").
 
     Args:
         din, dout: input and output widths.

@@ -9,8 +9,8 @@ JAX); :func:`dequantize` also takes ``xp=jax.numpy`` inside a jitted step. The l
 - ``block_scale``, ``block_min``: [N/16, K/G, 16], so that
   ``W[n, k] = block_scale * q + block_min`` of feature n's group ``k // G``; float16 where
   every scale and offset of the weight is exact in it (Q4_0, Q4_1 and Q8_0 store half-precision
-  scales: a decode step then reads 2 bytes a group for each instead of 4, at one row ~15% of
-  SmolLM2's packed bytes), else float32 (the K-quants' products of two scales).
+  scales: a decode step then reads 2 bytes a group for each instead of 4, a sizeable share of
+  the packed bytes, ``docs/measurements.md``, "Packed linear"), else float32 (the K-quants' products of two scales).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A GGUF checkpoint stores its projections as ggml blocks: integers with a scale and an offset
 per group of G weights of a row (:mod:`jaxpaged.models.gguf_blocks`). Dequantized to float32
-they take 4 bytes a weight, which every decode step reads (SmolLM2-135M's Q4_1 file: 513 MiB
-a step against its 85 MiB of blocks). Here they are kept as the file stores them, regrouped
+they take 4 bytes a weight, which every decode step reads, several times the packed blocks
+(``docs/measurements.md``, "Packed linear"). Here they are kept as the file stores them, regrouped
 at load time so that 16 output features lie side by side (one vector register's lanes;
 :mod:`jaxpaged.layers.packed_layout`: ``blocks``, ``block_scale``, ``block_min``). The bits and G are read from the arrays' dtypes and shapes, so one module class holds every
 block type, and the loader gives each projection the shapes of its own tensor.

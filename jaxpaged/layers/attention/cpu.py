@@ -1,8 +1,8 @@
 """The ``cpu`` attention backend: query blocks through a C++ paged attention kernel (XLA FFI).
 
 The ``xla`` backend walks 4-page chunks, each gathered into a materialized copy and reduced by
-small YNNPACK calls, several passes over the KV a step reads; on W1 decode attention was ~70%
-of a CPU decode step (``docs/benchmarks.md``, "W1 step profile"), and a prefill block of 16
+small YNNPACK calls, several passes over the KV a step reads; on W1 decode attention was most
+of a CPU decode step (``docs/measurements.md``, "CPU attention"), and a prefill block of 16
 queries computes all 16 rows even when one is real (a decode inside a mixed step). This
 backend sends every query block (``block_q`` = 1 in a decode-only step, 16 otherwise, or a
 speculative verify block's 1 + k) to ``csrc/paged_attention_cpu.cc``, which walks the page

@@ -1,9 +1,9 @@
 """Passed attention self-checks kept on disk beside the CPU kernel library.
 
 ``--attention-backend auto`` on a CPU compares the C++ kernel with the ``xla`` backend on two
-small steps before it uses it (``jaxpaged.layers.attention.selection``): op by op, 1.7 s of a
-start-up with an empty compile cache and 0.6 s with a warm one (SmolLM2's heads, AMD EPYC
-Zen 4). The outcome depends only on the kernel's and the backends' code, the compiler, the
+small steps before it uses it (``jaxpaged.layers.attention.selection``), op by op, a visible
+part of a start-up, warm or cold (``docs/measurements.md``, "Attention self-check"). The
+outcome depends only on the kernel's and the backends' code, the compiler, the
 CPU, the jax/jaxlib versions and the check's shapes and dtypes, so a pass is recorded under
 ``<cache root>/kernels`` (where the library itself is cached, ``jaxpaged.layers.cpu_build``),
 named by a digest of all of them, and a later start-up with the same digest takes the recorded
