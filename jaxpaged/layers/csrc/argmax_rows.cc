@@ -6,8 +6,8 @@
 // jaxpaged.sampling.sampler.argmax_first's. Padding rows get 0.
 //
 // Why: the forward step's logits are padded to a row bucket (8 rows at least), and XLA:CPU's
-// reductions read every row: 0.33 ms for [8, 49152] (SmolLM2's vocabulary, one real row;
-// AMD EPYC Zen 4, 2 cores), where one row here is a ~10 us pass over 192 KiB.
+// reductions read every row, where the real rows alone are a fraction of that
+// (docs/measurements.md, "Sampling on XLA:CPU").
 //
 // A row is read twice: a 16-lane max that also notes NaNs, then a scan for the first lane
 // equal to it (or the first NaN), block by block. Rows are work items (work_items.h).

@@ -10,10 +10,9 @@
 // (its K rows, then its V rows) is read, the next half (the page's V rows, then the next
 // page's K rows) is fetched into L2 (prefetcht1, a 64-byte line at a time, a row per row
 // read): the pages of a sequence are scattered over the pool, so the hardware prefetcher,
-// which follows one address stream, starts over at every half. On W1's decode step (Intel
-// Xeon, AVX-512, 2 cores) the 12 layers' attention went from 45.9 to 38-41 ms (21.6 to
-// 24-26 GB/s from memory; the next page's own half ahead measured 41.4 ms, half a half
-// ahead 39.8 ms, a hint into L1 44.2 ms).
+// which follows one address stream, starts over at every half; this half-ahead distance
+// into L2 was the fastest of those tried on W1's decode step (docs/measurements.md, "CPU
+// attention kernel").
 #pragma once
 
 #include <vector>

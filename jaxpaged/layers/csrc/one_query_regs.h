@@ -3,8 +3,8 @@
 // D = 64, G <= 2 at D = 128), pages of a multiple of 16 rows and no soft-capping.
 //
 // one_query.h's loop does, per key and query head, a 64-wide dot ending in a horizontal sum
-// and an axpy that loads and stores its accumulator row: at 16 decodes of SmolLM2 (G = 3,
-// D = 64, ~100 keys each) a quarter of a step's thread time (AMD EPYC Zen 4). Here one KV head
+// and an axpy that loads and stores its accumulator row, a large share of a SmolLM2 decode
+// step's thread time (docs/measurements.md, "CPU attention kernel"). Here one KV head
 // at a time walks the sequence's pages 16 keys at a time: each key row is loaded (and widened
 // from bfloat16) once for the G heads, whose 16 partial dot products a transposing add tree
 // turns into one vector of 16 scores (45 shuffles and adds instead of 16 horizontal sums); the

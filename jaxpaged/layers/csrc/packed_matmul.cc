@@ -1,7 +1,8 @@
 // float32 y_p = x . W_p^T for P weights W_p kept packed in 4 or 8 bits per weight (GGUF
 // projections, as jaxpaged.layers.packed_linear lays them out), as one XLA FFI custom call,
 // with what a decoder layer does around its projections folded in (each would otherwise be
-// an XLA operation of its own, ~10 us apiece on XLA:CPU at one row):
+// an XLA operation of its own, each a fixed cost on XLA:CPU at one row: docs/measurements.md,
+// "Packed matmul kernel"):
 //   norm      x is first RMS-normalized, x * rsqrt(mean(x^2) + eps) * norm (transformers'
 //             LlamaRMSNorm in float32), when `norm` has K elements (none when it is empty);
 //   residual  y_0 += residual, when `residual` is [M, N_0] (P = 1);
@@ -178,10 +179,9 @@ void vectors(const PackedArgs& a, const float* xsum, int64_t r0, int64_t v, int6
 // dequantized once, scale * q + min (the exact weights), into a float32 panel
 // [depth][width] (width = the chunk's features; 32 KiB, in L1), then a float register-blocked
 // matmul of every RB rows over it, accumulating in y: each panel vector feeds RB
-// multiply-adds, where the integer path above re-widens the weights for every RB rows.
-// (SmolLM2's 30 layers, Intel Xeon, 2 cores: at 8 rows the panel took 14.0 ms against the
-// integer path's 14.6, at 16 rows 21.5 against 25.4; 128 inputs a panel, 32 KiB, against 64:
-// 21.6 against 23.3 ms at 16 rows.)
+// multiply-adds, where the integer path above re-widens the weights for every RB rows. (From
+// 8 rows the panel was faster than the integer path, and 128 inputs a panel faster than 64:
+// docs/measurements.md, "Packed matmul kernel".)
 constexpr int64_t kPanelMinRows = 8;
 constexpr int64_t kPanelRows = 6;
 constexpr int64_t kPanelDepth = 128;
@@ -368,10 +368,10 @@ void run_item(const Call& c, int64_t i, std::vector<float>& scratch) {
   }
 }
 
-// Calls of fewer rows than this take the int8 path where the CPU has it. One core of an AMD
-// EPYC (Zen 4), SmolLM2's 30 layers and LM head, float panel against int8: 44.3 against 30.6
-// ms at 8 rows, 68.7 / 53.8 at 16, 207 / 195 at 64, 388-391 / 392-395 at 128 (where the
-// panel's one multiply-add per weight and row catches up with three dot products per 4).
+// Calls of fewer rows than this take the int8 path where the CPU has it: below it the int8
+// path was faster than the float panel, and at 128 rows the panel's one multiply-add per
+// weight and row caught up with three dot products per 4 (docs/measurements.md, "Packed
+// matmul kernel").
 constexpr int64_t kInt8MaxRows = 128;
 
 // The split activations for a weight of groups of `group` inputs (shared with an earlier

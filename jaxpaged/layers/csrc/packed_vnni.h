@@ -8,8 +8,8 @@
 // (amax = max |x| over the group), and x / e rounded to an integer T = 2^16 h + 2^8 m + l, the
 // balanced base-256 digits h in [-127, 127] and m, l in [-128, 127]: a 24-bit fixed-point
 // number per group, |x - e T| <= e / 2 = amax / 2^24.6, float32's own precision at amax (a
-// single int8, llama.cpp's Q8_0 activations, errs by amax / 254; two digits measured 80 times
-// float32's error on SmolLM2's logits, 7e-3). Each weight vector meets h, m and l in one
+// single int8, llama.cpp's Q8_0 activations, errs by amax / 254; two digits were far above
+// float32's error on SmolLM2's logits: docs/measurements.md, "Packed matmul kernel"). Each weight vector meets h, m and l in one
 // vpdpbusd each, and per group the three int32 sums (|.| < 2^21) are scaled once:
 //   y += (scale * e) * (2^16 H + (2^8 M + L)) + (min + c scale) * xsum,
 //   H = sum_h - bias * sum(h) (likewise M, L), the parentheses in int32, then float32,
@@ -273,9 +273,8 @@ void vnni_vectors(const uint8_t* blocks, const Scales& scale, const Scales& min,
 
 // Every row [0, m) of feature vectors [v0, v_end): 4 rows at a time with 1 vector a block,
 // then 2 rows with 2, a last single row with 4 (accumulators: 4 per vector and row, within 32
-// registers). One core of an AMD EPYC (Zen 4), SmolLM2's 30 layers and LM head: 4 rows a
-// block against 2, 15.6-16.2 against 18.2-18.6 ms at 4 rows, 51.4 against 52.4-52.8 at 16;
-// 3 rows with 2 vectors spill (69.9-75.6 ms at 16).
+// registers); 4 rows a block were faster than 2, and 3 rows with 2 vectors spill
+// (docs/measurements.md, "Packed matmul kernel").
 template <int Bits>
 void vnni_rows(const uint8_t* blocks, const Scales& scale, const Scales& min, const SplitRows& s,
                const float* xsum, float* y, int64_t ldy, int64_t col0, int64_t m, int64_t v0,

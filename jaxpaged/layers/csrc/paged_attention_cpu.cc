@@ -19,8 +19,9 @@
 //     accumulators in registers where G and D allow (one_query_regs.h), else reading every
 //     page's rows of all the item's heads once, in memory order (one_query.h).
 // Items are spread over XLA:CPU's intra-op thread pool (the FFI ThreadPool context); the
-// calling thread works too, so no thread waits on work nobody has started. One W1 decode layer
-// measured 1.2x faster with the pool's two threads than on the calling thread alone.
+// calling thread works too, so no thread waits on work nobody has started; the pool's threads
+// made a W1 decode layer faster than the calling thread alone (docs/measurements.md, "CPU
+// attention kernel").
 //
 // Numerics follow the xla backend (jaxpaged/layers/attention/xla.py): scores q.k in float32
 // times `scale` (which includes k_scale), optional soft-capping cap * tanh(s / cap), keys

@@ -4,16 +4,16 @@
 // (XLA writes it in the fusion that produces x); w [N, K], the projection's weight in torch's
 // [out, in] layout. Output y [M, N], M <= Mp.
 //
-// Why: XLA:CPU's YNNPACK dot costs a fixed ~0.24 ms per 768 x 768 weight on top of the rows'
-// arithmetic (it repacks the weight on every call), so at 64 rows it ran at about half the
-// machine's peak (docs/benchmarks.md, "Small-row matmuls"). Here the weight is read where it
+// Why: XLA:CPU's YNNPACK dot costs a fixed time per weight on top of the rows' arithmetic (it
+// repacks the weight on every call), so at few rows it runs well below the machine's peak
+// (docs/measurements.md, "CPU matmul"; docs/benchmarks.md, "Small-row matmuls"). Here the weight is read where it
 // lies, once per call: a register block holds 16 x MV rows of y^T for NR output features,
 // and each step k broadcasts NR weights w[n, k] against the MV vectors xt[k, 16 i .. 16 i + 15]
 // (MV * NR fused multiply-adds for MV vector loads and NR scalar broadcasts), the outer-product
 // micro-kernel of BLIS (Van Zee & van de Geijn, ACM TOMS 2015) with the activation, not the
 // weight, as the packed operand. Each weight row is contiguous in k, so NR rows are NR
 // sequential streams, and the next block's rows are prefetched into L2 a cache line per 16
-// steps of k (W1's decode step 0.91 -> 0.87 of XLA's time with it); xt (Mp x K floats) stays
+// steps of k (faster on W1's decode step: docs/measurements.md, "CPU matmul"); xt (Mp x K floats) stays
 // in L2 for every block. The finished block is written to y transposed through a small tile.
 //
 // Work items are chunks of kChunk output features (work_items.h). The sum over k runs in

@@ -6,9 +6,9 @@
 // all are done. A task that starts after the work is done finds nothing left and drops its
 // reference to the shared counters.
 //
-// A decode step at one row calls the packed matmul ~120 times for 20-100 us each, and a pool
-// task woken for each call started too late to take many items (the calling thread did ~80%
-// of them; SmolLM2, 2 cores). So a helper lingers: having drained a call's items it polls for
+// A decode step at one row calls the packed matmul many times for a short while each, and a
+// pool task woken for each call started too late to take many items (docs/measurements.md,
+// "Packed matmul kernel"). So a helper lingers: having drained a call's items it polls for
 // the next call's work for up to kLingerMicros before it goes back to the pool, and a call
 // that finds a helper lingering hands it the work instead of scheduling a task.
 #pragma once
