@@ -53,7 +53,7 @@ def metadata_digest(path: str) -> str:
     """:attr:`GGUFFile.metadata_digest` of the GGUF file at ``path``, remembered for each
     version of a file the process has opened, also after :func:`forget_gguf_files`: a
     start-up's tokenizer needs only the digest to find its cached conversion, and reading
-    the metadata again (SmolLM2's 98k values) took ~0.12 s of the warm start's Python.
+    the metadata again slowed the warm start's Python (``docs/measurements.md``, "GGUF").
 
     Raises:
         As :func:`open_gguf`.

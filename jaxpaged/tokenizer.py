@@ -92,8 +92,9 @@ def _load(path: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
 
 def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
     """The most characters one token of ``tokenizer`` stands for (its vocabulary's longest
-    piece; 1 for an empty vocabulary), computed once per tokenizer: the vocabulary's dict
-    costs ~20 ms to build (SmolLM2's 49152 pieces), and a server's four OpenAI handlers ask."""
+    piece; 1 for an empty vocabulary), computed once per tokenizer: the vocabulary's dict is
+    slow to build (``docs/measurements.md``, "Tokenizer"), and a server's four OpenAI
+    handlers ask."""
     with _LOADING:
         chars = _LONGEST.get(tokenizer)
         if chars is None:

@@ -9,6 +9,7 @@ class ApiModel(BaseModel):
     """A pydantic model whose validator and serializer are built when the model is first
     used, not when its class is defined (pydantic's ``defer_build``): the server defines ~60
     models, most of which a given deployment never uses (Responses, Anthropic, scoring, RL),
-    and building them all took ~0.15 s of every start-up's single-threaded Python."""
+    and building them all slowed every start-up's single-threaded Python
+    (``docs/measurements.md``, "Server start-up")."""
 
     model_config = ConfigDict(defer_build=True)

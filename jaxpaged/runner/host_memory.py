@@ -3,11 +3,10 @@
 XLA:CPU allocates and frees hundreds of MB while it compiles a step program. glibc keeps
 freed heap memory in its arenas (one per thread that allocated, up to 8 per core), so a
 server's resident memory kept the peak of its start-up and background compilations for its
-whole life (SmolLM2 on an AMD EPYC Zen 4, 2 cores: ~360 MB above the loaded steps after the
-background compilation). :func:`release_freed_memory` returns the free pages at the tops and
-inside the arenas (``malloc_trim``); :func:`limit_malloc_arenas` caps the arenas (the
-``MALLOC_ARENA_MAX`` of many Python servers' deployment guides). Both do nothing where the C
-library is not glibc.
+whole life (``docs/measurements.md``, "Host memory"). :func:`release_freed_memory` returns
+the free pages at the tops and inside the arenas (``malloc_trim``);
+:func:`limit_malloc_arenas` caps the arenas (the ``MALLOC_ARENA_MAX`` of many Python servers'
+deployment guides). Both do nothing where the C library is not glibc.
 """
 
 from __future__ import annotations

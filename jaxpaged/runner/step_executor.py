@@ -142,7 +142,8 @@ class SingleStageExecutor:
                 ("forward", *_shape_key(layout)), r._programs.forward, r._state_leaves,
                 r._kv_caches, r._forward_inputs(inputs), r._prev_tokens)
             r._ready_shapes.add(_shape_key(layout))
-        # (the forward's logits [B, V] float32, known without asking it: out_info costs ~1 ms)
+        # (the forward's logits [B, V] float32, known without asking it: out_info is slow,
+        # docs/measurements.md, "Step executor")
         logits = jax.ShapeDtypeStruct((inputs.logits_indices.shape[0], r._limits.vocab_size),
                                       np.float32)
         return fn, (r._sampler_for(logits, inputs, verify=bool(layout.verify_block_q))

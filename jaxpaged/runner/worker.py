@@ -92,8 +92,8 @@ def gguf_auto_dtype(packed: bool, platform: str) -> str:
     float32 when its projections stay packed (:func:`keeps_gguf_packed`: the packed kernel
     reads and writes float32, so a narrower dtype would only round the activations between
     its calls), else bfloat16 on a GPU and on a CPU with AVX-512 BF16 (``avx512_bf16`` in
-    ``/proc/cpuinfo``: XLA's bfloat16 dots run there at twice float32's rate, 305-333
-    against 164-169 GFLOP/s on issue 40's AMD EPYC), else float32."""
+    ``/proc/cpuinfo``: XLA's bfloat16 dots run there at about twice float32's rate,
+    ``docs/measurements.md``, "Worker"), else float32."""
     if packed:
         return "float32"
     if platform != "cpu" or "avx512_bf16" in cpu_flags().split():

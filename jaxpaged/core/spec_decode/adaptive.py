@@ -3,8 +3,8 @@
 A verification step computes ``1 + k`` tokens a sequence (its shape: one query block of
 ``1 + k`` per sequence, whatever each proposes), so its cost is the step's, not the
 proposals': about one decode step while the step is bound by reading the weights (small
-batches, fast accelerators), about ``1 + k`` once it is bound by arithmetic (on the 2-core
-CPUs, a 64-sequence SmolLM2-135M verification step with k = 4 took 3.3-4.2x a decode step).
+batches, fast accelerators), about ``1 + k`` once it is bound by arithmetic (as on the 2-core
+CPUs: ``docs/measurements.md``, "Adaptive speculation").
 It emits ``1 + a`` tokens a sequence, ``a`` accepted. So per batch-size class (running
 sequences, by powers of two) the rule keeps, as exponential moving averages over timed
 decode-only steps,
@@ -58,11 +58,10 @@ EXPLORE_WITHIN = 0.1
 #: Weight of the newest step in the cost averages.
 ALPHA = 0.25
 #: Speculation must be expected to emit this share more tokens per second: plain steps run
-#: asynchronously and risk nothing; the ratio's samples spread by ~5% (3.9-4.3 for a
-#: 64-sequence SmolLM2 verification on the 2-core Zen 3); and ``E`` runs ~4% high, as a
-#: proposal's later positions are accepted less often than its first (the geometric
-#: model's one ``alpha``). With 5% a 64-sequence prompt-lookup batch there speculated where
-#: it did not pay and ran at 0.89x plain.
+#: asynchronously and risk nothing; the cost ratio's samples spread, and ``E`` runs high, as
+#: a proposal's later positions are accepted less often than its first (the geometric
+#: model's one ``alpha``). A smaller margin let a batch speculate where it did not pay
+#: (``docs/measurements.md``, "Adaptive speculation").
 MIN_GAIN = 0.15
 #: Weight of the newest checked proposal in a sequence's acceptance.
 ACCEPT_WEIGHT = 0.25
