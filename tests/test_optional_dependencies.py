@@ -23,8 +23,10 @@ from jaxpaged.sampling_params import SamplingParamsError, StructuredOutputsParam
 llm = LLM(max_num_seqs=8, max_model_len=128)
 out = llm.generate([[1, 403, 407]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                    use_tqdm=False)
-try:
-    SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9]+")).verify()
+try:       # (the input processor compiles a request's grammar: llguidance is needed then)
+    llm.generate([[1, 403, 407]], SamplingParams(
+        max_tokens=2, structured_outputs=StructuredOutputsParams(regex="[0-9]+")),
+        use_tqdm=False)
     error = None
 except SamplingParamsError as e:
     error = [e.param, str(e)]
