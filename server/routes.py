@@ -29,25 +29,31 @@ from jaxpaged.server.serving_models import LoadLoRAAdapterRequest, UnloadLoRAAda
 # ---- generation -------------------------------------------------------------------------------
 
 
+async def _call(request: Request, model, serving: str, method: str = "create") -> Response:
+    """The generation routes' common body: refuse while the engine is not ready, validate
+    the JSON body as ``model``, then ``request.app.state.<serving>.<method>(body, request)``.
+
+    Raises:
+        APIError: 503 while loading, 400 for a body that ``model`` refuses.
+    """
+    ready(request)
+    body = await parse(request, model)
+    return await getattr(getattr(request.app.state, serving), method)(body, request)
+
+
 async def completions(request: Request) -> Response:
     """``POST /v1/completions``."""
-    ready(request)
-    body = await parse(request, CompletionRequest)
-    return await request.app.state.completion.create(body, request)
+    return await _call(request, CompletionRequest, "completion")
 
 
 async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
-    ready(request)
-    return await request.app.state.chat.create(await parse(request, ChatCompletionRequest),
-                                               request)
+    return await _call(request, ChatCompletionRequest, "chat")
 
 
 async def create_response(request: Request) -> Response:
     """``POST /v1/responses``."""
-    ready(request)
-    return await request.app.state.responses.create(await parse(request, ResponsesRequest),
-                                                    request)
+    return await _call(request, ResponsesRequest, "responses")
 
 
 async def response_by_id(request: Request) -> Response:
@@ -65,23 +71,17 @@ async def cancel_response(request: Request) -> Response:
 
 async def create_message(request: Request) -> Response:
     """``POST /v1/messages`` (Anthropic's Messages API)."""
-    ready(request)
-    return await request.app.state.anthropic.create(await parse(request, MessagesRequest),
-                                                    request)
+    return await _call(request, MessagesRequest, "anthropic")
 
 
 async def count_message_tokens(request: Request) -> Response:
     """``POST /v1/messages/count_tokens``."""
-    ready(request)
-    body = await parse(request, CountTokensRequest)
-    return await request.app.state.anthropic.count_tokens(body, request)
+    return await _call(request, CountTokensRequest, "anthropic", "count_tokens")
 
 
 async def embeddings(request: Request) -> Response:
     """``POST /v1/embeddings`` (a pooling server)."""
-    ready(request)
-    return await request.app.state.embedding.create(await parse(request, EmbeddingRequest),
-                                                    request)
+    return await _call(request, EmbeddingRequest, "embedding")
 
 
 # ---- models, health, metrics --------------------------------------------------------------------
