@@ -43,10 +43,20 @@ def open_gguf(path: str) -> GGUFFile:
         BadGGUFError: anything else that stops the file from being read (no GGUF magic, a
             truncated file whose tensors run past its end).
     """
+    return _open_gguf(*_version(path))
+
+
+def _version(path: str) -> tuple[str, int, int]:
+    """(real path, modification time in ns, size) of the GGUF file at ``path``: one version
+    of a file, the key of what this module keeps.
+
+    Raises:
+        FileNotFoundError: no such file.
+    """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")
     stat = os.stat(path)
-    return _open_gguf(os.path.realpath(path), stat.st_mtime_ns, stat.st_size)
+    return os.path.realpath(path), stat.st_mtime_ns, stat.st_size
 
 
 def metadata_digest(path: str) -> str:
@@ -58,10 +68,7 @@ def metadata_digest(path: str) -> str:
     Raises:
         As :func:`open_gguf`.
     """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file {path!r} does not exist")
-    stat = os.stat(path)
-    key = (os.path.realpath(path), stat.st_mtime_ns, stat.st_size)
+    key = _version(path)
     digest = _DIGESTS.get(key)
     return digest if digest is not None else _open_gguf(*key).metadata_digest
 

@@ -95,11 +95,10 @@ def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
     piece; 1 for an empty vocabulary), computed once per tokenizer: the vocabulary's dict is
     slow to build (``docs/measurements.md``, "Tokenizer"), and a server's four OpenAI
     handlers ask."""
-    with _LOADING:
-        chars = _LONGEST.get(tokenizer)
-        if chars is None:
-            chars = _LONGEST[tokenizer] = max(map(len, tokenizer.get_vocab()), default=1)
-        return chars
+    chars = _LONGEST.get(tokenizer)
+    if chars is None:       # (two threads at once both compute the same value)
+        chars = _LONGEST[tokenizer] = max(map(len, tokenizer.get_vocab()), default=1)
+    return chars
 
 
 #: :func:`longest_token_chars` by tokenizer, for as long as it is referenced.
