@@ -18,6 +18,7 @@ import os
 import sys
 
 from jaxpaged.arg_utils import EngineArgs, cli_error_message
+from jaxpaged.engine.gc_heap import pause_for_start_up
 
 
 @contextlib.contextmanager
@@ -35,8 +36,10 @@ def _native_output_to_stderr():
         os.close(saved)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with its subcommands."""
+def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
+    """The top-level parser with its subcommands; ``with_benchmarks=False`` leaves the
+    ``bench`` subcommand without its own (the benchmark modules and the HTTP client they
+    import cost every ``serve`` start ~0.15 s of single-threaded Python)."""
     parser = argparse.ArgumentParser(prog="jaxpaged", description="JAX/Pallas LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions for prompts and print them")
@@ -58,9 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(serve)
     add_server_args(serve)
 
+    bench = sub.add_parser("bench", help="benchmarks (vllm bench equivalents)")
+    if with_benchmarks:
+        _add_benchmarks(bench)
+    return parser
+
+
+def _add_benchmarks(bench: argparse.ArgumentParser) -> None:
+    """The ``bench`` subcommands and their flags (importing every benchmark module, and
+    with them an HTTP client: ``build_parser`` adds them only for ``jaxpaged bench``)."""
     from jaxpaged.benchmarks import host_overhead, latency, serve as serve_bench, soak, throughput
     from jaxpaged.benchmarks import block_size, compare_chat, scheduling_policy, structured_outputs
-    bench = sub.add_parser("bench", help="benchmarks (vllm bench equivalents)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     for name, module, text in (
             ("throughput", throughput, "offline throughput through the engine"),
@@ -79,7 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
             ("compare-chat", compare_chat, "a chat workload on jaxpaged serve and on "
                                            "llama.cpp's llama-server, one after the other")):
         module.add_cli_args(kinds.add_parser(name, help=text))
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     # transformers announces at import that torch is absent; jaxpaged never needs torch.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:       # until its warm-up request is served (gc_heap)
+        pause_for_start_up()
+    args = build_parser(with_benchmarks=argv[:1] == ["bench"]).parse_args(argv)
     verbose = args.command == "serve" or getattr(args, "verbose", False)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)

@@ -63,3 +63,43 @@ def test_first_freeze_raises_the_young_generation_threshold_and_never_lowers_it(
         assert gc.get_threshold()[0] == 0
     finally:
         gc.set_threshold(*saved)
+
+
+def test_start_up_runs_without_automatic_collection_and_turns_it_back_on(monkeypatch):
+    from jaxpaged.engine import gc_heap
+    from jaxpaged.models import loader
+
+    seen = []
+    load = loader.load_model
+    monkeypatch.setattr("jaxpaged.runner.worker.load_model",
+                        lambda *a, **k: seen.append(gc.isenabled()) or load(*a, **k))
+    assert gc.isenabled()
+    LLM(enforce_eager=True, max_num_seqs=2, max_num_batched_tokens=64)
+    assert seen == [False] and gc.isenabled()       # off while loading, on again after
+
+    @gc_heap.collector_paused
+    def fails():
+        assert not gc.isenabled()
+        raise ValueError("start-up failed")
+
+    try:
+        fails()
+    except ValueError:
+        pass
+    assert gc.isenabled()                           # back on after a failed start-up too
+    gc_heap.pause_for_start_up()                    # a server's pause spans the engine's
+    try:
+        assert not gc.isenabled()
+        gc_heap.collector_paused(lambda: None)()
+        assert not gc.isenabled()
+    finally:
+        gc_heap.end_start_up_pause()
+    assert gc.isenabled()
+    gc_heap.end_start_up_pause()                    # (a second end changes nothing)
+    gc.disable()
+    try:
+        gc_heap.pause_for_start_up()
+        gc_heap.end_start_up_pause()                # never turns on what it did not turn off
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -45,6 +45,7 @@ from jaxpaged.engine.engine import Engine
 from jaxpaged.engine.commands import (AbortRequest, AddRequest, EngineCall, EngineCommand,
                                       StopEngine)
 from jaxpaged.engine.follower import warm_up
+from jaxpaged.engine.gc_heap import end_start_up_pause
 from jaxpaged.core.input_processor import Prompt
 from jaxpaged.engine.exceptions import (EngineStoppedError, RequestFailedError,
                                         RequestIdInUseError, RequestTimeoutError,
@@ -198,6 +199,7 @@ class AsyncEngine(AsyncEngineLifecycle):
             serve = not self._multihost and self.args.pooler is None
             self.engine = make_engine(self.args, background_compile=SERVE if serve else None)
             warm_up(self.engine)
+            end_start_up_pause()        # (a server's start-up ran without the collector)
             self.engine.start_background_compile()
             self.engine.stat_loggers.extend(self._stat_loggers)
             self.engine.record_stats()          # every gauge has a value from the start

@@ -23,7 +23,7 @@ import numpy as np
 from jaxpaged.config import ModelConfig
 from jaxpaged.runner.device_memory import device_memory_used
 from jaxpaged.arg_utils import EngineArgs
-from jaxpaged.engine.gc_heap import CompileAwareHeapFreezer
+from jaxpaged.engine.gc_heap import CompileAwareHeapFreezer, collector_paused
 from jaxpaged.core.generation_config import (eos_token_ids, generation_defaults,
                                                load_generation_config)
 from jaxpaged.core.input_processor import InputProcessor, Prompt
@@ -86,6 +86,7 @@ class Engine(EngineSteps, Rollout, Sleep):
             request, or ``max_model_len`` beyond the model's trained context).
     """
 
+    @collector_paused       # (start-up makes little cyclic garbage: gc_heap)
     def __init__(self, args: EngineArgs, devices: list | None = None,
                  seed_rng: np.random.Generator | None = None,
                  background_compile: str | None = None):

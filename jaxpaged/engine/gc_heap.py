@@ -15,6 +15,14 @@ hundreds).
 Frozen objects are still freed when their reference count drops to zero (a dropped engine
 is); only reference cycles among them are never collected.
 
+Start-up itself runs with automatic collection off (:func:`collector_paused` around
+``Engine.__init__``; ``jaxpaged serve`` from its first line until the warm-up request is done,
+:func:`pause_for_start_up`): importing JAX, Flax, transformers and the server and building
+the model allocate millions of objects and almost no cyclic garbage, yet CPython walked the
+growing heap ~600 times doing it, a sixth of a warm start's single-threaded Python
+(``docs/measurements.md``, "Garbage collection"). The freeze that ends start-up collects
+once.
+
 The first freeze also raises the youngest generation's threshold to at least
 :data:`GEN0_THRESHOLD`. CPython collects generation 0 once GC-tracked allocations exceed
 deallocations by its threshold (700 by default), and a step of a large batch holds a few
@@ -28,6 +36,7 @@ cycles, which the engine does not make per step.
 
 from __future__ import annotations
 
+import functools
 import gc
 
 #: The least generation-0 threshold the engine runs with (see the module docstring).
@@ -39,6 +48,43 @@ def freeze_gc_heap() -> None:
     which collections skip (``gc.freeze``)."""
     gc.collect()
     gc.freeze()
+
+
+def collector_paused(fn):
+    """Decorate ``fn`` to run with automatic collection off, turned back on when it returns
+    or raises (left off if it was off already, e.g. by :func:`pause_for_start_up`)."""
+
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return paused
+
+
+_start_up_pause = False
+
+
+def pause_for_start_up() -> None:
+    """Turn automatic collection off until :func:`end_start_up_pause` (a server process, from
+    its first line to its first served request; nothing if collection is off already)."""
+    global _start_up_pause
+    if gc.isenabled():
+        gc.disable()
+        _start_up_pause = True
+
+
+def end_start_up_pause() -> None:
+    """Turn automatic collection back on if :func:`pause_for_start_up` turned it off."""
+    global _start_up_pause
+    if _start_up_pause:
+        _start_up_pause = False
+        gc.enable()
 
 
 def raise_gen0_threshold(minimum: int = GEN0_THRESHOLD) -> None:
