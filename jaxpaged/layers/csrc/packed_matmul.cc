@@ -328,7 +328,13 @@ std::vector<float> rms_normalized(const float* x, int64_t m, int64_t k, const fl
   return out;
 }
 
-inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+// silu(y) u = y sigmoid(y) u, the sigmoid from exp(-|y|) (cpu_math.h's branch-free exp, which
+// never overflows here): the loop over a chunk's features vectorizes, where std::exp was a
+// libm call per value (at 16 rows, SmolLM2's 30 feed-forwards made 737k calls a step).
+inline float silu_times(float y, float u) {
+  const float e = exp_nonpositive(-std::fabs(y));
+  return y * ((y >= 0.0f ? 1.0f : e) / (1.0f + e)) * u;
+}
 
 struct Call {
   std::vector<PackedArgs> weights;
@@ -356,10 +362,10 @@ void run_item(const Call& c, int64_t i, std::vector<float>& scratch) {
     up.col0 = f0;
     project_chunk(up, c.xsums[1].data(), c.splits[1].get(), v0, v_end);
     for (int64_t r = 0; r < a.m; ++r) {
-      for (int64_t f = f0; f < f1; ++f) {
-        float& y = a.y[r * a.ldy + f];
-        y = silu(y) * scratch[r * up.ldy + f - f0];
-      }
+      float* y = a.y + r * a.ldy + f0;
+      const float* u = scratch.data() + r * up.ldy;
+#pragma omp simd
+      for (int64_t f = 0; f < f1 - f0; ++f) y[f] = silu_times(y[f], u[f]);
     }
   } else if (c.residual != nullptr) {
     for (int64_t r = 0; r < a.m; ++r) {
