@@ -4,6 +4,7 @@ changed file, no directory or a file over the size limit keeps nothing."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -30,7 +31,10 @@ def test_second_load_reads_the_kept_arrays_and_they_are_equal(tmp_path, monkeypa
     assert not os.path.exists(cache)
     first = _decoded(GGUFCheckpoint(path, HEADS, KV_HEADS, cache))       # kept as made
     (folder,) = os.listdir(cache)
-    assert len(os.listdir(os.path.join(cache, folder))) == 3 * len(NAMES)
+    folder = os.path.join(cache, folder)
+    assert sorted(os.listdir(folder)) == ["arrays.bin", "index.jsonl", "lock"]
+    with open(os.path.join(folder, "index.jsonl")) as f:
+        assert [json.loads(line)["name"] for line in f] == NAMES      # a line per tensor
 
     def no_decoding(*args):
         raise AssertionError("the blocks were decoded again")
@@ -73,3 +77,26 @@ def test_large_files_and_unwritable_folders_keep_nothing(tmp_path, monkeypatch):
     blocked.write_text("not a folder")
     got = _decoded(GGUFCheckpoint(path, HEADS, KV_HEADS, str(blocked / "cache")))
     assert all(got[name]["blocks"].size for name in NAMES)     # loaded all the same
+
+
+def test_a_torn_index_line_or_short_data_file_keeps_the_finished_tensors(tmp_path):
+    """A load that stopped half-way: the tensors whose index line is whole and whose bytes
+    are in the data file read back; the torn one is packed again."""
+    path = str(tmp_path / "packed.gguf")
+    write_random_llama(path, tied=False, types=PACKED_TYPES, embedding_type=T.Q8_0)
+    cache = str(tmp_path / "cache")
+    first = _decoded(GGUFCheckpoint(path, HEADS, KV_HEADS, cache))
+    (folder,) = os.listdir(cache)
+    index = os.path.join(cache, folder, "index.jsonl")
+    with open(index) as f:
+        lines = f.read().splitlines()
+    with open(index, "w") as f:       # the last line torn, the one before it past the data
+        entry = json.loads(lines[-2])
+        entry["arrays"]["blocks"]["offset"] = 1 << 40
+        f.write("\n".join(lines[:-2] + [json.dumps(entry), lines[-1][:20]]))
+    ckpt = GGUFCheckpoint(path, HEADS, KV_HEADS, cache)
+    kept = [name for name in NAMES if ckpt._packed_cache.get(name, ("blocks",))]
+    assert kept == NAMES[:-2]
+    for name, arrays in _decoded(ckpt).items():       # the two others are packed again
+        for leaf, array in arrays.items():
+            np.testing.assert_array_equal(array, first[name][leaf])
