@@ -4,7 +4,8 @@ weights: a leaf module, so that :meth:`jaxpaged.config.ModelConfig.from_pretrain
 which imports it back.
 
 The header is read once by :func:`jaxpaged.gguf_file.read_gguf` (memory-mapped; the last two
-files opened are kept, so the config, tokenizer and weights of one start-up share it).
+files opened are kept, so the config, tokenizer and weights of one start-up share it), and
+kept for the next start-up (``jaxpaged.gguf_header_cache``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import struct
 
 from jaxpaged.errors import UnsupportedModelError
+from jaxpaged import gguf_header_cache as header_cache
 from jaxpaged.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 
 #: GGUF ``general.architecture`` -> the Hugging Face class jaxpaged builds for it.
@@ -80,9 +82,13 @@ _DIGESTS: dict[tuple, str] = {}
 @functools.lru_cache(maxsize=2)
 def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFFile:
     """:func:`open_gguf` of one version of a file (``mtime_ns`` and ``size`` key the cache)."""
+    key = (path, mtime_ns, size)
     try:
-        opened = read_gguf(path)
-        _DIGESTS[(path, mtime_ns, size)] = opened.metadata_digest
+        opened = header_cache.load(key)
+        if opened is None:
+            opened = read_gguf(path)
+            header_cache.store(key, opened)
+        _DIGESTS[key] = opened.metadata_digest
         return opened
     except GGUFFormatError as e:
         if "unknown ggml type" in str(e):
@@ -130,9 +136,9 @@ def gguf_config(path: str) -> dict:
         raise UnsupportedModelError(f"GGUF architecture {arch!r} is not supported; supported: "
                                     f"{list(GGUF_ARCHITECTURES)}")
     tensors = {t.name: t for t in reader.tensors}
-    bad = sorted({t.tensor_type.name for t in reader.tensors} - set(SUPPORTED_TENSOR_TYPES))
+    bad = sorted({t.type_name for t in reader.tensors} - set(SUPPORTED_TENSOR_TYPES))
     if bad:
-        names = [t.name for t in reader.tensors if t.tensor_type.name in bad]
+        names = [t.name for t in reader.tensors if t.type_name in bad]
         raise UnsupportedModelError(f"{path!r} stores tensors as {bad} (e.g. {names[0]}), "
                                     f"which jaxpaged cannot dequantize; supported: "
                                     f"{list(SUPPORTED_TENSOR_TYPES)}")

@@ -30,6 +30,8 @@ DEFAULT_ALIGNMENT = 32
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
             12: "d"}
 _STRING, _ARRAY = 8, 9
+#: Metadata arrays of at least this many values are located in :attr:`GGUFFile.long_arrays`.
+LONG_ARRAY = 256
 #: ggml types stored element by element -> their numpy dtype (others are byte blocks).
 _ELEMENT_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
                    "I16": np.int16, "I32": np.int32, "I64": np.int64}
@@ -46,16 +48,26 @@ class GGUFTensor:
 
     Attributes:
         name: llama.cpp's tensor name (e.g. ``blk.0.attn_q.weight``).
-        tensor_type: its ``gguf.GGMLQuantizationType``.
+        type_name: its ggml type's name (``Q4_K``; :attr:`tensor_type` is the enum).
         shape: the dimensions as ggml lists them, fastest first (``[in, out]`` for a weight).
         data: a read-only view of its bytes in the mapped file: ``reversed(shape)`` elements of
             ``_ELEMENT_DTYPES`` types, else ``[..., bytes per row]`` uint8.
+        offset: where ``data`` starts in the file (bytes).
     """
 
     name: str
-    tensor_type: object
+    type_name: str
     shape: tuple[int, ...]
     data: np.ndarray
+    offset: int
+
+    @property
+    def tensor_type(self):
+        """The ``gguf.GGMLQuantizationType`` of :attr:`type_name` (imports ``gguf``, which a
+        warm start that reads the header from ``jaxpaged.gguf_header_cache`` skips)."""
+        import gguf
+
+        return gguf.GGMLQuantizationType[self.type_name]
 
 
 @dataclass(frozen=True)
@@ -68,11 +80,15 @@ class GGUFFile:
         tensors: the tensor table in file order.
         metadata_digest: SHA-256 (hex) of the file's bytes up to the end of the metadata: it
             names what is derived from the metadata alone (the tokenizer's cache entry).
+        long_arrays: see below.
     """
 
     metadata: dict
     tensors: list[GGUFTensor]
     metadata_digest: str
+    #: Where each metadata array of at least :data:`LONG_ARRAY` values lies: key ->
+    #: (offset of its first value, item type id, length) (``jaxpaged.gguf_header_cache``).
+    long_arrays: dict[str, tuple[int, int, int]]
 
 
 class _Cursor:
@@ -137,10 +153,15 @@ def read_gguf(path: str) -> GGUFFile:
     if version not in SUPPORTED_VERSIONS:
         raise GGUFFormatError(f"GGUF version {version}; supported: {list(SUPPORTED_VERSIONS)}")
     num_tensors, num_kv = cur.take("Q"), cur.take("Q")
-    metadata = {}
+    metadata, long_arrays = {}, {}
     for _ in range(num_kv):
         key = cur.string()
-        metadata[key] = cur.value(cur.take("I"))
+        kind = cur.take("I")
+        if kind == _ARRAY:
+            item, n = struct.unpack_from("<IQ", buf, cur.offset)
+            if n >= LONG_ARRAY:
+                long_arrays[key] = (cur.offset + 12, item, n)
+        metadata[key] = cur.value(kind)
     metadata_digest = hashlib.sha256(buf[:cur.offset]).hexdigest()
     table = []
     for _ in range(num_tensors):
@@ -172,5 +193,11 @@ def read_gguf(path: str) -> GGUFFile:
         dtype = _ELEMENT_DTYPES.get(tensor_type.name)
         view = (raw.view(dtype).reshape(np_dims) if dtype is not None else
                 raw.reshape(gguf.quant_shape_to_byte_shape(np_dims, tensor_type)))
-        tensors.append(GGUFTensor(name, tensor_type, dims, view))
-    return GGUFFile(metadata, tensors, metadata_digest)
+        tensors.append(GGUFTensor(name, tensor_type.name, dims, view, begin))
+    return GGUFFile(metadata, tensors, metadata_digest, long_arrays)
+
+
+def read_array(buf, offset: int) -> list:
+    """The metadata array whose first value is at ``offset`` of ``buf`` (as
+    :attr:`GGUFFile.long_arrays` locates it), read as :func:`read_gguf` reads it."""
+    return _Cursor(buf, offset - 12).value(_ARRAY)

@@ -50,7 +50,7 @@ def keeps_packed(path: str) -> bool:
     """Whether the GGUF file's projections and token embedding (and LM head, if any) can all
     stay packed: each stored in one of :data:`PACKABLE_TYPES` (a file with F32/F16/BF16
     projections loads dequantized, as before)."""
-    kinds = {t.name: t.tensor_type.name for t in open_gguf(path).tensors}
+    kinds = {t.name: t.type_name for t in open_gguf(path).tensors}
     weights = [n for n in kinds if n.endswith(".weight") and
                (n.split(".")[-2] in _LAYER_NAMES and n.split(".")[-2].startswith(("attn_", "ffn_"))
                 and not n.endswith("_norm.weight") or n in ("token_embd.weight", "output.weight"))]
@@ -135,9 +135,9 @@ class GGUFCheckpoint:
         packed = self._packed_cache.get(name, PACKED_LEAVES)
         if packed is None:
             cols = int(t.shape[0])                  # ggml lists dimensions fastest first
-            parts = decode_blocks(np.asarray(t.data), t.tensor_type.name, cols)
+            parts = decode_blocks(np.asarray(t.data), t.type_name, cols)
             q, scale, offset = (self._hf_rows(name, a) for a in parts)
-            packed = pack_weight(q, scale, offset, PACKABLE_TYPES[t.tensor_type.name][0])
+            packed = pack_weight(q, scale, offset, PACKABLE_TYPES[t.type_name][0])
             self._packed_cache.put(name, packed)
         return packed
 
@@ -151,9 +151,9 @@ class GGUFCheckpoint:
         if t is None:
             return None
         self._read.add(name)
-        if t.tensor_type.name not in allowed:
+        if t.type_name not in allowed:
             raise UnsupportedModelError(f"tensor {t.name} in {self._path!r} is stored as "
-                                        f"{t.tensor_type.name}{refusal}")
+                                        f"{t.type_name}{refusal}")
         return t
 
     def _hf_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
@@ -169,13 +169,17 @@ class GGUFCheckpoint:
         Raises:
             UnsupportedModelError: a tensor type outside :data:`SUPPORTED_TENSOR_TYPES`.
         """
-        import gguf
-
         t = self._tensor(name, SUPPORTED_TENSOR_TYPES,
                          f"; supported: {list(SUPPORTED_TENSOR_TYPES)}")
         if t is None:
             return None
         # ggml lists dimensions fastest first: [in, out] is numpy's [out, in].
         shape = tuple(int(d) for d in reversed(t.shape))
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
+        if t.type_name in ("F32", "F16"):       # (a packed model's norms: no gguf import)
+            w = np.asarray(t.data, np.float32).reshape(shape)
+        else:
+            import gguf
+
+            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type),
+                           np.float32).reshape(shape)
         return self._hf_rows(name, w)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 from jaxpaged.atomic_file import write_text_atomically
 from jaxpaged.gguf_config import BadGGUFError, metadata, metadata_digest, open_gguf
+from jaxpaged.gguf_header_cache import plain
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def _convert(path: str, meta: dict) -> tuple[str, dict]:
     from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING,
                                                                         convert_gguf_tokenizer)
 
-    groups = {group: {ours: meta[f"tokenizer.{key}"] for key, ours in keys.items()
+    groups = {group: {ours: plain(meta[f"tokenizer.{key}"]) for key, ours in keys.items()
                       if f"tokenizer.{key}" in meta}
               for group, keys in GGUF_TOKENIZER_MAPPING.items()}
     vocab, init_kwargs = groups["tokenizer"], groups["tokenizer_config"]
