@@ -13,9 +13,11 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from jaxpaged.config import ModelConfig, UnsupportedModelError
+from jaxpaged.errors import TensorParallelError
 from jaxpaged.layers.attention import get_attention_backend
 from jaxpaged.models.gpt_oss_checkpoint import dequantize_mxfp4
 from jaxpaged.models.loader import load_model
+from jaxpaged.models.mixtral import use_expert_parallelism
 from jaxpaged.models.safetensors_reader import MissingWeightsError
 from tests.conftest import FIXTURES
 from tests.test_model_logits import full_sequence_logits
@@ -93,3 +95,12 @@ def test_quantizing_the_experts_is_refused():
     cfg = ModelConfig.from_pretrained(FIXTURE).with_quantization("int8")
     with pytest.raises(UnsupportedModelError, match="gpt-oss experts cannot be quantized"):
         load_model(FIXTURE, cfg, dtype=np.float32, backend=get_attention_backend("xla"))
+
+
+def test_expert_parallelism_is_refused():
+    """Its experts split by tensor parallelism only (docs/models.md)."""
+    model = load_model(FIXTURE, ModelConfig.from_pretrained(FIXTURE), dtype=jnp.float32,
+                       backend=get_attention_backend("xla"))
+    with pytest.raises(TensorParallelError, match="enable_expert_parallel is not supported "
+                                                  "for GptOssForCausalLM"):
+        use_expert_parallelism(model, None)

@@ -41,6 +41,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.tensor_parallel import TP_AXIS
+from jaxpaged.errors import TensorParallelError
 from jaxpaged.layers.linear import linear
 from jaxpaged.layers.quantization import quantize_weight
 from jaxpaged.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -174,10 +175,19 @@ class MixtralSparseMoeBlock(nnx.Module):
 def use_expert_parallelism(model: nnx.Module, mesh: Mesh) -> None:
     """Run every MoE block of ``model`` expert-parallel over ``mesh``'s ``tp`` axis (its
     expert kernels must be split on their expert dimension: ``TensorParallel`` with
-    ``expert_parallel``)."""
-    for _, module in model.iter_modules():
-        if isinstance(module, MixtralSparseMoeBlock):
-            module.expert_mesh = mesh
+    ``expert_parallel``).
+
+    Raises:
+        TensorParallelError: the model's experts are not Mixtral's block (gpt-oss's: expert
+            parallelism is not wired for them).
+    """
+    blocks = [m for _, m in model.iter_modules() if isinstance(m, MixtralSparseMoeBlock)]
+    if not blocks:
+        raise TensorParallelError(f"enable_expert_parallel is not supported for "
+                                  f"{type(model).__name__} (its experts split by tensor "
+                                  "parallelism only)")
+    for module in blocks:
+        module.expert_mesh = mesh
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
