@@ -23,6 +23,11 @@ expert count as ``num_local_experts``), as transformers' config classes read the
   ``no_rope_layer_interval``-th, 4).
 - Granite: ``embedding_multiplier``, ``residual_multiplier``, ``attention_multiplier`` (the
   attention scale itself) and ``logits_scaling`` (logits are divided by it).
+- gpt-oss (``GptOssConfig``): alternating sliding (even layers, window ``sliding_window``,
+  128) and full layers unless ``layer_types`` says otherwise; YaRN RoPE
+  (:mod:`jaxpaged.yarn_rope`) or plain; the experts' clamped SwiGLU ``swiglu_limit`` (7.0) and
+  ``swiglu_alpha`` (1.702); an MXFP4 ``quantization_config`` is dropped (the experts are
+  dequantized on load, :mod:`jaxpaged.models.gpt_oss_checkpoint`).
 - Qwen3-MoE: ``num_experts`` experts of width ``moe_intermediate_size`` on the layers that are
   not in ``mlp_only_layers`` and whose ``(i + 1) % decoder_sparse_step == 0``, the rest dense
   (``intermediate_size``); ``norm_topk_prob`` renormalises the top-k weights (default off).
@@ -37,15 +42,16 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from jaxpaged.yarn_rope import yarn_frequencies
+
 #: The architectures this module reads settings for (all served).
 ARCHITECTURES_2026 = ("Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM",
-                      "SmolLM3ForCausalLM", "GraniteForCausalLM", "Qwen3MoeForCausalLM")
+                      "SmolLM3ForCausalLM", "GraniteForCausalLM", "Qwen3MoeForCausalLM",
+                      "GptOssForCausalLM")
 #: Architectures whose queries and keys get a per-head RMSNorm before RoPE.
 PER_HEAD_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 #: Architectures refused with a reason (``docs/models.md``).
 REFUSED_ARCHITECTURES = {
-    "GptOssForCausalLM": "gpt-oss is not supported yet (attention sinks, its clamped SwiGLU "
-                         "experts and MXFP4 expert weights are not implemented)",
     "Qwen3NextForCausalLM": "Qwen3-Next is not supported yet (its Gated DeltaNet recurrent "
                             "layers need per-sequence state slots that the KV cache manager "
                             "does not have)",
@@ -77,6 +83,15 @@ class LongRope:
 
 
 @dataclass(frozen=True)
+class Yarn:
+    """YaRN RoPE (:mod:`jaxpaged.yarn_rope`): [head_dim / 2] frequencies, and the factor cos
+    and sin are multiplied by."""
+
+    inv_freq: tuple[float, ...]
+    attention_factor: float
+
+
+@dataclass(frozen=True)
 class FamilySettings:
     """Settings only some families have (defaults: none of them).
 
@@ -96,6 +111,8 @@ class FamilySettings:
             every layer, when the model has experts).
         moe_intermediate_size: each expert's width (0: ``intermediate_size``).
         norm_topk_prob: the top-k routing weights are renormalised to sum to 1.
+        yarn: every layer's YaRN RoPE (gpt-oss), or None.
+        swiglu_limit, swiglu_alpha: gpt-oss's clamped SwiGLU experts (None: not clamped).
     """
 
     layer_rope: tuple[LayerRope | None, ...] = ()
@@ -108,6 +125,9 @@ class FamilySettings:
     moe_layers: tuple[bool, ...] = ()
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    yarn: Yarn | None = None
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
 
 def family_settings(cfg: dict, arch: str) -> tuple[dict, FamilySettings]:
@@ -261,6 +281,43 @@ def _qwen3_moe(cfg: dict) -> tuple[dict, FamilySettings]:
                                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 
 
+#: GptOssConfig's RoPE when config.json names none.
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                 "truncate": False, "original_max_position_embeddings": 4096}
+
+
+def _gpt_oss(cfg: dict) -> tuple[dict, FamilySettings]:
+    for key, value in (("sliding_window", 128), ("attention_bias", True), ("head_dim", 64),
+                       ("rms_norm_eps", 1e-5), ("num_local_experts", 128),
+                       ("num_experts_per_tok", 4), ("max_position_embeddings", 131072)):
+        cfg.setdefault(key, value)             # GptOssConfig's defaults
+    if cfg.get("layer_types") is None:
+        cfg["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                              for i in range(_layers(cfg))]
+    qc = cfg.get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method") == "mxfp4":
+        del cfg["quantization_config"]          # the experts are dequantized on load
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or _GPT_OSS_ROPE
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 150000.0)))
+    kind = params.get("rope_type", params.get("type")) or "default"
+    head_dim = int(cfg["head_dim"] or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    yarn = None
+    if kind == "yarn":
+        try:
+            yarn = Yarn(*yarn_frequencies({**params, "rope_theta": theta}, head_dim,
+                                          int(cfg["max_position_embeddings"])))
+        except (KeyError, ValueError) as e:
+            raise FamilySettingsError(f"rope_parameters: {e}") from None
+    elif kind != "default":
+        raise FamilySettingsError(f"gpt-oss rope_type {kind!r} is not supported; supported: "
+                                  "default, yarn")
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    cfg.pop("rope_scaling", None)
+    limit = cfg.get("swiglu_limit", 7.0)
+    return cfg, FamilySettings(yarn=yarn, swiglu_limit=None if limit is None else float(limit),
+                               swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
+
+
 _PARSERS = {"Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "SmolLM3ForCausalLM": _smollm3, "GraniteForCausalLM": _granite,
-            "Qwen3MoeForCausalLM": _qwen3_moe}
+            "Qwen3MoeForCausalLM": _qwen3_moe, "GptOssForCausalLM": _gpt_oss}

@@ -125,12 +125,21 @@ def first_visible_tile(lowest_pos, sliding_window, tile: int):
     return jnp.maximum(lowest_pos - sliding_window + 1, 0) // tile
 
 
+def softmax_start(rows: int, sinks=None):
+    """(m, l) an online softmax of ``rows`` rows starts from: (-inf, 0); with ``sinks`` ([R]
+    float32 attention-sink logits in natural units, -inf: none for that row) the sink in
+    base 2 and 1, as if the sink were a first key without a value (gpt-oss)."""
+    if sinks is None:
+        return jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32)
+    return sinks * LOG2E, jnp.where(sinks == -jnp.inf, 0.0, 1.0).astype(jnp.float32)
+
+
 FP8_E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 
 
 def attend_tiles(q, row_pos, seq, head, start, end, page_table_ref, k_ref, v_ref, *,
                  tile: int, page_size: int, scale: float, sliding_window: int | None,
-                 soft_cap: float | None):
+                 soft_cap: float | None, sinks=None):
     """Online-softmax attention of ``q`` over tiles ``[start, end)`` of ``seq``.
 
     Args:
@@ -142,6 +151,9 @@ def attend_tiles(q, row_pos, seq, head, start, end, page_table_ref, k_ref, v_ref
             fp8 pool computes in float16).
         scale: score scale (``k_scale`` folded in); sliding_window, soft_cap as in
             ``pallas_kernels.reference.paged_attention_reference``.
+        sinks: None, or [R] float32 attention-sink logits of the rows' heads (natural
+            units; -inf: none for that row): the running maximum starts at the sink (in
+            base 2) and the sum at 1, the sink being a key without a value.
 
     Returns:
         (acc [R, D] f32 unnormalised, m [R] f32 row max in base-2 units (-inf: nothing
@@ -177,8 +189,7 @@ def attend_tiles(q, row_pos, seq, head, start, end, page_table_ref, k_ref, v_ref
         return acc, m, l, next_slots
 
     rows, head_dim = q.shape
-    init = (jnp.zeros((rows, head_dim), jnp.float32),
-            jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+    init = (jnp.zeros((rows, head_dim), jnp.float32), *softmax_start(rows, sinks),
             slots_of(start))
     acc, m, l, _ = jax.lax.fori_loop(start, end, body, init)
     return acc, m, l

@@ -111,9 +111,10 @@ def _rows(base, group, rows):
 
 
 def _decode_kernel(q_ref, seq_ref, pos_ref, kv_tokens_ref, page_table_ref, k_ref, v_ref,
-                   *out_refs, num_kv_heads, group, rows, page_size, scale, sliding_window,
-                   soft_cap, v_scale, num_slots):
+                   *refs, num_kv_heads, group, rows, page_size, scale, sliding_window,
+                   soft_cap, v_scale, num_slots, has_sinks):
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    sinks_ref, out_refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     q_rows, _ = _rows((b * num_kv_heads + h) * group, group, rows)
     q = q_ref[q_rows, :]                                       # [R, D]; rows >= G repeat
     pos = pos_ref[b]
@@ -122,10 +123,14 @@ def _decode_kernel(q_ref, seq_ref, pos_ref, kv_tokens_ref, page_table_ref, k_ref
     num_tiles = jnp.where(pos >= 0, pos // DECODE_TILE + 1 - first, 0)
     start, end = split_range(first, num_tiles, kv_tokens_ref[0], split,
                              num_kv_heads=num_kv_heads, num_slots=num_slots)
+    sinks = None
+    if has_sinks:            # the first split holds the sink (merged once, as a key)
+        heads, _ = _rows(h * group, group, rows)
+        sinks = jnp.where(split == 0, sinks_ref[heads], -jnp.inf)
     acc, m, l = attend_tiles(q, jnp.full((rows,), pos, jnp.int32), seq, h, start, end,
                              page_table_ref, k_ref, v_ref, tile=DECODE_TILE,
                              page_size=page_size, scale=scale,
-                             sliding_window=sliding_window, soft_cap=soft_cap)
+                             sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
     out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
     if v_scale != 1.0:       # split partials too: their merge is a convex combination
         out = out * v_scale
@@ -203,7 +208,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            scale: float, sliding_window: int | None = None,
                            soft_cap: float | None = None, k_scale: float = 1.0,
                            v_scale: float = 1.0, num_slots: int | None = None,
-                           interpret: bool | None = None) -> jax.Array:
+                           interpret: bool | None = None,
+                           sinks: jax.Array | None = None) -> jax.Array:
     """Paged attention of one query token per decode sequence (v2 decode kernel).
 
     Args:
@@ -218,6 +224,9 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
             ``pallas_kernels.reference.paged_attention_reference``.
         num_slots: split slots per (sequence, KV head); None: :func:`max_splits`.
         interpret: force interpret mode (default: on unless running on a GPU).
+        sinks: [num_heads] float32 attention-sink logits (gpt-oss), or None: split 0 of each
+            (decode, KV head) starts its softmax at the sink (``attention_tiles.attend_tiles``),
+            so the merge counts it once.
 
     Returns:
         [ND, num_heads, D] in q's dtype.
@@ -241,15 +250,16 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     kernel = functools.partial(
         _decode_kernel, num_kv_heads=num_kv_heads, group=group, rows=rows, page_size=page_size, scale=scale * k_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, v_scale=v_scale,
-        num_slots=num_slots)
+        num_slots=num_slots, has_sinks=sinks is not None)
+    extra = () if sinks is None else (sinks.astype(jnp.float32),)
     outs = pl.pallas_call(
-        kernel, grid=(nd, num_kv_heads, num_slots), in_specs=[whole] * 7,
+        kernel, grid=(nd, num_kv_heads, num_slots), in_specs=[whole] * (7 + len(extra)),
         out_specs=[whole] * len(out_shape), out_shape=out_shape,
         name="paged_decode_attention",
         **pallas_call_options(num_warps=decode_warps(k_pages.dtype),
                               num_stages=DECODE_STAGES, interpret=interpret),
     )(q.reshape(nd * num_heads, head_dim), decode_seq, decode_positions, kv_tokens,
-      page_table, flat(k_pages), flat(v_pages))
+      page_table, flat(k_pages), flat(v_pages), *extra)
     out = outs[0]
     if num_slots > 1:
         out = merge_splits(*outs, num_programs=nd * num_kv_heads, group=group,

@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.attention_tiles import group_size, next_pow2, online_softmax_step
+from pallas_kernels.attention_tiles import (group_size, next_pow2, online_softmax_step,
+                                             softmax_start)
 from pallas_kernels.lowering import pallas_call_options
 
 #: Streaming multiprocessors of an H100/H200; the split heuristic aims for two programs each.
@@ -58,9 +59,10 @@ def choose_num_splits(num_blocks: int, num_kv_heads: int, max_pages: int) -> int
     return max(1, min(want, max_pages // _MIN_PAGES_PER_SPLIT, 16))
 
 
-def _kernel(q_ref, row_pos_ref, block_seq_ref, page_table_ref, k_ref, v_ref, *out_refs,
-            scale, sliding_window, soft_cap, num_splits, v_scale):
+def _kernel(q_ref, row_pos_ref, block_seq_ref, page_table_ref, k_ref, v_ref, *refs,
+            scale, sliding_window, soft_cap, num_splits, v_scale, group, has_sinks):
     n, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    sinks_ref, out_refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     q = q_ref[...]                                   # [R, D]
     row_pos = row_pos_ref[...]                       # [R] int32, -1 = padding row
     seq = block_seq_ref[n]
@@ -86,9 +88,12 @@ def _kernel(q_ref, row_pos_ref, block_seq_ref, page_table_ref, k_ref, v_ref, *ou
                                    precision=precision)      # scale includes k_scale
 
     rows, head_dim = q.shape
-    init = (jnp.zeros((rows, head_dim), jnp.float32),
-            jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(start, end, body, init)
+    sinks = None
+    if has_sinks:           # split 0 holds the sink (row r: head h * G + r % G), merged once
+        r = jax.lax.broadcasted_iota(jnp.int32, (rows,), 0)
+        sinks = jnp.where(split == 0, sinks_ref[h * group + r % group], -jnp.inf)
+    acc, m, l = jax.lax.fori_loop(start, end, body, (jnp.zeros((rows, head_dim), jnp.float32),
+                                                     *softmax_start(rows, sinks)))
     out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
     if v_scale != 1.0:       # split partials too: their merge is a convex combination
         out = out * v_scale
@@ -122,7 +127,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                     soft_cap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                     num_splits: int | None = None,
                     num_warps: int = 4, num_stages: int = 2,
-                    interpret: bool | None = None) -> jax.Array:
+                    interpret: bool | None = None,
+                    sinks: jax.Array | None = None) -> jax.Array:
     """Causal paged attention for query blocks (same contract as
     ``pallas_kernels.reference.paged_attention_reference``).
 
@@ -138,6 +144,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         num_splits: split-K factor; None picks one with :func:`choose_num_splits`.
         num_warps, num_stages: Triton launch parameters.
         interpret: force interpret mode (default: on unless running on a GPU).
+        sinks: [num_heads] float32 attention-sink logits (gpt-oss), or None: split 0 of each
+            program starts its rows' softmax at their heads' sinks.
 
     Returns:
         [NB, Bq, num_heads, D] in q's dtype.
@@ -166,7 +174,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         pl.BlockSpec((None, None, rows_padded, head_dim), lambda n, h, s: (n, h, 0, 0)),
         pl.BlockSpec((None, rows_padded), lambda n, h, s: (n, 0)),
         whole, whole, whole, whole,
-    ]
+    ] + ([] if sinks is None else [whole])
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((nb, num_kv_heads, rows_padded, head_dim), q.dtype)]
         out_specs = [pl.BlockSpec((None, None, rows_padded, head_dim),
@@ -181,12 +189,14 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                      pl.BlockSpec((None, None, None, rows_padded), lambda n, h, s: (n, h, s, 0)),
                      pl.BlockSpec((None, None, None, rows_padded), lambda n, h, s: (n, h, s, 0))]
     kernel = functools.partial(_kernel, scale=scale * k_scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap, num_splits=num_splits, v_scale=v_scale)
+                               soft_cap=soft_cap, num_splits=num_splits, v_scale=v_scale,
+                               group=group, has_sinks=sinks is not None)
     outs = pl.pallas_call(
         kernel, grid=(nb, num_kv_heads, num_splits), in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, name="ragged_paged_attention",
         **pallas_call_options(num_warps=num_warps, num_stages=num_stages, interpret=interpret),
-    )(qr, row_pos, block_seq, page_table, k_pages, v_pages)
+    )(qr, row_pos, block_seq, page_table, k_pages, v_pages,
+      *(() if sinks is None else (sinks.astype(jnp.float32),)))
     out = outs[0] if num_splits == 1 else _merge_splits(*outs).astype(q.dtype)
     out = out[:, :, :rows].reshape(nb, num_kv_heads, block_q, group, head_dim)
     return out.transpose(0, 2, 1, 3, 4).reshape(nb, block_q, num_heads, head_dim)

@@ -66,17 +66,23 @@ def prefill_launch(rows: int) -> tuple[int, int]:
     return 32, 16
 
 
-def _prefill_kernel(q_ref, row_pos_ref, block_seq_ref, page_table_ref, k_ref, v_ref, o_ref, *,
-                    tile, page_size, scale, sliding_window, soft_cap, v_scale):
+def _prefill_kernel(q_ref, row_pos_ref, block_seq_ref, page_table_ref, k_ref, v_ref, *refs,
+                    tile, page_size, scale, sliding_window, soft_cap, v_scale, group):
     n, h = pl.program_id(0), pl.program_id(1)
+    sinks_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     row_pos = row_pos_ref[...]                                   # [R], -1 = padding row
     last = jnp.max(row_pos)
     lowest = jnp.min(jnp.where(row_pos >= 0, row_pos, jnp.iinfo(jnp.int32).max))
     start = jnp.where(last >= 0, first_visible_tile(lowest, sliding_window, tile), 0)
     end = jnp.maximum((last + tile) // tile, start)              # no tile for padding blocks
+    sinks = None
+    if sinks_ref is not None:         # row r: query r // G, head h * G + r % G
+        r = jax.lax.broadcasted_iota(jnp.int32, row_pos.shape, 0)
+        sinks = sinks_ref[h * group + r % group]
     acc, _, l = attend_tiles(q_ref[...], row_pos, block_seq_ref[n], h, start, end,
                              page_table_ref, k_ref, v_ref, tile=tile, page_size=page_size,
-                             scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                             scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                             sinks=sinks)
     out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]
     if v_scale != 1.0:
         out = out * v_scale
@@ -90,7 +96,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                             block_positions: jax.Array, *, scale: float,
                             sliding_window: int | None = None, soft_cap: float | None = None,
                             k_scale: float = 1.0, v_scale: float = 1.0,
-                            interpret: bool | None = None) -> jax.Array:
+                            interpret: bool | None = None,
+                            sinks: jax.Array | None = None) -> jax.Array:
     """Causal paged attention for prefill query blocks (v2 prefill kernel; same contract as
     ``pallas_kernels.reference.paged_attention_reference``).
 
@@ -99,7 +106,8 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
         k_pages, v_pages: [num_pages, page_size, KVH, D], q's dtype or float8_e4m3fn.
         page_table: [B, P] int32; block_seq: [NB] int32; block_positions: [NB, Bq] int32
             (-1 = padding row).
-        scale, sliding_window, soft_cap, k_scale, v_scale: as in the reference.
+        scale, sliding_window, soft_cap, k_scale, v_scale, sinks: as in the reference (each
+            row's softmax starts at its head's sink: ``attention_tiles.attend_tiles``).
         interpret: force interpret mode (default: on unless running on a GPU).
 
     Returns:
@@ -118,7 +126,7 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
             page_table, jnp.repeat(block_seq, split),
             block_positions.reshape(nb * split, block_q // split), scale=scale,
             sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
-            v_scale=v_scale, interpret=interpret)
+            v_scale=v_scale, interpret=interpret, sinks=sinks)
         return out.reshape(nb, block_q, num_heads, head_dim)
     rows = block_q * group
     rows_padded = program_rows(block_q, group)
@@ -136,17 +144,18 @@ def paged_prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     block = pl.BlockSpec((None, None, rows_padded, head_dim), lambda n, h: (n, h, 0, 0))
     kernel = functools.partial(_prefill_kernel, tile=tile, page_size=page_size,
                                scale=scale * k_scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap, v_scale=v_scale)
+                               soft_cap=soft_cap, v_scale=v_scale, group=group)
+    extra = () if sinks is None else (sinks.astype(jnp.float32),)
     flat = lambda p: p.reshape(num_pages * page_size, num_kv_heads, head_dim)
     out = pl.pallas_call(
         kernel, grid=(nb, num_kv_heads),
         in_specs=[block, pl.BlockSpec((None, rows_padded), lambda n, h: (n, 0)),
-                  whole, whole, whole, whole],
+                  whole, whole, whole, whole] + [whole] * len(extra),
         out_specs=block,
         out_shape=jax.ShapeDtypeStruct((nb, num_kv_heads, rows_padded, head_dim), q.dtype),
         name="paged_prefill_attention",
         **pallas_call_options(num_warps=num_warps, num_stages=PREFILL_STAGES,
                               interpret=interpret),
-    )(qr, row_pos, block_seq, page_table, flat(k_pages), flat(v_pages))
+    )(qr, row_pos, block_seq, page_table, flat(k_pages), flat(v_pages), *extra)
     out = out[:, :, :rows].reshape(nb, num_kv_heads, block_q, group, head_dim)
     return out.transpose(0, 2, 1, 3, 4).reshape(nb, block_q, num_heads, head_dim)

@@ -26,7 +26,7 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                               block_positions: jax.Array, *, scale: float,
                               sliding_window: int | None = None,
                               soft_cap: float | None = None, k_scale: float = 1.0,
-                              v_scale: float = 1.0) -> jax.Array:
+                              v_scale: float = 1.0, sinks: jax.Array | None = None) -> jax.Array:
     """Causal paged attention for query blocks, softmax in float32.
 
     Args:
@@ -40,6 +40,10 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
         sliding_window: if set, a query at position p sees keys in (p - window, p].
         soft_cap: if set, scores become ``soft_cap * tanh(scores / soft_cap)`` (Gemma 2).
         k_scale, v_scale: the pool holds K / k_scale and V / v_scale.
+        sinks: [num_heads] float32 attention-sink logits (gpt-oss), or None: each row's
+            softmax denominator also holds ``exp(sink)`` of its head, a key without a value
+            (transformers' ``GptOssAttention``: softmax over the scores and the sink, the
+            sink's column dropped).
 
     Returns:
         [NB, Bq, num_heads, D] in q's dtype; padding rows are unspecified (finite).
@@ -63,7 +67,13 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     mask = key_pos <= query_pos
     if sliding_window is not None:
         mask &= key_pos > query_pos - sliding_window
-    probs = jax.nn.softmax(jnp.where(mask, scores, MASK_VALUE), axis=-1)
+    scores = jnp.where(mask, scores, MASK_VALUE)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = sinks.astype(jnp.float32).reshape(num_kv_heads, group)[None, :, :, None, None]
+        sink = jnp.broadcast_to(sink, scores.shape[:-1] + (1,))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], -1), axis=-1)[..., :-1]
     out = jnp.einsum("nhgql,nlhd->nqhgd", probs.astype(vb.dtype), vb,
                      preferred_element_type=jnp.float32, precision=precision)
     return out.reshape(nb, block_q, num_heads, head_dim).astype(q.dtype)

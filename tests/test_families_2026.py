@@ -25,6 +25,7 @@ FAMILIES = {
     "smollm3_nope": "SmolLM3ForCausalLM",
     "granite_multipliers": "GraniteForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 GREEDY_32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 #: Phi-3's fixture has an original context of 64: a 64-token engine keeps the short factors.
@@ -140,6 +141,11 @@ def test_family_settings_parsed():
     assert (moe.num_experts, moe.num_experts_per_tok, moe.qk_norm) == (4, 2, True)
     assert moe.family.moe_layers == (True, False, True)
     assert (moe.family.moe_intermediate_size, moe.family.norm_topk_prob) == (48, True)
+    oss = ModelConfig.from_pretrained(fixture("gpt_oss"))
+    assert oss.sliding_windows == (8, None, 8, None) and (oss.qkv_bias, oss.o_bias) == (True, True)
+    assert (oss.num_experts, oss.num_experts_per_tok, oss.intermediate_size) == (4, 2, 64)
+    assert oss.family.yarn.attention_factor == pytest.approx(0.1 * np.log(4) + 1)
+    assert (oss.family.swiglu_limit, oss.family.swiglu_alpha) == (1.0, 1.702)
 
 
 def test_hub_style_configs_read_as_transformers_reads_them():
@@ -181,7 +187,9 @@ def test_hub_style_configs_read_as_transformers_reads_them():
         "full_attention": {"rope_type": "yarn", "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "yarn"),
     ("smollm3_nope", {"no_rope_layers": [1, 0]}, "no_rope_layers"),
-    ("qwen3_moe", {"architectures": ["GptOssForCausalLM"]}, "gpt-oss is not supported"),
+    ("gpt_oss", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "dynamic"),
+    ("gpt_oss", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+     "original_max_position_embeddings"),
     ("qwen3_moe", {"architectures": ["Qwen3NextForCausalLM"]}, "Qwen3-Next is not supported"),
 ])
 def test_unsupported_settings_are_named(name, overrides, match):

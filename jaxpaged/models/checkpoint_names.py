@@ -22,6 +22,7 @@ import re
 import numpy as np
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.models.gpt_oss_checkpoint import GptOssCheckpoint
 
 _EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _EXPERT = re.compile(r"^(.*\.experts\.\d+\.)(w[123])(\.weight)$")
@@ -72,7 +73,10 @@ class CheckpointView:
 
 def checkpoint_view(reader, config: ModelConfig):
     """``reader`` as the model's modules ask it (:class:`CheckpointView`) for the families
-    that store tensors otherwise (Phi-3, Qwen3-MoE); ``reader`` itself for the rest."""
+    that store tensors otherwise (Phi-3, Qwen3-MoE; gpt-oss: :class:`GptOssCheckpoint`);
+    ``reader`` itself for the rest."""
     if config.architecture in ("Phi3ForCausalLM", "Qwen3MoeForCausalLM"):
         return CheckpointView(reader, config)
+    if config.architecture == "GptOssForCausalLM":
+        return GptOssCheckpoint(reader)
     return reader

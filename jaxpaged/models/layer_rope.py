@@ -1,5 +1,6 @@
 """Each attention layer's RoPE frequencies: the model-wide RoPE, a per-layer base (Gemma 3's
-local and global layers), none at all (SmolLM3's NoPE layers) or Phi-3's LongRoPE.
+local and global layers), none at all (SmolLM3's NoPE layers), Phi-3's LongRoPE or gpt-oss's YaRN
+(:mod:`jaxpaged.yarn_rope`, frequencies and attention factor computed while parsing the config).
 
 LongRoPE (Ding et al., "LongRoPE: Extending LLM Context Window Beyond 2 Million Tokens",
 2024; transformers' ``_compute_longrope_parameters``): frequency i is
@@ -26,6 +27,8 @@ def layer_rotary(config: ModelConfig, layer_idx: int) -> tuple[tuple[float, ...]
     """
     family = config.family
     d = family.rotary_dim or config.head_dim      # the rotated features of each head
+    if family.yarn is not None:                   # gpt-oss: jaxpaged.yarn_rope
+        return family.yarn.inv_freq, family.yarn.attention_factor
     if family.longrope is not None:
         rope = family.longrope
         factors = np.asarray(rope.long_factor if rope.use_long else rope.short_factor,

@@ -67,6 +67,8 @@ class LlamaAttention(nnx.Module):
         self.sliding_window = (config.sliding_windows[layer_idx] if config.sliding_windows
                                else None)
         self.soft_cap = config.attn_logit_softcapping
+        #: Per-head attention sinks (gpt-oss: a module whose ``weight`` is [num_heads]), or None.
+        self.sinks = None
         self.backend = backend
 
     def __call__(self, x, positions, kv_pages: KVPages, metadata):
@@ -89,9 +91,10 @@ class LlamaAttention(nnx.Module):
         if not rotated and self.inv_freq is not None:
             q = apply_rope(q, positions, self.inv_freq, self.rope_mscale)
             k = apply_rope(k, positions, self.inv_freq, self.rope_mscale)
+        sinks = {} if self.sinks is None else {"sinks": self.sinks.weight[...].astype(jnp.float32)}
         out, kv_pages = self.backend.forward(q, k, v, kv_pages, metadata, scale=self.scale,
                                              sliding_window=self.sliding_window,
-                                             soft_cap=self.soft_cap)
+                                             soft_cap=self.soft_cap, **sinks)
         return out.reshape(t, self.num_heads * self.head_dim), kv_pages
 
 

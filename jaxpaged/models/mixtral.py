@@ -41,6 +41,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.tensor_parallel import TP_AXIS
+from jaxpaged.errors import TensorParallelError
 from jaxpaged.layers.linear import linear
 from jaxpaged.layers.quantization import quantize_weight
 from jaxpaged.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -111,6 +112,21 @@ def swiglu_experts(x, group_sizes, row_experts, w1, w3, w2, *scales):
     return matmul(jax.nn.silu(matmul(x, w1, s1)) * matmul(x, w3, s3), w2, s2)
 
 
+def route_to_experts(x, weights, experts, num_experts: int, run_experts):
+    """Top-k routed tokens through grouped experts and back: x [T, H]; weights [T, k] in x's
+    dtype and experts [T, k] int32, each token's chosen experts and their mixing weights;
+    ``run_experts(rows, group_sizes, row_experts)`` maps the T * k (token, expert) rows sorted
+    by expert ([T * k, H], group_sizes [num_experts] int32, row_experts [T * k] int32) to
+    their [T * k, H] outputs. Returns [T, H] in x's dtype: each token's weighted sum of its
+    experts' outputs."""
+    flat = experts.reshape(-1)                                               # [T * k]
+    order = jnp.argsort(flat, stable=True)
+    rows = order // experts.shape[1]                                          # their tokens
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    out = run_experts(x[rows], group_sizes, flat[order]) * weights.reshape(-1)[order][:, None]
+    return jnp.zeros_like(x).at[rows].add(out)
+
+
 class MixtralSparseMoeBlock(nnx.Module):
     """Top-k routed mixture of experts: x [T, H] -> [T, H] in x's dtype (the top-k weights
     renormalised unless the family says otherwise, ``FamilySettings.norm_topk_prob``)."""
@@ -123,7 +139,6 @@ class MixtralSparseMoeBlock(nnx.Module):
         self.expert_mesh: Mesh | None = None       # set by use_expert_parallelism
 
     def __call__(self, x):
-        t = x.shape[0]
         probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)       # [T, E]
         weights, experts = jax.lax.top_k(probs, self.top_k)                      # [T, k]
         if self.renormalize:
@@ -131,12 +146,7 @@ class MixtralSparseMoeBlock(nnx.Module):
         weights = weights.astype(x.dtype)
         if self.expert_mesh is not None:
             return self._expert_parallel(x, weights, experts)
-        flat = experts.reshape(-1)                                               # [T * k]
-        order = jnp.argsort(flat, stable=True)
-        rows = order // self.top_k                                               # their tokens
-        group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
-        out = self.experts(x[rows], group_sizes, flat[order]) * weights.reshape(-1)[order][:, None]
-        return jnp.zeros((t, x.shape[1]), x.dtype).at[rows].add(out)
+        return route_to_experts(x, weights, experts, self.num_experts, self.experts)
 
     def _expert_parallel(self, x, weights, experts):
         """The block with E / N experts per device (module docstring): x [T, H], weights and
@@ -165,10 +175,19 @@ class MixtralSparseMoeBlock(nnx.Module):
 def use_expert_parallelism(model: nnx.Module, mesh: Mesh) -> None:
     """Run every MoE block of ``model`` expert-parallel over ``mesh``'s ``tp`` axis (its
     expert kernels must be split on their expert dimension: ``TensorParallel`` with
-    ``expert_parallel``)."""
-    for _, module in model.iter_modules():
-        if isinstance(module, MixtralSparseMoeBlock):
-            module.expert_mesh = mesh
+    ``expert_parallel``).
+
+    Raises:
+        TensorParallelError: the model's experts are not Mixtral's block (gpt-oss's: expert
+            parallelism is not wired for them).
+    """
+    blocks = [m for _, m in model.iter_modules() if isinstance(m, MixtralSparseMoeBlock)]
+    if not blocks:
+        raise TensorParallelError(f"enable_expert_parallel is not supported for "
+                                  f"{type(model).__name__} (its experts split by tensor "
+                                  "parallelism only)")
+    for module in blocks:
+        module.expert_mesh = mesh
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from jaxpaged.config import UnsupportedModelError
 from jaxpaged.models.gemma2 import Gemma2ForCausalLM
 from jaxpaged.models.gemma3 import Gemma3ForCausalLM
+from jaxpaged.models.gpt_oss import GptOssForCausalLM
 from jaxpaged.models.granite import GraniteForCausalLM
 from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.mixtral import MixtralForCausalLM
@@ -32,6 +33,7 @@ MODEL_CLASSES = {
     "SmolLM3ForCausalLM": LlamaForCausalLM,       # NoPE layers: FamilySettings.layer_rope
     "GraniteForCausalLM": GraniteForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

@@ -114,8 +114,8 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def forward(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_pages: KVPages,
                 metadata: dict[str, jax.Array], *, scale: float,
-                sliding_window: int | None = None, soft_cap: float | None = None
-                ) -> tuple[jax.Array, KVPages]:
+                sliding_window: int | None = None, soft_cap: float | None = None,
+                sinks: jax.Array | None = None) -> tuple[jax.Array, KVPages]:
         """Write this step's K/V into the pool, then attend.
 
         Args:
@@ -131,6 +131,11 @@ class AttentionBackend(abc.ABC):
                 (p - sliding_window, p] (Mistral; Beltagy et al., "Longformer", 2020).
             soft_cap: if set, scaled scores s become ``soft_cap * tanh(s / soft_cap)``
                 (Gemma 2).
+            sinks: if set, [num_heads] float32 attention-sink logits (gpt-oss; OpenAI's
+                gpt-oss model card, section 2.1): each query's softmax over its visible keys
+                gets one more term ``exp(sink)`` of its head in the denominator, with no
+                value (``softmax([scores, sink])`` with the sink's weight dropped). Passed
+                only by models that have them, so a backend without sinks never sees it.
 
         Returns:
             ([T, num_heads, head_dim] attention output in q's dtype, updated kv_pages).

@@ -22,6 +22,7 @@ blocks as FlashAttention-2's tiles (Dao, 2023).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import jax
@@ -31,6 +32,8 @@ import numpy as np
 from jaxpaged.layers.cpu_build import (PAGED_ATTENTION_TARGET, PAGED_ATTENTION_WRITE_TARGET,
                                       load_cpu_kernels)
 from jaxpaged.layers.attention.xla import XlaAttentionBackend, paged_attention_chunked
+
+logger = logging.getLogger(__name__)
 
 #: Query and pool dtypes the kernel reads (the pool in the queries' dtype).
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -117,13 +120,14 @@ class CpuAttentionBackend(XlaAttentionBackend):
     name: str = "cpu"
 
     def forward(self, q, k, v, kv_pages, metadata, *, scale, sliding_window=None,
-                soft_cap=None):
+                soft_cap=None, sinks=None):
         """The KV write, then the kernel on the tokens in place (no gather into blocks), in
         one call (:func:`write_and_attend_cpu`) for unit K/V scales; a pool the kernel does
-        not read: the ``xla`` backend's forward."""
-        if not kernel_supports(q.dtype, kv_pages[0].dtype):
+        not read, or attention sinks (:func:`xla_for_sinks`): the ``xla`` backend's forward."""
+        if not kernel_supports(q.dtype, kv_pages[0].dtype) or xla_for_sinks(sinks):
             return super().forward(q, k, v, kv_pages, metadata, scale=scale,
-                                   sliding_window=sliding_window, soft_cap=soft_cap)
+                                   sliding_window=sliding_window, soft_cap=soft_cap,
+                                   **({} if sinks is None else {"sinks": sinks}))
         if self.k_scale == 1.0 and self.v_scale == 1.0:
             out, *kv_pages = write_and_attend_cpu(
                 q, *kv_pages, k, v, metadata["slot_mapping"], metadata["page_table"],
@@ -138,15 +142,15 @@ class CpuAttentionBackend(XlaAttentionBackend):
         return out, kv_pages
 
     def attend(self, q_blocks, kv_pages, page_table, block_seq, block_positions, *, scale,
-               sliding_window=None, soft_cap=None):
-        """Query blocks [NB, Bq, H, D] over a pool the kernel reads: the kernel; else
-        :func:`~jaxpaged.layers.attention.xla.paged_attention_chunked`."""
+               sliding_window=None, soft_cap=None, sinks=None):
+        """Query blocks [NB, Bq, H, D] over a pool the kernel reads, without sinks: the
+        kernel; else :func:`~jaxpaged.layers.attention.xla.paged_attention_chunked`."""
         k_pages, v_pages = kv_pages
         options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
                        k_scale=self.k_scale, v_scale=self.v_scale)
-        if not kernel_supports(q_blocks.dtype, k_pages.dtype):
+        if not kernel_supports(q_blocks.dtype, k_pages.dtype) or xla_for_sinks(sinks):
             return paged_attention_chunked(q_blocks, k_pages, v_pages, page_table, block_seq,
-                                           block_positions, **options)
+                                           block_positions, sinks=sinks, **options)
         nb, block_q, num_heads, head_dim = q_blocks.shape
         tokens = jnp.arange(nb * block_q, dtype=jnp.int32).reshape(nb, block_q)
         out = paged_attention_cpu(q_blocks.reshape(nb * block_q, num_heads, head_dim), k_pages,
@@ -158,3 +162,20 @@ class CpuAttentionBackend(XlaAttentionBackend):
 def kernel_available() -> bool:
     """True when this process runs on the CPU and the kernel is built and registered."""
     return jax.default_backend() == "cpu" and load_cpu_kernels()
+
+
+def xla_for_sinks(sinks) -> bool:
+    """True (logged once a process) when a layer has attention sinks (gpt-oss): the C++
+    kernel has none, so such layers take the ``xla`` backend's chunked attention (the KV write
+    too), which starts each row's softmax at its sink."""
+    if sinks is None:
+        return False
+    global _SINKS_LOGGED
+    if not _SINKS_LOGGED:
+        _SINKS_LOGGED = True
+        logger.info("cpu attention backend: the model has attention sinks, which the C++ "
+                    "kernel does not take; its layers run the xla backend's attention")
+    return True
+
+
+_SINKS_LOGGED = False

@@ -59,16 +59,19 @@ class PallasAttentionBackend(QueryBlockBackend):
         return build_decode_prefill_metadata(layout)
 
     def forward(self, q, k, v, kv_pages, metadata, *, scale: float,
-                sliding_window: int | None = None, soft_cap: float | None = None):
+                sliding_window: int | None = None, soft_cap: float | None = None,
+                sinks=None):
         """See :meth:`AttentionBackend.forward`. v2: the decode launch, plus the prefill
         launch when the bucket has prefill blocks, each scattered back to token order."""
         if self.kernel == "v1":
             return super().forward(q, k, v, kv_pages, metadata, scale=scale,
-                                   sliding_window=sliding_window, soft_cap=soft_cap)
+                                   sliding_window=sliding_window, soft_cap=soft_cap,
+                                   sinks=sinks)
         kv_pages = self.write_kv(kv_pages, k, v, metadata["slot_mapping"])
         t, num_heads, head_dim = q.shape
         q_padded = jnp.concatenate([q, jnp.zeros((1, num_heads, head_dim), q.dtype)])
-        options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                       sinks=sinks)
         decode_tokens = metadata["decode_tokens"]
         out = self.decode(q_padded[decode_tokens], kv_pages, metadata, **options)
         result = jnp.zeros((t + 1, num_heads, head_dim), q.dtype).at[decode_tokens].set(out)
@@ -83,7 +86,7 @@ class PallasAttentionBackend(QueryBlockBackend):
         return result[:t], kv_pages
 
     def decode(self, q_decode, kv_pages, metadata, *, scale: float,
-               sliding_window: int | None = None, soft_cap: float | None = None):
+               sliding_window: int | None = None, soft_cap: float | None = None, sinks=None):
         """v2's decode launch alone (no KV write, no scatter back): ``q_decode`` [ND, H, D]
         the decode tokens' queries in ``metadata["decode_tokens"]`` order -> [ND, H, D]
         (``pallas_kernels.paged_attention.paged_decode_attention``; also timed on its own by
@@ -93,7 +96,7 @@ class PallasAttentionBackend(QueryBlockBackend):
                                       metadata["decode_kv_tokens"], scale=scale,
                                       sliding_window=sliding_window, soft_cap=soft_cap,
                                       k_scale=self.k_scale, v_scale=self.v_scale,
-                                      interpret=self.interpret)
+                                      interpret=self.interpret, sinks=sinks)
 
     def write_kv(self, kv_pages, k, v, slot_mapping):
         """Pallas KV-write kernel, pool aliased in place."""
@@ -101,9 +104,9 @@ class PallasAttentionBackend(QueryBlockBackend):
                         v_scale=self.v_scale, interpret=self.interpret)
 
     def attend(self, q_blocks, kv_pages, page_table, block_seq, block_positions, *, scale,
-               sliding_window=None, soft_cap=None):
+               sliding_window=None, soft_cap=None, sinks=None):
         """v1 ragged paged attention over query blocks (the ``kernel="v1"`` path)."""
         return paged_attention_v1(q_blocks, *kv_pages, page_table, block_seq, block_positions,
                                   scale=scale, sliding_window=sliding_window,
                                   soft_cap=soft_cap, k_scale=self.k_scale,
-                                  v_scale=self.v_scale, interpret=self.interpret)
+                                  v_scale=self.v_scale, interpret=self.interpret, sinks=sinks)

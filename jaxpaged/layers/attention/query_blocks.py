@@ -120,7 +120,8 @@ class QueryBlockBackend(AttentionBackend):
                 "block_positions": block_positions[order]}
 
     def forward(self, q, k, v, kv_pages: KVPages, metadata, *, scale: float,
-                sliding_window: int | None = None, soft_cap: float | None = None):
+                sliding_window: int | None = None, soft_cap: float | None = None,
+                sinks: jax.Array | None = None):
         """See :meth:`AttentionBackend.forward`."""
         kv_pages = self.write_kv(kv_pages, k, v, metadata["slot_mapping"])
         t, num_heads, head_dim = q.shape
@@ -128,7 +129,8 @@ class QueryBlockBackend(AttentionBackend):
         q_padded = jnp.concatenate([q, jnp.zeros((1, num_heads, head_dim), q.dtype)])
         out = self.attend(q_padded[block_tokens], kv_pages, metadata["page_table"],
                           metadata["block_seq"], metadata["block_positions"], scale=scale,
-                          sliding_window=sliding_window, soft_cap=soft_cap)
+                          sliding_window=sliding_window, soft_cap=soft_cap,
+                          **({} if sinks is None else {"sinks": sinks}))
         result = jnp.zeros((t + 1, num_heads, head_dim), q.dtype).at[block_tokens].set(out)
         return result[:t], kv_pages
 
@@ -141,7 +143,9 @@ class QueryBlockBackend(AttentionBackend):
     @abc.abstractmethod
     def attend(self, q_blocks: jax.Array, kv_pages: KVPages, page_table: jax.Array,
                block_seq: jax.Array, block_positions: jax.Array, *, scale: float,
-               sliding_window: int | None = None, soft_cap: float | None = None) -> jax.Array:
+               sliding_window: int | None = None, soft_cap: float | None = None,
+               sinks: jax.Array | None = None) -> jax.Array:
         """[NB, Bq, num_heads, D] queries -> [NB, Bq, num_heads, D] attention outputs
-        (``sliding_window`` and ``soft_cap`` as in :meth:`AttentionBackend.forward`), reading
+        (``sliding_window``, ``soft_cap`` and ``sinks`` as in
+        :meth:`AttentionBackend.forward`), reading
         the pool as stored value times k_scale / v_scale."""

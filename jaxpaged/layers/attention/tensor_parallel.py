@@ -50,11 +50,18 @@ class TensorParallelAttention(AttentionBackend):
         return self.inner.build_metadata(layout)
 
     def forward(self, q, k, v, kv_pages: KVPages, metadata, *, scale: float,
-                sliding_window: int | None = None, soft_cap: float | None = None):
-        """See :meth:`AttentionBackend.forward`; q, k, v and the pool split by head."""
-        inner = partial(self.inner.forward, scale=scale, sliding_window=sliding_window,
-                        soft_cap=soft_cap)
+                sliding_window: int | None = None, soft_cap: float | None = None,
+                sinks=None):
+        """See :meth:`AttentionBackend.forward`; q, k, v, the pool and the sinks split by
+        head."""
+        options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        if sinks is None:
+            inner = partial(self.inner.forward, **options)
+            args, specs = (), ()
+        else:
+            inner = lambda *a: self.inner.forward(*a[:-1], sinks=a[-1], **options)  # noqa: E731
+            args, specs = (sinks,), (P(TP_AXIS),)
         per_device = shard_map(inner, mesh=self.mesh,
-                               in_specs=(_HEADS, _HEADS, _HEADS, (_POOL, _POOL), P()),
+                               in_specs=(_HEADS, _HEADS, _HEADS, (_POOL, _POOL), P(), *specs),
                                out_specs=(_HEADS, (_POOL, _POOL)), check_vma=False)
-        return per_device(q, k, v, kv_pages, metadata)
+        return per_device(q, k, v, kv_pages, metadata, *args)

@@ -55,7 +55,8 @@ def paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                             block_positions: jax.Array, *, scale: float,
                             sliding_window: int | None = None, soft_cap: float | None = None,
                             k_scale: float = 1.0, v_scale: float = 1.0,
-                            num_groups: int = NUM_GROUPS) -> jax.Array:
+                            num_groups: int = NUM_GROUPS,
+                            sinks: jax.Array | None = None) -> jax.Array:
     """Causal paged attention for query blocks, online softmax in float32.
 
     Args and result as :func:`pallas_kernels.reference.paged_attention_reference`:
@@ -67,7 +68,9 @@ def paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
     (padding rows finite, unspecified). ``num_groups`` runs of neighbouring blocks get
     their own trip counts (any block order is correct; blocks sorted by last position,
     descending, do the least work); with a sliding window a run also starts at the first
-    chunk any of its queries can see.
+    chunk any of its queries can see. ``sinks`` ([num_heads] float32 attention-sink logits,
+    gpt-oss) start each row's running maximum at its head's sink and its sum at 1, so the
+    sink joins the softmax denominator and adds no value.
 
     Raises:
         ValueError: pools neither in q's dtype nor fp8.
@@ -79,7 +82,7 @@ def paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
         pages = jnp.pad(pages, ((0, 0), (0, pad)))
     def attend(q, pages, block_positions):
         return _attend_run(q, k_pages, v_pages, pages, block_positions, scale * k_scale,
-                           v_scale, sliding_window, soft_cap)
+                           v_scale, sliding_window, soft_cap, sinks)
 
     nb = q.shape[0]
     num_runs = min(num_groups, nb)
@@ -106,7 +109,7 @@ def paged_attention_chunked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
 
 
 def _attend_run(q, k_pages, v_pages, pages, block_positions, scale, v_scale, sliding_window,
-                soft_cap):
+                soft_cap, sinks=None):
     """:func:`paged_attention_chunked` for one run of blocks; pages [NB, P] (P a multiple
     of PAGES_PER_CHUNK); ``scale`` already includes ``k_scale``. The chunk loop covers only
     the chunks the run's queries can see."""
@@ -142,8 +145,13 @@ def _attend_run(q, k_pages, v_pages, pages, block_positions, scale, v_scale, sli
         return m_new, l, acc
 
     shape = products.row_shape(nb, block_q, num_kv_heads, group)
-    init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(shape + (head_dim,), jnp.float32))
+    if sinks is None:
+        m0, l0 = jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32)
+    else:                   # the sink as a first key without a value (sinks: [KVH * G])
+        sink = sinks.astype(jnp.float32).reshape(num_kv_heads, group)
+        m0 = jnp.broadcast_to(sink if len(shape) == 3 else sink[..., None], shape)
+        l0 = jnp.ones(shape, jnp.float32)
+    init = (m0, l0, jnp.zeros(shape + (head_dim,), jnp.float32))
     num_chunks = jnp.max(block_positions) // chunk + 1                   # the rest is unseen
     first_chunk = 0
     if sliding_window is not None:      # chunks wholly before every query's window are unseen
@@ -271,9 +279,9 @@ class XlaAttentionBackend(QueryBlockBackend):
                                   v_scale=self.v_scale)
 
     def attend(self, q_blocks, kv_pages, page_table, block_seq, block_positions, *, scale,
-               sliding_window=None, soft_cap=None):
+               sliding_window=None, soft_cap=None, sinks=None):
         """Chunked online-softmax attention (:func:`paged_attention_chunked`)."""
         return paged_attention_chunked(q_blocks, *kv_pages, page_table, block_seq,
                                        block_positions, scale=scale,
                                        sliding_window=sliding_window, soft_cap=soft_cap,
-                                       k_scale=self.k_scale, v_scale=self.v_scale)
+                                       k_scale=self.k_scale, v_scale=self.v_scale, sinks=sinks)
