@@ -130,3 +130,14 @@ def test_architectures_still_not_read_are_named(tmp_path, arch):
     with pytest.raises(UnsupportedModelError,
                        match=f"GGUF architecture '{arch}' is not supported; supported: .*'phi3'"):
         ModelConfig.from_pretrained(path)
+
+
+@pytest.mark.parametrize("file, kw", [
+    pytest.param("phi3_longrope.f32.gguf", {}, marks=pytest.mark.slow),
+    ("qwen3_moe.f32.gguf", {"enable_expert_parallel": True})])
+def test_two_devices_match_transformers(file, kw):
+    """tp=2 on host devices: Phi-3's fused attn_qkv / ffn_up split per projection before
+    their columns are, Qwen3-MoE's stacked experts split over the devices."""
+    ref, _ = FILES[file]
+    check_generate(engine(ref, model=gguf(file), dtype="float32", tensor_parallel_size=2,
+                          **kw), ref)
