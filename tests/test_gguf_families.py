@@ -35,19 +35,22 @@ def gguf(file: str) -> str:
     return os.path.join(GGUF_DIR, file)
 
 
-@pytest.mark.parametrize("file", [
-    pytest.param(f, marks=pytest.mark.slow) if f == "gemma3.f32.gguf" else f  # 90 s: 6 groups
-    for f in FILES])
-def test_generate_matches_transformers(file):
+@pytest.mark.parametrize("file, backend", [
+    (f, "xla") if f != "gemma3.f32.gguf" else
+    pytest.param(f, "xla", marks=pytest.mark.slow)          # 90 s: its 6 KV groups
+    for f in FILES] + [pytest.param("olmo2.f32.gguf", b, marks=pytest.mark.slow)
+                       for b in ("cpu", "pallas")])         # about 100 s each
+def test_generate_matches_transformers(file, backend):
     """Prefill logits (Phi-3: its short LongRoPE factors at a 64-token engine) and greedy
     tokens through the family tests' engine (4-token pages, 8-token chunks, a pool that
-    preempts; Gemma 3's as many pages as its fixture's)."""
+    preempts; Gemma 3's as many pages as its fixture's) on the ``backend`` attention
+    backend."""
     ref, arch = FILES[file]
     cfg = ModelConfig.from_pretrained(gguf(file))
     assert cfg.architecture == arch and cfg.checkpoint_dtype == "float32"
     pages = POOL_PAGES.get("gemma3_local_global") if arch == "Gemma3ForCausalLM" else None
     llm = engine(ref, model=gguf(file), dtype="float32",   # (auto: bfloat16 on some CPUs)
-                 num_gpu_blocks_override=pages or 24)
+                 num_gpu_blocks_override=pages or 24, attention_backend=backend)
     logits, _ = llm.engine.runner.run_prefill(fixture(ref, "input_ids.npy").tolist())
     assert np.abs(np.asarray(logits) - fixture(ref, "logits.npy")).max() < 1e-4
     check_generate(llm, ref)
@@ -141,3 +144,4 @@ def test_two_devices_match_transformers(file, kw):
     ref, _ = FILES[file]
     check_generate(engine(ref, model=gguf(file), dtype="float32", tensor_parallel_size=2,
                           **kw), ref)
+
