@@ -16,10 +16,9 @@ import struct
 
 from jaxpaged.errors import UnsupportedModelError
 from jaxpaged import gguf_header_cache as header_cache
+from jaxpaged.gguf_arch import (GGUF_ARCHITECTURES, LINEAR_ROPE_SCALING, PARTIAL_ROTARY,
+                                family_config)
 from jaxpaged.gguf_file import GGUFFile, GGUFFormatError, read_gguf
-
-#: GGUF ``general.architecture`` -> the Hugging Face class jaxpaged builds for it.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 #: ggml tensor types the loader dequantizes (``gguf.GGMLQuantizationType`` names).
 SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
@@ -114,18 +113,21 @@ def metadata(reader: GGUFFile) -> dict:
 
 
 def gguf_config(path: str) -> dict:
-    """The ``config.json`` dict (transformers' Llama keys) of the GGUF model at ``path``.
+    """The ``config.json`` dict (transformers' keys) of the GGUF model at ``path``.
 
-    Read: ``general.architecture``; ``llama.{block_count, embedding_length, feed_forward_length,
-    attention.head_count, attention.head_count_kv, attention.key_length, rope.freq_base,
-    rope.dimension_count, attention.layer_norm_rms_epsilon, context_length, vocab_size}``; the
-    tokenizer's BOS/EOS ids; the tensor names (``output.weight`` absent: tied embeddings;
-    ``blk.0.attn_q.bias`` present: attention biases).
+    Read: ``general.architecture`` (one of :data:`GGUF_ARCHITECTURES`);
+    ``{arch}.{block_count, embedding_length, feed_forward_length, attention.head_count,
+    attention.head_count_kv, attention.key_length, rope.freq_base, rope.dimension_count,
+    attention.layer_norm_rms_epsilon, context_length, vocab_size}``; the tokenizer's BOS/EOS
+    ids; the tensor names (``output.weight`` absent: tied embeddings; ``blk.0.attn_q.bias``
+    present: attention biases); each family's own keys
+    (:func:`jaxpaged.gguf_arch.family_config`).
 
     Raises:
-        UnsupportedModelError: an architecture other than ``llama``, RoPE scaling, a partial
-            rotary dimension, or a tensor type outside :data:`SUPPORTED_TENSOR_TYPES` (all
-            named).
+        UnsupportedModelError: an architecture outside :data:`GGUF_ARCHITECTURES`, RoPE
+            scaling (but Gemma 3's linear), a partial rotary dimension (but Phi-3's), a
+            family setting jaxpaged does not have, or a tensor type outside
+            :data:`SUPPORTED_TENSOR_TYPES` (all named).
         BadGGUFError: unreadable file, missing size keys, or a vocabulary (``vocab_size`` or the
             tokenizer's token list) that does not match the embedding's rows.
     """
@@ -143,9 +145,11 @@ def gguf_config(path: str) -> dict:
                                     f"which jaxpaged cannot dequantize; supported: "
                                     f"{list(SUPPORTED_TENSOR_TYPES)}")
     for key in ("rope.scaling.type", "rope.scaling.factor"):
-        if meta.get(f"{arch}.{key}") not in (None, "none", 1.0):
-            raise UnsupportedModelError(f"GGUF {arch}.{key}={meta[f'{arch}.{key}']!r}: RoPE "
-                                        "scaling from GGUF metadata is not supported")
+        value = meta.get(f"{arch}.{key}")
+        linear = arch in LINEAR_ROPE_SCALING and meta.get(f"{arch}.rope.scaling.type") == "linear"
+        if value not in (None, "none", 1.0) and not linear:
+            raise UnsupportedModelError(f"GGUF {arch}.{key}={value!r}: RoPE scaling from GGUF "
+                                        f"metadata is not supported for {arch}")
     if "rope_freqs.weight" in tensors:
         raise UnsupportedModelError("the GGUF holds rope_freqs.weight (Llama 3 RoPE frequency "
                                     "scaling), which the GGUF loader does not read")
@@ -156,7 +160,7 @@ def gguf_config(path: str) -> dict:
     hidden, heads = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.attention.head_count"])
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     rotary = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-    if rotary != head_dim:
+    if rotary != head_dim and arch not in PARTIAL_ROTARY:
         raise UnsupportedModelError(f"GGUF {arch}.rope.dimension_count={rotary} rotates part of "
                                     f"each head (head_dim {head_dim}); not supported")
     rows = int(tensors["token_embd.weight"].shape[-1])    # ggml dims: [hidden, vocab]
@@ -166,7 +170,7 @@ def gguf_config(path: str) -> dict:
         raise BadGGUFError(f"{path!r}: the vocabulary ({arch}.vocab_size {vocab}, "
                            f"{'no' if tokens is None else tokens} tokenizer tokens) does not "
                            f"match the embedding's {rows} rows (token_embd.weight)")
-    return {
+    return family_config(arch, meta, tensors, {
         "architectures": [GGUF_ARCHITECTURES[arch]],
         "vocab_size": rows,
         "hidden_size": hidden,
@@ -183,4 +187,4 @@ def gguf_config(path: str) -> dict:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
-    }
+    })

@@ -1,4 +1,4 @@
-"""Read a GGUF file (llama.cpp's checkpoint format) as a Llama checkpoint.
+"""Read a GGUF file (llama.cpp's checkpoint format) as a Hugging Face checkpoint.
 
 A GGUF file holds metadata (key/value pairs: the architecture, its sizes, the tokenizer and its
 chat template) and tensors under llama.cpp's names, each stored as F32, F16, BF16 or in one of
@@ -6,69 +6,61 @@ ggml's block quantizations. This module turns one into what the rest of the load
 Hugging Face directory:
 
 - :func:`jaxpaged.gguf_config.gguf_config`: the ``config.json`` dict of the model, from the
-  ``llama.*`` keys (a leaf module, read by ``ModelConfig.from_pretrained``);
-- :class:`GGUFCheckpoint`: the tensors under the Hugging Face Llama names, ``[out, in]`` float32,
-  dequantized on the host by the ``gguf`` package (maintained with llama.cpp,
-  ``gguf.quants.dequantize``), with the Q/K row permutation undone (below);
+  ``{arch}.*`` keys (a leaf module, read by ``ModelConfig.from_pretrained``; the families'
+  keys in :mod:`jaxpaged.gguf_arch`);
+- :class:`GGUFCheckpoint`: the tensors under the Hugging Face names
+  (:mod:`jaxpaged.models.gguf_names`), ``[out, in]`` float32, dequantized on the host by the
+  ``gguf`` package (maintained with llama.cpp, ``gguf.quants.dequantize``), with the Q/K row
+  permutation undone (below), Gemma 3's ``1 +`` on its norms taken off, and each expert read
+  from its layer's stacked tensor;
 - :func:`gguf_tokenizer` (:mod:`jaxpaged.models.gguf_tokenizer`): the tokenizer and chat template.
 
-The Q/K permutation: llama.cpp's converter (``convert_hf_to_gguf.py``, ``LlamaModel.permute``)
-reorders the output rows of ``q_proj`` and ``k_proj`` so that ggml's RoPE, which rotates
-adjacent pairs (0, 1), (2, 3), ..., sees what transformers' RoPE sees rotating the halves
-(i, i + head_dim/2): within each head, row ``2i + j`` of the GGUF tensor is row
-``i + j * head_dim/2`` of the Hugging Face one. :func:`unpermute_rows` inverts it (per query head
-for ``attn_q``, per KV head for ``attn_k``), as transformers' GGUF loader does.
+The Q/K permutation: llama.cpp's converter (``convert_hf_to_gguf.py``, ``LlamaModel.permute``,
+also for SmolLM3 and Granite: :data:`jaxpaged.gguf_arch.PERMUTED_QK`) reorders the output rows
+of ``q_proj`` and ``k_proj`` so that ggml's RoPE, which rotates adjacent pairs (0, 1), (2, 3),
+..., sees what transformers' RoPE sees rotating the halves (i, i + head_dim/2): within each
+head, row ``2i + j`` of the GGUF tensor is row ``i + j * head_dim/2`` of the Hugging Face one.
+:func:`unpermute_rows` inverts it (per query head for ``attn_q``, per KV head for ``attn_k``),
+as transformers' GGUF loader does.
 
-Only the ``llama`` architecture is read (llama.cpp also files Mistral-style models under it);
-any other, an unsupported tensor type, a truncated file or a vocabulary that does not match the
-embedding is refused with a typed error naming the problem.
+The architectures of :data:`jaxpaged.gguf_arch.GGUF_ARCHITECTURES` are read (llama.cpp also
+files Mistral-style models under ``llama``); any other, an unsupported tensor type, a truncated
+file or a vocabulary that does not match the embedding is refused with a typed error naming
+the problem.
 """
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
 from jaxpaged.errors import UnsupportedModelError
+from jaxpaged.gguf_arch import PERMUTED_QK
 from jaxpaged.gguf_config import BadGGUFError, SUPPORTED_TENSOR_TYPES, open_gguf  # noqa: F401
 from jaxpaged.layers.packed_layout import PACKED_LEAVES, pack_weight
 from jaxpaged.models.gguf_blocks import PACKABLE_TYPES, decode_blocks
+from jaxpaged.models.gguf_names import (LAYER_NAMES, expert_slice, hf_tensor_name,  # noqa: F401
+                                        is_config_tensor, norm_offset)
 from jaxpaged.models.gguf_packed_cache import PackedWeightCache
 
-#: llama.cpp tensor names -> Hugging Face Llama names (``{i}``: the layer).
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                 "output": "lm_head"}
-_LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+#: Architectures whose projections may stay packed (:func:`keeps_packed`; the others load
+#: dequantized: their fused and stacked tensors have no packed reader).
+PACKED_ARCHITECTURES = ("llama",)
 
 
 def keeps_packed(path: str) -> bool:
     """Whether the GGUF file's projections and token embedding (and LM head, if any) can all
-    stay packed: each stored in one of :data:`PACKABLE_TYPES` (a file with F32/F16/BF16
-    projections loads dequantized, as before)."""
-    kinds = {t.name: t.type_name for t in open_gguf(path).tensors}
+    stay packed: a :data:`PACKED_ARCHITECTURES` file whose weights are each stored in one of
+    :data:`PACKABLE_TYPES` (a file with F32/F16/BF16 projections loads dequantized, as
+    before)."""
+    opened = open_gguf(path)
+    if opened.metadata.get("general.architecture") not in PACKED_ARCHITECTURES:
+        return False
+    kinds = {t.name: t.type_name for t in opened.tensors}
+    layer_names = LAYER_NAMES["llama"]
     weights = [n for n in kinds if n.endswith(".weight") and
-               (n.split(".")[-2] in _LAYER_NAMES and n.split(".")[-2].startswith(("attn_", "ffn_"))
+               (n.split(".")[-2] in layer_names and n.split(".")[-2].startswith(("attn_", "ffn_"))
                 and not n.endswith("_norm.weight") or n in ("token_embd.weight", "output.weight"))]
     return bool(weights) and all(kinds[n] in PACKABLE_TYPES for n in weights)
-
-
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face Llama name of a llama.cpp tensor (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``), or None for a name outside the mapping."""
-    base, _, leaf = gguf_name.rpartition(".")
-    if base in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[base]}.{leaf}"
-    m = _LAYER.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    return None
-
-
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation.
 
@@ -85,7 +77,7 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 class GGUFCheckpoint:
-    """A GGUF file's tensors under Hugging Face Llama names, read lazily (the loader's
+    """A GGUF file's tensors under Hugging Face names, read lazily (the loader's
     checkpoint-reader interface: :meth:`get` and :meth:`unread`).
 
     Args:
@@ -103,16 +95,20 @@ class GGUFCheckpoint:
                  packed_cache_dir: str | None = None):
         self._path = path
         self._packed_cache = PackedWeightCache(packed_cache_dir, path)
+        opened = open_gguf(path)
+        self._arch = opened.metadata.get("general.architecture", "llama")
         self._tensors = {}
         self._unmapped = []
-        for t in open_gguf(path).tensors:
-            name = hf_tensor_name(t.name)
-            if name is None:
-                self._unmapped.append(t.name)
-            else:
+        for t in opened.tensors:
+            name = hf_tensor_name(t.name, self._arch)
+            if name is not None:
                 self._tensors[name] = t
-        self._heads = {"self_attn.q_proj": num_heads, "self_attn.k_proj": num_kv_heads}
+            elif not is_config_tensor(t.name):
+                self._unmapped.append(t.name)
+        self._heads = ({"self_attn.q_proj": num_heads, "self_attn.k_proj": num_kv_heads}
+                       if self._arch in PERMUTED_QK else {})
         self._read: set[str] = set()
+        self._stack: tuple[str, np.ndarray] | None = None   # the last expert stack read
 
     def unread(self) -> list[str]:
         """Tensors no :meth:`get` asked for (llama.cpp's names for those outside the mapping),
@@ -164,11 +160,31 @@ class GGUFCheckpoint:
 
     def get(self, name: str) -> np.ndarray | None:
         """Tensor ``name`` (Hugging Face naming and layout: a weight ``[out, in]``) as float32,
-        or None if the file lacks it.
+        or None if the file lacks it; an expert's weight
+        (``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``) is its slice of the layer's
+        stacked tensor.
 
         Raises:
             UnsupportedModelError: a tensor type outside :data:`SUPPORTED_TENSOR_TYPES`.
         """
+        expert = expert_slice(name)
+        if expert is not None and name not in self._tensors:
+            stack, e = expert
+            if self._stack is None or self._stack[0] != stack:
+                whole = self._dequantized(stack)
+                if whole is None:
+                    return None
+                self._stack = (stack, whole)
+            return self._stack[1][e] if e < len(self._stack[1]) else None
+        w = self._dequantized(name)
+        if w is None:
+            return None
+        offset = norm_offset(self._arch, name)
+        return self._hf_rows(name, w - offset if offset else w)
+
+    def _dequantized(self, name: str) -> np.ndarray | None:
+        """The file's tensor ``name`` as float32 in numpy order (``[out, in]``, a stack of
+        experts ``[experts, out, in]``), or None if it lacks it."""
         t = self._tensor(name, SUPPORTED_TENSOR_TYPES,
                          f"; supported: {list(SUPPORTED_TENSOR_TYPES)}")
         if t is None:
@@ -176,10 +192,7 @@ class GGUFCheckpoint:
         # ggml lists dimensions fastest first: [in, out] is numpy's [out, in].
         shape = tuple(int(d) for d in reversed(t.shape))
         if t.type_name in ("F32", "F16"):       # (a packed model's norms: no gguf import)
-            w = np.asarray(t.data, np.float32).reshape(shape)
-        else:
-            import gguf
+            return np.asarray(t.data, np.float32).reshape(shape)
+        import gguf
 
-            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type),
-                           np.float32).reshape(shape)
-        return self._hf_rows(name, w)
+        return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape)
