@@ -182,7 +182,6 @@ def test_hub_style_configs_read_as_transformers_reads_them():
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "yarn"),
     ("smollm3_nope", {"no_rope_layers": [1, 0]}, "no_rope_layers"),
     ("qwen3_moe", {"architectures": ["GptOssForCausalLM"]}, "gpt-oss is not supported"),
-    ("qwen3_moe", {"architectures": ["Qwen3NextForCausalLM"]}, "Qwen3-Next is not supported"),
 ])
 def test_unsupported_settings_are_named(name, overrides, match):
     with pytest.raises(UnsupportedModelError, match=match):

@@ -17,6 +17,7 @@ from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.mixtral import MixtralForCausalLM
 from jaxpaged.models.olmo2 import Olmo2ForCausalLM
 from jaxpaged.models.qwen3_moe import Qwen3MoeForCausalLM
+from jaxpaged.models.qwen3_next import Qwen3NextForCausalLM
 
 #: Keys: every name in :data:`jaxpaged.config.SUPPORTED_ARCHITECTURES`.
 MODEL_CLASSES = {
@@ -32,6 +33,7 @@ MODEL_CLASSES = {
     "SmolLM3ForCausalLM": LlamaForCausalLM,       # NoPE layers: FamilySettings.layer_rope
     "GraniteForCausalLM": GraniteForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,   # recurrent layers: layers.recurrent_pool
 }
 
 
