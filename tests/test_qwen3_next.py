@@ -1,20 +1,27 @@
-"""Qwen3-Next (issue 45): Gated DeltaNet layers with a per-sequence recurrent state beside the
-paged pool, against transformers' own ``Qwen3NextForCausalLM`` (committed tiny random
-checkpoint, ``tests/fixtures/make_family_references.py``): float32 logits within 1e-4, whole and
-in chunks."""
+"""Qwen3-Next (issue 45): Gated DeltaNet layers with per-sequence state slots beside the paged
+pool, against transformers' own ``Qwen3NextForCausalLM`` (committed tiny random checkpoint,
+``tests/fixtures/make_family_references.py``): float32 logits within 1e-4, 32 identical greedy
+tokens through ``LLM.generate`` with chunked prefill and preemption, and no leaked slot."""
 
 import os
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jaxpaged.config import ModelConfig
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.arg_utils import DEFAULT_MODEL
+from jaxpaged.config import ModelConfig, UnsupportedModelError
+from jaxpaged.errors import SamplingParamsError
+from jaxpaged.core.kv_cache_manager import KVCacheManager
+from jaxpaged.core.state_slots import StateSlotKVCacheManager, StateSlots
 from jaxpaged.layers.attention import BatchLayout, allocate_kv_pool, get_attention_backend
 from jaxpaged.layers.recurrent_pool import num_kv_layers, recurrent_pool, state_shapes
 from jaxpaged.models.loader import load_model
 from tests.conftest import FIXTURES
 
 MODEL = os.path.join(FIXTURES, "qwen3_next")
+GREEDY_32 = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
 def fixture(file):
@@ -80,3 +87,79 @@ def test_chunks_carry_the_state():
     assert np.abs(logits - ref).max() < 1e-4
 
 
+def engine(**kw):
+    """Chunked prefill (8 tokens a step), 4-token pages, 24 pages for three 41-token
+    sequences (11 pages each in the one attention layer): preemption."""
+    args = dict(enforce_eager=True, model=MODEL, tokenizer=DEFAULT_MODEL, max_num_seqs=3,
+                block_size=4, max_model_len=64, max_num_batched_tokens=8,
+                enable_prefix_caching=True, num_gpu_blocks_override=24)
+    return LLM(**{**args, **kw})
+
+
+def assert_slots_free(llm):
+    slots = llm.engine.kv_cache_manager.state_slots
+    assert slots.num_free == slots.num_slots == 3
+    assert llm.engine.kv_cache_manager.num_used_pages == 0
+
+
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
+def test_generate_matches_transformers(backend):
+    llm = engine(attention_backend=backend)
+    prompt, want = fixture("greedy_prompt.npy").tolist(), fixture("greedy_tokens.npy").tolist()
+    assert llm.generate([prompt], GREEDY_32, use_tqdm=False)[0].outputs[0].token_ids == want
+    outs = llm.generate([prompt] * 3, GREEDY_32, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want] * 3
+    assert llm.engine.num_preemptions > 0
+    assert all(o.num_cached_tokens == 0 for o in outs)      # prefix caching is off
+    assert_slots_free(llm)
+    # Prompt logprobs of the 41 ids, prefilled 8 tokens a step: transformers' log-softmax.
+    ids, ref = fixture("input_ids.npy"), fixture("logits.npy").astype(np.float64)
+    out = llm.generate([ids.tolist()], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    ref = ref - np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - ref.max(-1, keepdims=True)
+    got = [out.prompt_logprobs[p][int(ids[p])].logprob for p in range(1, len(ids))]
+    assert np.abs(np.array(got) - ref[np.arange(len(ids) - 1), ids[1:]]).max() < 1e-4
+
+
+def test_soak_leaves_every_slot_free():
+    """24 requests of mixed lengths through a pool that preempts: each of three later copies
+    of a prompt gives the first run's tokens, and no state slot or page stays held."""
+    llm = engine(num_gpu_blocks_override=20)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (3, 9, 17, 30, 5, 12)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    outs = llm.generate(prompts * 3, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == first * 3
+    assert llm.engine.num_preemptions > 0
+    assert_slots_free(llm)
+    with pytest.raises(SamplingParamsError, match="parallel sampling"):
+        llm.generate([prompts[0]], SamplingParams(n=2, max_tokens=2), use_tqdm=False)
+
+
+def test_state_slot_manager_takes_and_gives_back():
+    kv = StateSlotKVCacheManager(KVCacheManager(5, 4, enable_prefix_caching=False), 2)
+    assert kv.allocate_slots("a", 4) and kv.allocate_slots("b", 4)
+    assert (kv.state_slot("a"), kv.state_slot("b"), kv.state_slot("c")) == (0, 1, -1)
+    assert not kv.allocate_slots("c", 4)                 # no slot: no pages taken either
+    assert kv.num_free_pages == 2 and kv.page_table("c") == []
+    assert kv.allocate_slots("a", 8) and kv.state_slot("a") == 0     # grows, same slot
+    kv.free("a")                                         # finished or preempted
+    assert kv.allocate_slots("c", 4) and kv.state_slot("c") == 0
+    assert kv.find_cached_prefix("d", [1, 2, 3, 4, 5]) == 0
+    with pytest.raises(ValueError, match="num_slots"):
+        StateSlots(0)
+
+
+def test_unsupported_settings_are_named():
+    with pytest.raises(UnsupportedModelError, match="tensor_parallel_size > 1"):
+        engine(tensor_parallel_size=2)
+    cfg = dict(architectures=["Qwen3NextForCausalLM"], vocab_size=256, hidden_size=64,
+               intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               head_dim=16, layer_types=["linear_attention", "mamba"])
+    with pytest.raises(UnsupportedModelError, match="layer_types"):
+        ModelConfig.from_dict(cfg)
+    with pytest.raises(UnsupportedModelError, match="linear_num_value_heads"):
+        ModelConfig.from_dict({**cfg, "layer_types": None, "linear_num_key_heads": 3,
+                               "linear_num_value_heads": 4})
