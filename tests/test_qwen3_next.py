@@ -18,7 +18,8 @@ from jaxpaged.errors import SamplingParamsError
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.state_slots import StateSlotKVCacheManager, StateSlots
 from jaxpaged.layers.attention import BatchLayout, allocate_kv_pool, get_attention_backend
-from jaxpaged.layers.recurrent_pool import num_kv_layers, recurrent_pool, state_shapes
+from jaxpaged.layers.recurrent_pool import (num_kv_layers, recurrent_pool, state_bytes,
+                                           state_shapes)
 from jaxpaged.models.loader import load_model
 from tests.conftest import FIXTURES
 
@@ -81,6 +82,7 @@ def test_settings_parsed():
     assert cfg.sliding_windows == (None,) * 4 and num_kv_layers(cfg) == 1
     # conv state: 3 inputs of 2 * 2 * 16 + 4 * 8 channels; SSM: [Hv, Dk, Dv]; 2 slots + scratch
     assert state_shapes(cfg, 2) == ((3, 3, 96), (3, 4, 16, 8))
+    assert state_bytes(cfg, 2, jnp.float32) == 3 * (3 * 3 * 96 + 3 * 4 * 16 * 8) * 4
 
 
 def test_logits_match_transformers():

@@ -36,7 +36,7 @@ from jaxpaged.layers.attention.tensor_parallel import TensorParallelAttention
 from jaxpaged.layers.cpu_build import cpu_flags
 from jaxpaged.layers.kv_group_layers import set_kv_layout
 from jaxpaged.layers.recurrent_pool import (num_kv_layers, recurrent_layers, recurrent_pool,
-                                           refuse_unsupported)
+                                           refuse_unsupported, state_bytes)
 from jaxpaged.lora.config import LoRAConfig
 from jaxpaged.lora.device import LoRASlotWriter, add_lora_slots
 from jaxpaged.models.mixtral import use_expert_parallelism
@@ -264,6 +264,11 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
                 np.dtype(kv_cache_dtype).name, bytes_per_page,
                 num_pages * bytes_per_page / 2**20, max_model_len,
                 concurrency)
+    if recurrent_layers(cfg):
+        logger.info("recurrent state: %d slots (max_num_seqs) in each of %d recurrent layers, "
+                    "%.2f MiB besides the KV pages", args.max_num_seqs,
+                    sum(recurrent_layers(cfg)),
+                    state_bytes(cfg, args.max_num_seqs, dtype) / 2**20)
     if layout is not None:
         logger.info("KV cache groups: %s, a page spanning %d layers; a %d-token request holds "
                     "%s pages of them", ", ".join(
