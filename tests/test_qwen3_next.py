@@ -135,6 +135,17 @@ def test_generate_matches_transformers(backend):
     assert np.abs(np.array(got) - ref[np.arange(len(ids) - 1), ids[1:]]).max() < 1e-4
 
 
+def test_two_devices_match_transformers():
+    """tp=2 on host devices: attention heads and expert columns split, the DeltaNet layers
+    and their states replicated."""
+    llm = engine(tensor_parallel_size=2, attention_backend="xla")
+    prompt, want = fixture("greedy_prompt.npy").tolist(), fixture("greedy_tokens.npy").tolist()
+    outs = llm.generate([prompt] * 3, GREEDY_32, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want] * 3
+    assert llm.engine.num_preemptions > 0
+    assert_slots_free(llm)
+
+
 def test_soak_leaves_every_slot_free():
     """24 requests of mixed lengths through a pool that preempts: each of three later copies
     of a prompt gives the first run's tokens, and no state slot or page stays held."""
@@ -166,8 +177,8 @@ def test_state_slot_manager_takes_and_gives_back():
 
 
 def test_unsupported_settings_are_named():
-    with pytest.raises(UnsupportedModelError, match="tensor_parallel_size > 1"):
-        engine(tensor_parallel_size=2)
+    with pytest.raises(UnsupportedModelError, match="pipeline_parallel_size > 1"):
+        engine(pipeline_parallel_size=2)
     cfg = dict(architectures=["Qwen3NextForCausalLM"], vocab_size=256, hidden_size=64,
                intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                head_dim=16, layer_types=["linear_attention", "mamba"])

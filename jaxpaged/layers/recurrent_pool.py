@@ -77,18 +77,19 @@ def recurrent_pool(config: ModelConfig, kv_pairs: Callable[[int], list], num_slo
     return [zeros() if recurrent else next(pairs) for recurrent in flags]
 
 
-def refuse_unsupported(config: ModelConfig, *, tensor_parallel_size: int, pipeline: bool,
-                       speculative: bool, calculate_kv_scales: bool) -> None:
+def refuse_unsupported(config: ModelConfig, *, pipeline: bool, speculative: bool,
+                       calculate_kv_scales: bool) -> None:
     """Refuse what a model with recurrent layers does not support yet (no-op for others).
+    Tensor parallelism works: the recurrent layers' weights and states are replicated (each
+    device runs them whole), the attention heads and MLP/expert columns are split.
 
     Raises:
-        UnsupportedModelError: naming the setting (tensor or pipeline parallelism,
-            speculative decoding, ``--calculate-kv-scales``).
+        UnsupportedModelError: naming the setting (pipeline parallelism, speculative
+            decoding, ``--calculate-kv-scales``).
     """
     if not recurrent_layers(config):
         return
     refused = [name for name, on in (
-        ("tensor_parallel_size > 1", tensor_parallel_size > 1),
         ("pipeline_parallel_size > 1", pipeline), ("speculative decoding", speculative),
         ("calculate_kv_scales", calculate_kv_scales)) if on]
     if refused:

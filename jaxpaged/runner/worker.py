@@ -150,7 +150,7 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
         tp = TensorParallel.create(args.tensor_parallel_size, cfg, devices,
                                    args.enable_expert_parallel)
     kv_heads = tp.physical_config(cfg).num_kv_heads
-    refuse_unsupported(cfg, tensor_parallel_size=tp.size, pipeline=pipeline is not None,
+    refuse_unsupported(cfg, pipeline=pipeline is not None,
                        speculative=args.speculative_config is not None,
                        calculate_kv_scales=args.calculate_kv_scales)
     platform = tp.mesh.devices.flat[0].platform
