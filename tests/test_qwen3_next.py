@@ -115,7 +115,7 @@ def assert_slots_free(llm):
     assert llm.engine.kv_cache_manager.num_used_pages == 0
 
 
-@pytest.mark.parametrize("backend", ["xla", "cpu"])
+@pytest.mark.parametrize("backend", ["xla", "cpu", pytest.param("pallas", marks=pytest.mark.slow)])
 def test_generate_matches_transformers(backend):
     llm = engine(attention_backend=backend)
     prompt, want = fixture("greedy_prompt.npy").tolist(), fixture("greedy_tokens.npy").tolist()
