@@ -18,6 +18,7 @@ from jaxpaged.errors import SamplingParamsError
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.state_slots import StateSlotKVCacheManager, StateSlots
 from jaxpaged.layers.attention import BatchLayout, allocate_kv_pool, get_attention_backend
+from jaxpaged.layers.gated_deltanet import ragged_gated_delta
 from jaxpaged.layers.recurrent_pool import (num_kv_layers, recurrent_pool, state_bytes,
                                            state_shapes)
 from jaxpaged.models.loader import load_model
@@ -187,3 +188,19 @@ def test_unsupported_settings_are_named():
     with pytest.raises(UnsupportedModelError, match="linear_num_value_heads"):
         ModelConfig.from_dict({**cfg, "layer_types": None, "linear_num_key_heads": 3,
                                "linear_num_value_heads": 4})
+
+
+def test_decode_step_at_once_equals_in_order():
+    """A decode-only step (distinct slots; padding tokens share the scratch slot 4): the
+    vectorised one-step update gives the token-by-token scan's outputs and states."""
+    rng = np.random.default_rng(1)
+    t, c, kernel, (nk, dk, nv, dv) = 5, 2 * 2 * 16 + 4 * 8, 4, (2, 16, 4, 8)
+    f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    args = (f32(t, c), -jnp.abs(f32(t, nv)), jax.nn.sigmoid(f32(t, nv)),
+            jnp.array([2, 0, 3, 4, 4], jnp.int32), jnp.array([False, True, False, True, True]),
+            f32(c, kernel), f32(5, kernel - 1, c), f32(5, nv, dk, dv), nk, dk, nv, dv)
+    want = ragged_gated_delta(*args)
+    got = ragged_gated_delta(*args, distinct=jnp.asarray(True))
+    for rows, w, g in zip((3, 4, 4), want, got):     # real tokens' outputs; slots 0..3
+        assert np.abs(np.asarray(w[:rows]) - np.asarray(g[:rows])).max() < 1e-5
+    assert np.abs(np.asarray(want[2][2] - args[7][2])).max() > 0.01     # slot 2 was updated

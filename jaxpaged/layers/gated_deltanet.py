@@ -21,8 +21,9 @@ padding, or a metadata without slots: every token is one sequence in the scratch
 single whole-prompt forward is). A token at position 0 starts from a zero state, so a slot
 needs no clearing when a new (or preempted and recomputed) sequence takes it.
 
-The tokens run through :func:`ragged_gated_delta` in order, one state update each
-(``pallas_kernels.deltanet_chunk.gated_delta_step``, the one-step decode update); the
+:func:`ragged_gated_delta` applies the one-step update
+(``pallas_kernels.deltanet_chunk.gated_delta_step``) to every token of a decode-only step at
+once (no two real tokens share a slot), and token by token in order otherwise; the
 chunked form of the same recurrence (an XLA function and a Pallas kernel, tested against it)
 is in ``pallas_kernels.deltanet_chunk`` and not yet called by this layer.
 """
@@ -44,12 +45,27 @@ def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + eps)
 
 
+def conv_qkv(window: jax.Array, taps: jax.Array, num_k_heads: int, k_head_dim: int,
+             num_v_heads: int, v_head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The convolution's output for windows [..., K, C] (taps [K, C]), SiLU, split into the
+    rule's float32 q, k [..., Hv, Dk] (L2-normalised, each key head repeated for its value
+    heads, q scaled by ``Dk ** -0.5``) and v [..., Hv, Dv]."""
+    y = jax.nn.silu(jnp.sum(window.astype(taps.dtype) * taps, -2)).astype(jnp.float32)
+    lead, key_dim = y.shape[:-1], num_k_heads * k_head_dim
+    q = y[..., :key_dim].reshape(*lead, num_k_heads, k_head_dim)
+    k = y[..., key_dim:2 * key_dim].reshape(*lead, num_k_heads, k_head_dim)
+    v = y[..., 2 * key_dim:].reshape(*lead, num_v_heads, v_head_dim)
+    repeat = num_v_heads // num_k_heads
+    return (jnp.repeat(l2_normalize(q), repeat, -2) * k_head_dim ** -0.5,
+            jnp.repeat(l2_normalize(k), repeat, -2), v)
+
+
 def ragged_gated_delta(mixed: jax.Array, g: jax.Array, beta: jax.Array, slots: jax.Array,
                        reset: jax.Array, conv_weight: jax.Array, conv_state: jax.Array,
                        ssm_state: jax.Array, num_k_heads: int, k_head_dim: int,
-                       num_v_heads: int, v_head_dim: int
+                       num_v_heads: int, v_head_dim: int, distinct: jax.Array | None = None
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The convolution and the gated delta rule over a flat ragged batch, token by token.
+    """The convolution and the gated delta rule over a flat ragged batch.
 
     Args:
         mixed: [T, C] the projected q, k and v of every token (C = conv_dim = 2 * Hk * Dk +
@@ -61,33 +77,39 @@ def ragged_gated_delta(mixed: jax.Array, g: jax.Array, beta: jax.Array, slots: j
             itself).
         conv_state: [S + 1, K - 1, C]; ssm_state: [S + 1, Hv, Dk, Dv] float32.
         num_k_heads, k_head_dim, num_v_heads, v_head_dim: the head layout.
+        distinct: [] bool, True when no two real tokens share a slot (a decode-only step;
+            padding tokens may share the scratch slot): every token then takes its one
+            update at once, vectorised; otherwise (and for None) token by token in order.
 
     Returns:
         (the outputs [T, Hv, Dv] float32, the updated conv_state, the updated ssm_state).
     """
-    key_dim = num_k_heads * k_head_dim
-    repeat = num_v_heads // num_k_heads
     taps = conv_weight.T                                                     # [K, C]
+    heads = (num_k_heads, k_head_dim, num_v_heads, v_head_dim)
 
     def step(carry, token):
         conv_all, ssm_all = carry
         x, g_t, beta_t, slot, fresh = token
         window = jnp.concatenate(
             [jnp.where(fresh, 0, conv_all[slot]), x[None].astype(conv_all.dtype)], 0)
-        y = jax.nn.silu(jnp.sum(window.astype(taps.dtype) * taps, 0))         # [C]
-        conv_all = conv_all.at[slot].set(window[1:])
-        y = y.astype(jnp.float32)
-        q = y[:key_dim].reshape(num_k_heads, k_head_dim)
-        k = y[key_dim:2 * key_dim].reshape(num_k_heads, k_head_dim)
-        v = y[2 * key_dim:].reshape(num_v_heads, v_head_dim)
-        q = jnp.repeat(l2_normalize(q), repeat, 0) * k_head_dim ** -0.5
-        k = jnp.repeat(l2_normalize(k), repeat, 0)
+        q, k, v = conv_qkv(window, taps, *heads)
         state, out = gated_delta_step(jnp.where(fresh, 0, ssm_all[slot]), q, k, v, g_t, beta_t)
-        return (conv_all, ssm_all.at[slot].set(state)), out
+        return (conv_all.at[slot].set(window[1:]), ssm_all.at[slot].set(state)), out
 
-    (conv_state, ssm_state), out = jax.lax.scan(
-        step, (conv_state, ssm_state), (mixed, g, beta, slots, reset))
-    return out, conv_state, ssm_state
+    def in_order():
+        (conv, ssm), out = jax.lax.scan(step, (conv_state, ssm_state),
+                                        (mixed, g, beta, slots, reset))
+        return out, conv, ssm
+
+    def at_once():
+        window = jnp.concatenate([jnp.where(reset[:, None, None], 0, conv_state[slots]),
+                                  mixed[:, None].astype(conv_state.dtype)], 1)   # [T, K, C]
+        q, k, v = conv_qkv(window, taps, *heads)
+        state, out = jax.vmap(gated_delta_step)(
+            jnp.where(reset[:, None, None, None], 0, ssm_state[slots]), q, k, v, g, beta)
+        return out, conv_state.at[slots].set(window[:, 1:]), ssm_state.at[slots].set(state)
+
+    return in_order() if distinct is None else jax.lax.cond(distinct, at_once, in_order)
 
 
 class ConvWeight(nnx.Module):
@@ -164,12 +186,17 @@ class GatedDeltaNet(nnx.Module):
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         scratch = conv_state.shape[0] - 1
-        slots = metadata.get("state_slots")
-        slots = (jnp.full(x.shape[0], scratch, jnp.int32) if slots is None
-                 else jnp.where(slots < 0, scratch, slots))
+        given = metadata.get("state_slots")
+        if given is None:       # one sequence in the scratch slot: in order
+            slots, distinct = jnp.full(x.shape[0], scratch, jnp.int32), None
+        else:
+            real = given >= 0
+            slots = jnp.where(real, given, scratch)
+            per_slot = jnp.zeros(scratch + 1, jnp.int32).at[slots].add(real.astype(jnp.int32))
+            distinct = jnp.max(per_slot) <= 1
         out, conv_state, ssm_state = ragged_gated_delta(
             mixed, g, beta, slots, positions == 0, self.conv1d.weight[...][:, 0, :],
             conv_state, ssm_state, self.num_k_heads, self.k_head_dim, self.num_v_heads,
-            self.v_head_dim)
+            self.v_head_dim, distinct)
         out = self.norm(out.astype(x.dtype), z)
         return self.out_proj(out.reshape(x.shape[0], -1)), (conv_state, ssm_state)
