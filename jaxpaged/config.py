@@ -17,7 +17,7 @@ from jaxpaged.hf_config import (DEFAULT_AWQ_GROUP_SIZE, RopeScaling, checkpoint_
                                 optional_float, rope_parameters, sliding_windows)
 from jaxpaged.classification import (SEQ_CLS_ARCHITECTURES, ClassifierSpec, causal_architectures,
                                      classifier_spec, parse_hf_overrides)
-from jaxpaged.family_settings import (ARCHITECTURES_2026, PER_HEAD_QK_NORM, REFUSED_ARCHITECTURES,
+from jaxpaged.family_settings import (ARCHITECTURES_2026, PER_HEAD_QK_NORM,
                                       FamilySettings, FamilySettingsError, family_settings)
 
 #: Architectures (``config.json``'s ``architectures``) with a model class in
@@ -131,10 +131,6 @@ class ModelConfig:
             raise UnsupportedModelError(str(e)) from None
         arch = next((a for a in causal_architectures(archs) if a in SUPPORTED_ARCHITECTURES),
                     None)
-        refused = next((REFUSED_ARCHITECTURES[a] for a in archs if a in REFUSED_ARCHITECTURES),
-                       None)
-        if arch is None and refused:
-            raise UnsupportedModelError(refused)
         if arch is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs!r}; supported: {list(SUPPORTED_ARCHITECTURES)}"

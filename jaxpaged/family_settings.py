@@ -31,9 +31,13 @@ expert count as ``num_local_experts``), as transformers' config classes read the
 - Qwen3-MoE: ``num_experts`` experts of width ``moe_intermediate_size`` on the layers that are
   not in ``mlp_only_layers`` and whose ``(i + 1) % decoder_sparse_step == 0``, the rest dense
   (``intermediate_size``); ``norm_topk_prob`` renormalises the top-k weights (default off).
-
-Families refused by name (:data:`REFUSED_ARCHITECTURES`) get their reason instead of the
-generic "unsupported architecture" message.
+- Qwen3-Next: Qwen3-MoE's experts (plus a gated shared expert of
+  ``shared_expert_intermediate_size``) under ``layer_types`` of ``linear_attention`` (Gated
+  DeltaNet: ``linear_num_key_heads`` / ``linear_num_value_heads`` heads of
+  ``linear_key_head_dim`` / ``linear_value_head_dim``, a causal conv of
+  ``linear_conv_kernel_dim``) and ``full_attention`` (default: every
+  ``full_attention_interval``-th layer, 4); RoPE on the first ``partial_rotary_factor``
+  (default 0.25) of each full-attention head (:class:`LinearAttention`).
 """
 
 from __future__ import annotations
@@ -47,15 +51,10 @@ from jaxpaged.yarn_rope import yarn_frequencies
 #: The architectures this module reads settings for (all served).
 ARCHITECTURES_2026 = ("Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM",
                       "SmolLM3ForCausalLM", "GraniteForCausalLM", "Qwen3MoeForCausalLM",
-                      "GptOssForCausalLM")
+                      "GptOssForCausalLM", "Qwen3NextForCausalLM")
 #: Architectures whose queries and keys get a per-head RMSNorm before RoPE.
-PER_HEAD_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
-#: Architectures refused with a reason (``docs/models.md``).
-REFUSED_ARCHITECTURES = {
-    "Qwen3NextForCausalLM": "Qwen3-Next is not supported yet (its Gated DeltaNet recurrent "
-                            "layers need per-sequence state slots that the KV cache manager "
-                            "does not have)",
-}
+PER_HEAD_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
+                    "Qwen3NextForCausalLM")
 
 
 class FamilySettingsError(ValueError):
@@ -91,6 +90,29 @@ class Yarn:
     attention_factor: float
 
 
+class LinearAttention:
+    """Qwen3-Next's Gated DeltaNet layers (module docstring).
+
+    Attributes:
+        layers: per layer, True for a linear-attention (recurrent) layer, False for full
+            attention.
+        num_k_heads, num_v_heads: query/key heads and value heads (each query/key head
+            serves ``num_v_heads / num_k_heads`` value heads).
+        k_head_dim, v_head_dim: their widths.
+        conv_kernel: the causal depthwise convolution's width (its state keeps
+            ``conv_kernel - 1`` inputs).
+        shared_expert_intermediate_size: the shared expert's width (0: none).
+    """
+
+    layers: tuple[bool, ...]
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+    shared_expert_intermediate_size: int = 0
+
+
 @dataclass(frozen=True)
 class FamilySettings:
     """Settings only some families have (defaults: none of them).
@@ -113,6 +135,7 @@ class FamilySettings:
         norm_topk_prob: the top-k routing weights are renormalised to sum to 1.
         yarn: every layer's YaRN RoPE (gpt-oss), or None.
         swiglu_limit, swiglu_alpha: gpt-oss's clamped SwiGLU experts (None: not clamped).
+        linear_attention: Qwen3-Next's recurrent layers, or None.
     """
 
     layer_rope: tuple[LayerRope | None, ...] = ()
@@ -128,6 +151,7 @@ class FamilySettings:
     yarn: Yarn | None = None
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    linear_attention: LinearAttention | None = None
 
 
 def family_settings(cfg: dict, arch: str) -> tuple[dict, FamilySettings]:
@@ -318,6 +342,49 @@ def _gpt_oss(cfg: dict) -> tuple[dict, FamilySettings]:
                                swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
 
 
+def _qwen3_next(cfg: dict) -> tuple[dict, FamilySettings]:
+    cfg, moe = _qwen3_moe(cfg)
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = params.get("rope_type", params.get("type")) or "default"
+    if kind != "default":
+        raise FamilySettingsError(f"Qwen3-Next rope_type {kind!r} is not supported; "
+                                  "supported: default")
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"])
+                   // int(cfg["num_attention_heads"]))
+    rotary = int(head_dim * partial)
+    if not 0 < partial <= 1 or rotary % 2:
+        raise FamilySettingsError(f"partial_rotary_factor={partial} must leave an even number "
+                                  f"of the {head_dim} head features to rotate")
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    cfg.pop("rope_scaling", None)
+    interval = int(cfg.get("full_attention_interval", 4))
+    kinds = cfg.get("layer_types") or ["full_attention" if (i + 1) % interval == 0
+                                       else "linear_attention" for i in range(_layers(cfg))]
+    kinds = _per_layer(cfg, "layer_types", kinds)
+    unknown = sorted(set(kinds) - {"linear_attention", "full_attention"})
+    if unknown:
+        raise FamilySettingsError(f"layer_types has unknown kinds {unknown}; supported: "
+                                  "linear_attention, full_attention")
+    cfg.pop("layer_types", None)            # (not sliding windows: hf_config.sliding_windows)
+    get = lambda key, default: int(cfg.get(key, default))
+    linear = LinearAttention(
+        layers=tuple(k == "linear_attention" for k in kinds),
+        num_k_heads=get("linear_num_key_heads", 16), num_v_heads=get("linear_num_value_heads", 32),
+        k_head_dim=get("linear_key_head_dim", 128), v_head_dim=get("linear_value_head_dim", 128),
+        conv_kernel=get("linear_conv_kernel_dim", 4),
+        shared_expert_intermediate_size=get("shared_expert_intermediate_size", 0))
+    if linear.num_v_heads % linear.num_k_heads:
+        raise FamilySettingsError(f"linear_num_value_heads={linear.num_v_heads} is not a "
+                                  f"multiple of linear_num_key_heads={linear.num_k_heads}")
+    if linear.conv_kernel < 1:
+        raise FamilySettingsError(f"linear_conv_kernel_dim={linear.conv_kernel} must be >= 1")
+    return cfg, dataclasses.replace(moe, rotary_dim=0 if rotary == head_dim else rotary,
+                                    linear_attention=linear)
+
+
 _PARSERS = {"Gemma3ForCausalLM": _gemma3, "Phi3ForCausalLM": _phi3,
             "SmolLM3ForCausalLM": _smollm3, "GraniteForCausalLM": _granite,
-            "Qwen3MoeForCausalLM": _qwen3_moe, "GptOssForCausalLM": _gpt_oss}
+            "Qwen3MoeForCausalLM": _qwen3_moe, "GptOssForCausalLM": _gpt_oss,
+            "Qwen3NextForCausalLM": _qwen3_next}

@@ -190,7 +190,6 @@ def test_hub_style_configs_read_as_transformers_reads_them():
     ("gpt_oss", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "dynamic"),
     ("gpt_oss", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
      "original_max_position_embeddings"),
-    ("qwen3_moe", {"architectures": ["Qwen3NextForCausalLM"]}, "Qwen3-Next is not supported"),
 ])
 def test_unsupported_settings_are_named(name, overrides, match):
     with pytest.raises(UnsupportedModelError, match=match):

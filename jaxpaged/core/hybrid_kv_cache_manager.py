@@ -120,6 +120,10 @@ class HybridKVCacheManager:
         a sliding group's entries out of its window point at the null page)."""
         return [g.page_table(request_id).copy() for g in self.groups[1:]]
 
+    def state_slot(self, request_id: str) -> int:
+        """As :meth:`KVCacheManager.state_slot` (-1: no group is recurrent)."""
+        return self.groups[0].state_slot(request_id)
+
     def num_held_pages(self, request_id: str) -> int:
         """Pool pages the request's tables point at, all groups (shared pages counted in
         each table that holds them): its share of the pool, in pages of ``layout.slots``

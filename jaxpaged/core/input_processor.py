@@ -48,6 +48,8 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        #: False for a model whose recurrent state a fork cannot share (``n > 1`` refused).
+        self.parallel_sampling = True
         self._think_markers = None      # tokenized at the first thinking budget
 
     def thinking_budget(self, params: SamplingParams, prompt_ids: list[int]
@@ -88,6 +90,9 @@ class InputProcessor:
             raise SamplingParamsError("n", f"={params.n} exceeds max_num_seqs="
                                       f"{self.max_num_seqs}: its sequences could never run "
                                       "together")
+        if params.n > 1 and not self.parallel_sampling:
+            raise SamplingParamsError("n", f"={params.n}: parallel sampling is not supported "
+                                      "for models with recurrent layers")
         for name, tokens in (("logit_bias", params.logit_bias or {}),
                              ("allowed_token_ids", params.allowed_token_ids or ()),
                              ("stop_token_ids", params.stop_token_ids or ())):

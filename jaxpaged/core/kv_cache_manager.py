@@ -139,6 +139,11 @@ class KVCacheManager:
         page table serves every layer here (``jaxpaged.core.kv_groups``)."""
         return None
 
+    def state_slot(self, request_id: str) -> int:
+        """The request's recurrent state slot: always -1, no layer here is recurrent
+        (``jaxpaged.core.state_slots``)."""
+        return -1
+
     def share_pool(self, other: "KVCacheManager") -> None:
         """Draw pages from ``other``'s pool: its pages, free queue, prefix-cache index and
         counters become this manager's too (the groups of

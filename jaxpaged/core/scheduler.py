@@ -115,7 +115,8 @@ class Scheduler:
         return ScheduledRequest(req, start, num_new + len(drafts) if drafts else num_new,
                                 self.kv.page_table(req.request_id).copy(), samples,
                                 req.n_samples if samples and req.pooling is None else 0, drafts,
-                                self.kv.group_page_tables(req.request_id))
+                                self.kv.group_page_tables(req.request_id),
+                                self.kv.state_slot(req.request_id))
 
     # ---- deciding a step -------------------------------------------------------------------
 

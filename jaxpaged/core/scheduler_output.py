@@ -40,6 +40,8 @@ class ScheduledRequest:
         group_page_ids: a model whose layers form KV cache groups (``jaxpaged.core
             .kv_groups``): the page tables of groups 1.. (``page_ids`` is group 0's), each as
             long as ``page_ids``; None when one page table serves every layer.
+        state_slot: a model with recurrent layers (``jaxpaged.core.state_slots``): the
+            sequence's state slot; -1 otherwise.
     """
 
     request: Request
@@ -50,6 +52,7 @@ class ScheduledRequest:
     num_samples: int
     draft_token_ids: list[int] | None = None
     group_page_ids: list[list[int]] | None = None
+    state_slot: int = -1
 
     @property
     def end(self) -> int:

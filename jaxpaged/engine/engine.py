@@ -34,6 +34,7 @@ from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
 from jaxpaged.engine.engine_step import EngineSteps, InFlightStep
 from jaxpaged.engine.protocol import ModelInfo
 from jaxpaged.core.hybrid_kv_cache_manager import kv_cache_manager_for
+from jaxpaged.core.state_slots import with_state_slots
 from jaxpaged.engine.rollout import Rollout
 from jaxpaged.engine.sleep import Sleep
 from jaxpaged.engine.startup import join_processes, load_and_compile
@@ -139,9 +140,14 @@ class Engine(EngineSteps, Rollout, Sleep):
         #: ``max_model_len`` requests the KV pool holds at once, as start-up logs it.
         self.kv_max_concurrency = worker.max_concurrency
         num_pages, page_size = worker.num_pages, worker.page_size
+        recurrent = cfg.family.linear_attention is not None
         self.kv_cache_manager = kv_cache_manager_for(
-            num_pages, page_size, args.enable_prefix_caching, cfg.sliding_windows,
-            worker.kv_layout, speculative=speculative_config is not None)
+            num_pages, page_size, args.enable_prefix_caching and not recurrent,
+            cfg.sliding_windows, worker.kv_layout, speculative=speculative_config is not None)
+        if recurrent:       # (jaxpaged.core.state_slots)
+            self.input_processor.parallel_sampling = False
+            self.kv_cache_manager = with_state_slots(self.kv_cache_manager, args.max_num_seqs,
+                                                     args.enable_prefix_caching, cfg.architecture)
         lora_config = LoRAConfig.from_engine_args(args)
         #: Multi-LoRA state (``jaxpaged.lora.manager``); None without ``enable_lora``.
         self.lora = lora_config and LoRAManager(lora_config, cfg)

@@ -10,9 +10,9 @@ The loader asks a reader for each parameter by its module path (``...q_proj.weig
   transformers' ``Phi3Attention`` / ``Phi3MLP`` split them. Reading the pieces apart keeps
   tensor parallelism's column split per projection (a split of the fused rows would hand a
   device parts of q, k and v).
-- Qwen3-MoE names its experts' projections ``gate_proj`` / ``up_proj`` / ``down_proj``
-  (Mixtral's ``w1`` / ``w3`` / ``w2``, which :class:`jaxpaged.models.mixtral.MixtralExperts`
-  is named after).
+- Qwen3-MoE and Qwen3-Next name their experts' projections ``gate_proj`` / ``up_proj`` /
+  ``down_proj`` (Mixtral's ``w1`` / ``w3`` / ``w2``, which
+  :class:`jaxpaged.models.mixtral.MixtralExperts` is named after).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class CheckpointView:
                        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, q + 2 * kv),
                        "mlp.gate_proj": ("mlp.gate_up_proj", 0, i),
                        "mlp.up_proj": ("mlp.gate_up_proj", i, 2 * i)}
-        self._renames = config.architecture == "Qwen3MoeForCausalLM"
+        self._renames = config.architecture in ("Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
 
     def __getattr__(self, name):
         return getattr(self._reader, name)
@@ -73,9 +73,9 @@ class CheckpointView:
 
 def checkpoint_view(reader, config: ModelConfig):
     """``reader`` as the model's modules ask it (:class:`CheckpointView`) for the families
-    that store tensors otherwise (Phi-3, Qwen3-MoE; gpt-oss: :class:`GptOssCheckpoint`);
-    ``reader`` itself for the rest."""
-    if config.architecture in ("Phi3ForCausalLM", "Qwen3MoeForCausalLM"):
+    that store tensors otherwise (Phi-3, Qwen3-MoE, Qwen3-Next; gpt-oss:
+    :class:`GptOssCheckpoint`); ``reader`` itself for the rest."""
+    if config.architecture in ("Phi3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"):
         return CheckpointView(reader, config)
     if config.architecture == "GptOssForCausalLM":
         return GptOssCheckpoint(reader)

@@ -55,6 +55,8 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 #: An :class:`AWQLinear`'s parameters, all read from ``<projection>.{qweight,qzeros,scales}``.
 _AWQ_LEAVES = ("qweight", "qzeros", "scales")
 _QUANTIZED_LEAVES = ("kernel", "scale") + _AWQ_LEAVES
+#: Parameters stored under their own name, not ``.weight`` (Qwen3-Next's DeltaNet vectors).
+_OWN_NAME_LEAVES = ("A_log", "dt_bias")
 #: Checkpoint tensors no model reads, as vLLM skips them: rotary caches, and the activation
 #: and KV-cache scales of fp8 checkpoints (jaxpaged quantizes weights only and takes KV
 #: scales from ``--calculate-kv-scales``).
@@ -265,8 +267,8 @@ def _hf_name(path: tuple) -> str:
     base = ".".join(prefix)
     if leaf in _AWQ_LEAVES:
         return f"{base}.qweight"
-    if leaf == "bias":
-        return f"{base}.bias"
+    if leaf in ("bias",) + _OWN_NAME_LEAVES:
+        return f"{base}.{leaf}"
     # "weight" (Linear, RMSNorm), "embedding" (nnx.Embed), "kernel" and "scale"
     # (QuantizedLinear, from its weight), stacked experts (from their per-expert weights)
     return f"{base}.weight"

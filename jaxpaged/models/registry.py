@@ -18,6 +18,7 @@ from jaxpaged.models.llama import LlamaForCausalLM
 from jaxpaged.models.mixtral import MixtralForCausalLM
 from jaxpaged.models.olmo2 import Olmo2ForCausalLM
 from jaxpaged.models.qwen3_moe import Qwen3MoeForCausalLM
+from jaxpaged.models.qwen3_next import Qwen3NextForCausalLM
 
 #: Keys: every name in :data:`jaxpaged.config.SUPPORTED_ARCHITECTURES`.
 MODEL_CLASSES = {
@@ -34,6 +35,7 @@ MODEL_CLASSES = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,   # recurrent layers: layers.recurrent_pool
 }
 
 

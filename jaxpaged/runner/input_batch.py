@@ -116,6 +116,9 @@ def attention_metadata(backend: AttentionBackend, layout: BatchLayout) -> dict:
     if layout.group_page_tables is not None:    # (jaxpaged.layers.kv_group_layers)
         metadata["kv_groups"] = {"page_table": layout.group_page_tables,
                                  "slot_mapping": layout.group_slot_mappings}
+    # Every step carries it (a recurrent model's dummy steps too: one executable per bucket).
+    metadata["state_slots"] = (np.full(layout.positions.shape[0], -1, np.int32)
+                               if layout.state_slots is None else layout.state_slots)
     return metadata
 
 

@@ -224,8 +224,10 @@ class ModelRunner(RunnerCompilation, ScratchPrefill, RunnerWeights):
     def reallocate_kv_pool(self) -> None:
         """Replace the pool with a zero-filled one of the same layout (after
         :attr:`kv_pool_lost`); every page's contents are then gone."""
-        self._kv_caches = [allocate_kv_pool(1, *k.shape, k.dtype, k.sharding)[0]
-                           for k, _ in self._kv_caches]
+        self._kv_caches = [  # (a recurrent layer's state pair: jaxpaged.layers.recurrent_pool)
+            allocate_kv_pool(1, *k.shape, k.dtype, k.sharding)[0] if k.shape == v.shape else
+            tuple(jax.numpy.zeros(a.shape, a.dtype, device=a.sharding) for a in (k, v))
+            for k, v in self._kv_caches]
 
     # ---- execution ---------------------------------------------------------------------------
 

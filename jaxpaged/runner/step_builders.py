@@ -141,6 +141,10 @@ def token_layout(plan: StepPlan, page_size: int, verify_block_q: int) -> BatchLa
             group_slots[k, :plan.num_tokens] = (
                 group_tables[k, token_seq, token_pos // page_size] * page_size
                 + token_pos % page_size)
+    state_slots = None
+    if seqs[0].state_slot >= 0:       # (jaxpaged.core.state_slots: recurrent layers)
+        state_slots = np.full(plan.t_pad, -1, np.int32)
+        state_slots[:plan.num_tokens] = np.repeat([s.state_slot for s in seqs], plan.counts)
     seq_lens = np.zeros(plan.b_pad, np.int32)
     seq_lens[:b] = plan.starts + plan.counts
     query_start_loc = np.full(plan.b_pad + 1, plan.num_tokens, np.int32)
@@ -149,7 +153,8 @@ def token_layout(plan: StepPlan, page_size: int, verify_block_q: int) -> BatchLa
                        positions=positions, slot_mapping=slot_mapping, page_table=page_table,
                        num_seqs=b, num_tokens=plan.num_tokens,
                        verify_block_q=verify_block_q if plan.verify else 0,
-                       group_page_tables=group_tables, group_slot_mappings=group_slots)
+                       group_page_tables=group_tables, group_slot_mappings=group_slots,
+                       state_slots=state_slots)
 
 
 def token_ids(plan: StepPlan, prev_rows: Callable[[], dict[str, int]]

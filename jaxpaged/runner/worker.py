@@ -35,6 +35,8 @@ from jaxpaged.layers.attention import (allocate_kv_pool, get_attention_backend,
 from jaxpaged.layers.attention.tensor_parallel import TensorParallelAttention
 from jaxpaged.layers.cpu_build import cpu_flags
 from jaxpaged.layers.kv_group_layers import set_kv_layout
+from jaxpaged.layers.recurrent_pool import (num_kv_layers, recurrent_layers, recurrent_pool,
+                                           refuse_unsupported, state_bytes)
 from jaxpaged.lora.config import LoRAConfig
 from jaxpaged.lora.device import LoRASlotWriter, add_lora_slots
 from jaxpaged.models.mixtral import use_expert_parallelism
@@ -148,6 +150,9 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
         tp = TensorParallel.create(args.tensor_parallel_size, cfg, devices,
                                    args.enable_expert_parallel)
     kv_heads = tp.physical_config(cfg).num_kv_heads
+    refuse_unsupported(cfg, pipeline=pipeline is not None,
+                       speculative=args.speculative_config is not None,
+                       calculate_kv_scales=args.calculate_kv_scales)
     platform = tp.mesh.devices.flat[0].platform
     packed = keeps_gguf_packed(args, cfg, tp.size * args.pipeline_parallel_size, platform)
     checkpoint_dtype = cfg.checkpoint_dtype
@@ -196,6 +201,11 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
                     for pair in allocate_kv_pool(b - a, num_pages, page_size, kv_heads,
                                                  cfg.head_dim, pool_dtype,
                                                  stage.kv_pool_sharding)]
+        if recurrent_layers(cfg):   # (per layer: KV pages or recurrent state slots)
+            return recurrent_pool(
+                cfg, lambda n: allocate_kv_pool(n, num_pages, page_size, kv_heads, cfg.head_dim,
+                                                pool_dtype, tp.kv_pool_sharding),
+                args.max_num_seqs, dtype, tp.replicated)
         return allocate_kv_pool(layout.slots if layout else cfg.num_layers, num_pages,
                                 page_size, kv_heads, cfg.head_dim, pool_dtype,
                                 tp.kv_pool_sharding)
@@ -226,7 +236,7 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
     # With KV cache groups a page spans layout.slots layers, and a sequence holds each group's
     # real need (its window's pages in a sliding group).
     layers_per_device = max(b - a for a, b in pipeline.layer_ranges) if pipeline \
-        else layout.slots if layout else cfg.num_layers
+        else layout.slots if layout else num_kv_layers(cfg)
     seq_pages = layout.pages_per_seq(max_model_len, page_size, args.max_num_batched_tokens) \
         if layout else pages_per_seq
     bytes_per_page = kv_bytes_per_page(layers_per_device, page_size, kv_heads // tp.size,
@@ -254,6 +264,11 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
                 np.dtype(kv_cache_dtype).name, bytes_per_page,
                 num_pages * bytes_per_page / 2**20, max_model_len,
                 concurrency)
+    if recurrent_layers(cfg):
+        logger.info("recurrent state: %d slots (max_num_seqs) in each of %d recurrent layers, "
+                    "%.2f MiB besides the KV pages", args.max_num_seqs,
+                    sum(recurrent_layers(cfg)),
+                    state_bytes(cfg, args.max_num_seqs, dtype) / 2**20)
     if layout is not None:
         logger.info("KV cache groups: %s, a page spanning %d layers; a %d-token request holds "
                     "%s pages of them", ", ".join(

@@ -72,6 +72,8 @@ class BatchLayout:
             (``jaxpaged.core.kv_groups``) [G - 1, B, P] int32, the page tables of groups
             1 .. G-1 (``page_table`` is group 0's).
         group_slot_mappings: None, or [G - 1, T] int32, each such group's slot mapping.
+        state_slots: None, or for a model with recurrent layers
+            (``jaxpaged.core.state_slots``) [T] int32, each token's state slot (-1: padding).
     """
 
     query_start_loc: np.ndarray
@@ -84,6 +86,7 @@ class BatchLayout:
     verify_block_q: int = 0
     group_page_tables: np.ndarray | None = None
     group_slot_mappings: np.ndarray | None = None
+    state_slots: np.ndarray | None = None
 
     @property
     def is_decode_only(self) -> bool:
