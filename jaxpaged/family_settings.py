@@ -90,6 +90,7 @@ class Yarn:
     attention_factor: float
 
 
+@dataclass(frozen=True)
 class LinearAttention:
     """Qwen3-Next's Gated DeltaNet layers (module docstring).
 
