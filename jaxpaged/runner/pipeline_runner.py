@@ -42,6 +42,7 @@ from jaxpaged.runner.compilation import _shape_key
 from jaxpaged.runner.pending_step import PendingStep, copy_indices
 from jaxpaged.core.runner_output import ModelRunnerOutput
 from jaxpaged.runner.step_programs import build_programs, forward_inputs, sample_inputs
+from jaxpaged.runner.step_executor import runner_ref
 
 
 def split_micro_batches(sched: SchedulerOutput, num: int) -> list[SchedulerOutput]:
@@ -112,7 +113,7 @@ class PipelineExecutor:
     }
 
     def __init__(self, runner, pipeline: PipelineParallel, model: nnx.Module, backend):
-        self.runner = runner
+        self.runner = runner_ref(runner)       # (weak: jaxpaged.runner.step_executor)
         self.pipeline = pipeline
         if pipeline.size > 1:
             for s, (a, b) in enumerate(pipeline.layer_ranges):

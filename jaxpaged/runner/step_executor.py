@@ -11,11 +11,18 @@ runs the model as one forward program over the runner's whole mesh;
 devices. Both keep the model state, programs and pool on the runner (``_state``,
 ``_programs``, ``_kv_caches``), which the rest of the runner (compilation, weight updates,
 scratch prefills) reads.
+
+The runner owns its executor; the executor reaches back through a weak reference
+(:func:`runner_ref`). A strong one would make runner and executor a reference cycle, which only
+CPython's cyclic collector frees, and the engine moves every object alive after start-up out of
+that collector's reach (``gc.freeze``, ``jaxpaged.engine.gc_heap``): a dropped engine's runner
+(weights, KV pool, compiled steps) would then stay in memory for the life of the process.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import TYPE_CHECKING, Protocol
 
 import jax
@@ -35,6 +42,12 @@ from jaxpaged.sampling.sampler import SamplerOutput
 if TYPE_CHECKING:
     from jaxpaged.distributed.pipeline_parallel import PipelineParallel
     from jaxpaged.runner.model_runner import ModelRunner
+
+
+def runner_ref(runner: ModelRunner) -> ModelRunner:
+    """A weak proxy of ``runner`` for its executor to hold (module docstring: the runner dies
+    by reference count). Using it after the runner is gone raises ReferenceError."""
+    return weakref.proxy(runner)
 
 
 class StepExecutor(Protocol):
@@ -82,7 +95,7 @@ class SingleStageExecutor:
     pipeline = None
 
     def __init__(self, runner: ModelRunner):
-        self.runner = runner
+        self.runner = runner_ref(runner)
 
     def load(self, model: nnx.Module) -> None:
         r = self.runner
