@@ -14,8 +14,11 @@ import re
 from dataclasses import dataclass
 
 from jaxpaged.arg_checks import check_engine_args
-from jaxpaged.config import QUANTIZATION_METHODS
-from jaxpaged.lora.config import add_lora_cli_args
+from jaxpaged.config import QUANTIZATION_METHODS, ModelConfig
+from jaxpaged.core.scheduler_config import SchedulerConfig
+from jaxpaged.core.spec_decode.config import SpeculativeConfig
+from jaxpaged.engine_config import CacheConfig, EngineConfig, LoadConfig, ParallelConfig
+from jaxpaged.lora.config import LoRAConfig, add_lora_cli_args
 from jaxpaged.constants import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES,  # noqa: F401
                                 SCHEDULING_POLICIES)
 from jaxpaged.pooling_params import CONVERTS, RUNNERS, PoolerConfig, resolve_pooler
@@ -175,6 +178,57 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         check_engine_args(self)     # every field's type and range (jaxpaged.arg_checks)
+
+    def create_load_config(self) -> LoadConfig:
+        """Where the model comes from and how it loads (``jaxpaged.engine_config``)."""
+        return LoadConfig(model=self.model, tokenizer=self.tokenizer,
+                          trust_remote_code=self.trust_remote_code,
+                          load_format=self.load_format, dtype=self.dtype, seed=self.seed,
+                          compilation_cache_dir=self.compilation_cache_dir)
+
+    def create_scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's limits and policy, for the resolved ``max_model_len``."""
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len, max_num_partial_prefills=self.max_num_partial_prefills,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            policy=self.scheduling_policy, sjf_aging_requests=self.sjf_aging_requests)
+
+    def create_engine_config(self) -> EngineConfig:
+        """Every typed config of the engine (vLLM's ``create_engine_config``): reads the
+        model's ``config.json`` (or GGUF metadata) and resolves ``max_model_len``.
+
+        Raises:
+            ValueError: ``max_model_len`` beyond the model's ``max_position_embeddings``;
+                what ``ModelConfig.from_pretrained`` and ``with_quantization`` raise.
+        """
+        cfg = ModelConfig.from_pretrained(self.model, self.hf_overrides).with_quantization(
+            self.quantization)
+        max_model_len = self.max_model_len or cfg.max_position_embeddings
+        if max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        return EngineConfig(
+            model_config=cfg, load_config=self.create_load_config(),
+            cache_config=CacheConfig(
+                block_size=self.block_size, cache_dtype=self.kv_cache_dtype,
+                calculate_kv_scales=self.calculate_kv_scales,
+                enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                kv_cache_memory_share=self.kv_cache_memory_share),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                data_parallel_size=self.data_parallel_size,
+                enable_expert_parallel=self.enable_expert_parallel,
+                coordinator_address=self.coordinator_address,
+                num_processes=self.num_processes, process_id=self.process_id),
+            scheduler_config=self.create_scheduler_config(max_model_len),
+            attention_backend=self.attention_backend, enforce_eager=self.enforce_eager,
+            lora_config=LoRAConfig.from_engine_args(self),
+            speculative_config=SpeculativeConfig.from_dict(self.speculative_config))
 
     @property
     def pooler(self) -> PoolerConfig | None:

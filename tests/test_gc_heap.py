@@ -4,6 +4,8 @@
 import gc
 import weakref
 
+import pytest
+
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.engine.gc_heap import GEN0_THRESHOLD, CompileAwareHeapFreezer
 
@@ -101,5 +103,26 @@ def test_start_up_runs_without_automatic_collection_and_turns_it_back_on(monkeyp
         gc_heap.pause_for_start_up()
         gc_heap.end_start_up_pause()                # never turns on what it did not turn off
         assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("pipeline_parallel_size", [1, 2])
+def test_a_dropped_engine_frees_its_runner_by_reference_count(pipeline_parallel_size):
+    """The engine freezes the GC heap, so a runner kept only by a reference cycle (e.g. with
+    its step executor, ``jaxpaged.runner.step_executor``) would never be freed: its weights,
+    KV pool and compiled steps would stay for the life of the process. Dropping the engine
+    must free the runner with the cyclic collector off."""
+    llm = LLM(enforce_eager=True, max_num_seqs=4, max_num_batched_tokens=64,
+              max_model_len=128, pipeline_parallel_size=pipeline_parallel_size)
+    out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=4, temperature=0),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    runner = weakref.ref(llm.engine.runner)
+    pool = weakref.ref(llm.engine.runner._kv_caches[0][0])
+    gc.disable()
+    try:
+        del llm, out
+        assert runner() is None and pool() is None
     finally:
         gc.enable()

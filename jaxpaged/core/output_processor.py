@@ -1,12 +1,11 @@
 """Turns sampled tokens into request state and `RequestOutput`s.
 
 It keeps every unfinished request's output state (:attr:`OutputProcessor.groups`). For every
-sampled token of a sequence (handed over by ``Scheduler.update_from_output``): append it,
-record its logprobs, and apply vLLM's stop rules in vLLM's order (EOS unless ``ignore_eos``,
-``stop_token_ids``, stop strings found by the incremental detokenizer, then length:
-``max_tokens`` or ``max_model_len``), returning the reason for the scheduler to finish the
-sequence with; and report the request's sequences together (a request with ``n > 1`` has
-several). Pure Python, no JAX.
+sampled token of a sequence (appended and checked against the token-id stop rules by
+``Scheduler.update_from_output``, ``jaxpaged.core.stop_check``): record its logprobs,
+detokenize it incrementally and find stop strings in the text, returning a match for the
+scheduler to finish the sequence with; and report the request's sequences together (a
+request with ``n > 1`` has several). Pure Python, no JAX.
 """
 
 from __future__ import annotations
@@ -18,10 +17,8 @@ from jaxpaged.core.pooling import pooling_output
 from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxpaged.core.runner_output import TokenLogprob
+from jaxpaged.core.stop_check import Stop
 from jaxpaged.sampling_params import RequestOutputKind
-
-#: Why a sequence stops: (``finish_reason``, ``stop_reason``), vLLM's meanings.
-Stop = tuple[str, int | str | None]
 
 # Enum members read once per token below: a module global costs ~10 ns, ``Enum.MEMBER``
 # ~130 ns on CPython 3.12 (the enum class's attribute lookup).
@@ -78,7 +75,7 @@ class RequestGroup:
 
 
 class OutputProcessor:
-    """Stop rules, detokenization and output assembly.
+    """Logprobs, detokenization, stop strings and output assembly.
 
     Args:
         tokenizer: the model's tokenizer.
@@ -144,20 +141,24 @@ class OutputProcessor:
                 self.seqs.pop(seq.request.request_id, None)
         return group
 
-    def append_token(self, req: Request, token: int,
-                     logprob: TokenLogprob | None = None) -> Stop | None:
-        """Record one sampled token of sequence ``req`` (and its logprob entry, when the
-        sequence asked for logprobs).
+    def add_token(self, req: Request, token: int, logprob: TokenLogprob | None,
+                  stop: Stop | None) -> str | None:
+        """Record the output side of sequence ``req``'s newest token (already appended to
+        ``req.all_token_ids`` by ``Scheduler.update_from_output``): its logprob entry, when
+        the sequence asked for logprobs, and its text.
+
+        Args:
+            stop: what :func:`jaxpaged.core.stop_check.check_stop` found for the token. An
+                EOS adds no text, a stop id only with ``include_stop_str_in_output``; text is
+                searched for stop strings from the ``min_tokens``-th token on, unless an EOS
+                or stop id fired (a stop string outranks the length limit).
 
         Returns:
-            The stop rule that fired, as (``finish_reason``, ``stop_reason``), or None. The
-            caller (``Scheduler.update_from_output``) finishes the sequence with it.
+            The stop string the text now ends with (cut from the text, unless
+            ``include_stop_str_in_output``), or None. The scheduler finishes the sequence
+            with it, or with ``stop``.
         """
         state = self.seqs[req.request_id]
-        ids = req.all_token_ids
-        ids.append(token)
-        num_ids = len(ids)
-        num_output = num_ids - len(req.prompt_token_ids)
         p = req.params
         if state.logprobs is not None:
             lp, rank, top_ids, top_logprobs = logprob
@@ -167,18 +168,15 @@ class OutputProcessor:
             entry.setdefault(token, Logprob(lp, rank, self.token_text(token)))
             state.logprobs.append(entry)
             state.cumulative_logprob += lp
-        stop = None
+        matched = None
         pending = state.pending
-        if num_output < p.min_tokens:
-            if pending is None:
+        if len(req.all_token_ids) - len(req.prompt_token_ids) < p.min_tokens:
+            if pending is None:     # (stop ids and strings wait for min_tokens)
                 state.detokenizer.add_token(token, check_stop=False)
             else:
                 pending.append(token)
-        elif not p.ignore_eos and token in self.eos_token_ids:
-            stop = ("stop", None)
-        elif p.stop_token_ids and token in p.stop_token_ids:
-            stop = ("stop", token)
-            if p.include_stop_str_in_output:
+        elif stop is not None and stop[0] == "stop":     # an EOS or a stop id
+            if stop[1] is not None and p.include_stop_str_in_output:
                 if pending is None:
                     state.detokenizer.add_token(token, check_stop=False)
                 else:
@@ -187,17 +185,13 @@ class OutputProcessor:
             pending.append(token)
         else:
             matched = state.detokenizer.add_token(token)
-            if matched is not None:
-                stop = ("stop", matched)
-        if stop is None and (num_output >= req.max_tokens or num_ids >= self.max_model_len):
-            stop = ("length", None)
-        if stop is not None and not isinstance(stop[1], str):
+        if stop is not None and matched is None:
             if pending is None:
                 state.detokenizer.flush()    # (a stop string cut the text: nothing to release)
             else:
                 state.detokenizer.add_tokens(pending, final=True)
                 state.pending = None
-        return stop
+        return matched
 
     def add_prompt_logprobs(self, request_id: str, start: int,
                             entries: list[TokenLogprob]) -> None:

@@ -31,8 +31,9 @@ from jaxpaged.core.queue_policy import QueuePolicy
 from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.core.scheduler_config import SchedulerConfig
 from jaxpaged.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxpaged.core.stop_check import check_stop
 from jaxpaged.lora.scheduling import LoRAScheduling
-from jaxpaged.core.runner_output import ModelRunnerOutput
+from jaxpaged.core.runner_output import ModelRunnerOutput, TokenLogprob
 from jaxpaged.core.spec_decode.config import SpeculativeConfig
 from jaxpaged.core.spec_decode.scheduling import SpecDecodeScheduling
 
@@ -44,8 +45,9 @@ class Scheduler:
     Args:
         config: the step's limits and policy.
         kv_cache_manager: the page pool it allocates from (only the scheduler calls it).
-        output_processor: stop rules, detokenization and the requests' output state; the
-            scheduler hands it every sampled token.
+        output_processor: detokenization, stop strings and the requests' output state;
+            the scheduler hands it every sampled token, and checks the token-id stop rules
+            against its ``eos_token_ids``.
         speculative_config: speculative decoding (None: off); decoding sequences then get
             proposals to verify (``jaxpaged.core.spec_decode.scheduling``).
         lora: multi-LoRA rules (None: off; ``jaxpaged.lora.scheduling``).
@@ -138,8 +140,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         spec = self.spec
-        if spec is not None:
-            spec.begin_step(self.running)
+        num_running = len(self.running)
         drafts = None
         i = 0
         while i < len(self.running) and budget > 0:
@@ -149,11 +150,10 @@ class Scheduler:
                 continue
             num_new = self._chunk(req, budget)
             if spec is not None:    # proposals to verify ride along as extra tokens
-                drafts = spec.drafts(req, num_new, budget - num_new)
+                drafts = spec.drafts(req, num_new, budget - num_new, self.running)
                 num_new += len(drafts) if drafts else 0
             while not self._allocate(req, num_new):
                 if drafts:     # speculation never costs another sequence its pages
-                    spec.unschedule(drafts)
                     num_new, drafts = num_new - len(drafts), None
                     continue
                 victim = self.policy.victim(self.running)
@@ -161,24 +161,20 @@ class Scheduler:
                     undone = next(s for s in scheduled if s.request is victim)
                     scheduled.remove(undone)
                     budget += undone.num_new_tokens
-                    if spec is not None:
-                        spec.unschedule(undone.draft_token_ids)
                     i -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
             if req.status is not running_status:
-                if spec is not None:
-                    spec.unschedule(drafts)
                 continue   # req itself was preempted; running[i] is now the next one
             scheduled.append(self._scheduled(req, num_new - len(drafts), drafts) if drafts
                              else self._scheduled(req, num_new))
             budget -= num_new
             i += 1
         admitted = [] if preempted else self._admit_waiting(scheduled, budget)
-        if spec is not None:
-            spec.finish_step(scheduled)
+        if spec is not None:    # (the final plan: a verification step or none)
+            spec.finish_step(scheduled, num_running)
         forks = False
         for s in scheduled:
             req = s.request
@@ -277,11 +273,9 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[RequestGroup]:
         """Apply a finished step: resolve every sampling sequence's placeholder with its
-        sampled token, fork parallel-sampling requests after their prompt, advance a
-        structured-output sequence's grammar by its token, hand each token to the output
-        processor (append, detokenize, stop rules) and finish (free) the
-        sequences it stops. The one place that moves a request's tokens forward after a
-        step (``num_computed_tokens`` moved when it was scheduled).
+        token, fork parallel-sampling requests after their prompt, and append each token
+        (:meth:`append_token`, which finishes the sequences it stops). The one place that
+        moves tokens forward after a step (``num_computed_tokens`` moved at scheduling).
 
         Under async scheduling the next step may have been scheduled in between: a sequence
         finished since (a stop found in the step before, an abort) drops its token; one
@@ -290,8 +284,7 @@ class Scheduler:
         Returns:
             The requests that got tokens (or prompt logprobs) this step, in batch order.
         """
-        op = self.output_processor
-        append, finish = op.append_token, self.finish_request
+        op, append = self.output_processor, self.append_token
         touched: dict[str, None] = {}
         logprobs, prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
         finished = RequestStatus.FINISHED
@@ -307,7 +300,7 @@ class Scheduler:
                 if req.pooling.add_chunk(s.start, s.end, req.num_prompt_tokens,
                                          runner_output.pooled[i]):
                     req.num_output_placeholders = 0
-                    finish(req, "stop")
+                    self.finish_request(req, "stop")
                     touched[req.group_id] = None
                 continue
             if not tokens:
@@ -318,28 +311,38 @@ class Scheduler:
             if s.draft_token_ids:    # a verified run: its tokens in order, up to a stop
                 num_generated -= self.spec.apply_verified(
                     req, s.draft_token_ids, tokens, None if logprobs is None else logprobs[i],
-                    append, finish)
+                    append)
             elif len(tokens) == 1:     # the common case
-                if req.structured_output_request is not None:
-                    req.structured_output_request.accept(tokens[0])
-                stop = append(req, tokens[0], None if logprobs is None else logprobs[i][0])
-                if stop is not None:
-                    finish(req, *stop)
-                elif self.spec is not None:
+                if not append(req, tokens[0], None if logprobs is None else logprobs[i][0]) \
+                        and self.spec is not None:
                     self.spec.observe(req)
             else:   # (children forked before any token is applied: each copies the grammar)
                 for j, seq in enumerate([req] + self._fork(req, len(tokens) - 1)):
-                    if seq.structured_output_request is not None:
-                        seq.structured_output_request.accept(tokens[j])
-                    stop = append(seq, tokens[j], None if logprobs is None else logprobs[i][j])
-                    if stop is not None:
-                        finish(seq, *stop)
+                    append(seq, tokens[j], None if logprobs is None else logprobs[i][j])
             touched[req.group_id] = None
         self.num_generation_tokens += num_generated
         if self.spec is not None:
             self.spec.step_done(scheduler_output.scheduled, not self.running)
         groups = op.groups
         return [groups[g] for g in touched]
+
+    def append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> bool:
+        """Append one sampled token to sequence ``req`` and decide whether it stops (the one
+        place that does): advance its grammar, append the id, check the token-id rules
+        (:func:`~jaxpaged.core.stop_check.check_stop`: EOS, stop ids, length), have the
+        output processor add its logprob and text and match stop strings (which outrank the
+        length limit), and finish the sequence when a rule fired. Returns whether it did."""
+        if req.structured_output_request is not None:
+            req.structured_output_request.accept(token)
+        req.all_token_ids.append(token)
+        stop = check_stop(req, self.output_processor.eos_token_ids, self.config.max_model_len)
+        matched = self.output_processor.add_token(req, token, logprob, stop)
+        if matched is not None:
+            stop = ("stop", matched)
+        elif stop is None:
+            return False
+        self.finish_request(req, *stop)
+        return True
 
     def _fork(self, leader: Request, count: int) -> list[Request]:
         """Split a parallel-sampling request after its prompt into ``count`` more sequences

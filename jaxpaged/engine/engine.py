@@ -20,7 +20,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxpaged.config import ModelConfig
 from jaxpaged.runner.device_memory import device_memory_used
 from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.engine.gc_heap import CompileAwareHeapFreezer, collector_paused
@@ -30,7 +29,7 @@ from jaxpaged.core.input_processor import InputProcessor, Prompt
 from jaxpaged.core.output_processor import OutputProcessor
 from jaxpaged.core.classifier_head import load_classifier_head
 from jaxpaged.core.pooling import POOLING_SAMPLING, pooling_state
-from jaxpaged.core.scheduler import Scheduler, SchedulerConfig
+from jaxpaged.core.scheduler import Scheduler
 from jaxpaged.engine.engine_step import EngineSteps, InFlightStep
 from jaxpaged.engine.protocol import ModelInfo
 from jaxpaged.core.hybrid_kv_cache_manager import kv_cache_manager_for
@@ -46,7 +45,6 @@ from jaxpaged.outputs import RequestOutput
 from jaxpaged.pooling_params import PoolingParams
 from jaxpaged.sampling.logits_adjust import needs_adjustment
 from jaxpaged.sampling_params import SamplingParams
-from jaxpaged.core.spec_decode.config import SpeculativeConfig
 from jaxpaged.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -95,15 +93,12 @@ class Engine(EngineSteps, Rollout, Sleep):
         join_processes(args)
         #: The pooler of a pooling engine (embed or classify); None: the engine generates.
         self.pooler = args.pooler
-        self.model_config = cfg = ModelConfig.from_pretrained(
-            args.model, args.hf_overrides).with_quantization(args.quantization)
-        self.max_model_len = args.max_model_len or cfg.max_position_embeddings
-        if self.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings={cfg.max_position_embeddings}")
-        speculative_config = SpeculativeConfig.from_dict(args.speculative_config)
-        loaded = load_and_compile(args, cfg, self.max_model_len, speculative_config, devices,
-                                  background_compile)
+        #: The typed configs (``jaxpaged.engine_config``) the worker and scheduler take.
+        self.config = config = args.create_engine_config()
+        self.model_config = cfg = config.model_config
+        self.max_model_len = config.max_model_len
+        speculative_config = config.speculative_config
+        loaded = load_and_compile(config, devices, background_compile)
         worker, self.tokenizer = loaded.worker, loaded.tokenizer
         #: A classify engine's classifier head (``jaxpaged.core.classifier_head``), else None.
         self.classifier_head = (
@@ -148,16 +143,11 @@ class Engine(EngineSteps, Rollout, Sleep):
             self.input_processor.parallel_sampling = False
             self.kv_cache_manager = with_state_slots(self.kv_cache_manager, args.max_num_seqs,
                                                      args.enable_prefix_caching, cfg.architecture)
-        lora_config = LoRAConfig.from_engine_args(args)
+        lora_config = config.lora_config
         #: Multi-LoRA state (``jaxpaged.lora.manager``); None without ``enable_lora``.
         self.lora = lora_config and LoRAManager(lora_config, cfg)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            max_num_partial_prefills=args.max_num_partial_prefills,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            policy=args.scheduling_policy, sjf_aging_requests=args.sjf_aging_requests),
-            self.kv_cache_manager, self.output_processor, speculative_config,
+        self.scheduler = Scheduler(
+            config.scheduler_config, self.kv_cache_manager, self.output_processor, speculative_config,
             self.lora and self.lora.scheduling)
         self._stats = StatsRecorder()
         self.stat_loggers: list[StatLogger] = self._stats.loggers

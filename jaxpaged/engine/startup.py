@@ -16,14 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from jaxpaged.config import ModelConfig
 from jaxpaged.distributed.multihost import check_same_everywhere, initialize as initialize_multihost
 from jaxpaged.distributed.step_sync import install_signal_handlers, stop_requested_anywhere
 from jaxpaged.distributed.tensor_parallel import request_host_devices
 from jaxpaged.arg_utils import EngineArgs
+from jaxpaged.engine_config import EngineConfig
 from jaxpaged.runner.background_compile import SERVE, BackgroundCompile, compile_plan
 from jaxpaged.runner.worker import Worker, build_worker
-from jaxpaged.core.spec_decode.config import SpeculativeConfig
 from jaxpaged.spec_decode.draft_model import DraftModel, DraftModelProposer
 from jaxpaged.tokenizer import load_tokenizer
 
@@ -63,9 +62,7 @@ class LoadedModel:
     background: list[BackgroundCompile]
 
 
-def load_and_compile(args: EngineArgs, cfg: ModelConfig, max_model_len: int,
-                     speculative_config: SpeculativeConfig | None,
-                     devices: list | None = None,
+def load_and_compile(config: EngineConfig, devices: list | None = None,
                      background_compile: str | None = None) -> LoadedModel:
     """Load the model (and its draft model) onto ``devices``, precompile its step shapes
     (unless ``enforce_eager``), and load the tokenizer on another thread meanwhile.
@@ -79,18 +76,20 @@ def load_and_compile(args: EngineArgs, cfg: ModelConfig, max_model_len: int,
             anything loads). Otherwise as :func:`jaxpaged.runner.worker.build_worker` and
             :func:`jaxpaged.tokenizer.load_tokenizer` raise.
     """
-    draft = DraftModel.check(args, speculative_config, cfg, max_model_len)
+    load, speculative_config = config.load_config, config.speculative_config
+    draft = DraftModel.check(speculative_config, config.model_config, load=load,
+                             attention_backend=config.attention_backend,
+                             scheduler_config=config.scheduler_config)
     background = []
     with ThreadPoolExecutor(1, thread_name_prefix="jaxpaged-tokenizer") as pool:
-        tokenizer = pool.submit(load_tokenizer, args.tokenizer or args.model,
-                                args.trust_remote_code)
-        worker = build_worker(args, cfg, max_model_len=max_model_len,
-                              tokenizer=tokenizer.result, devices=devices,
+        tokenizer = pool.submit(load_tokenizer, load.tokenizer or load.model,
+                                load.trust_remote_code)
+        worker = build_worker(config, tokenizer=tokenizer.result, devices=devices,
                               extra_bytes_per_page=draft and draft.kv_bytes_per_page)
         if speculative_config is not None:
             worker.runner.enable_spec_decode(speculative_config.num_speculative_tokens)
         drafter = draft and draft.build(worker, speculative_config.num_speculative_tokens)
-        if not args.enforce_eager:
+        if not config.enforce_eager:
             for runner in [worker.runner] + ([drafter.runner] if drafter else []):
                 first, later = compile_plan(runner.step_shapes(), background_compile)
                 runner.precompile(should_stop=lambda: stop_requested_anywhere() or (

@@ -32,19 +32,10 @@ class RunnerCompilation:
 
     def _executables_for(self, layout: BatchLayout, inputs: StepInputs, forward: bool = True,
                          sampler: bool = True) -> tuple:
-        """The compiled forward and sample programs for ``inputs``' shapes (compiled now,
-        or loaded from the executable store, if new); None for a program not asked for."""
-        fn = None
-        if forward:
-            fn = self._compiled(
-                ("forward", *_shape_key(layout)), self._programs.forward, self._state_leaves,
-                self._kv_caches, self._forward_inputs(inputs), self._prev_tokens)
-            self._ready_shapes.add(_shape_key(layout))
-        # (the forward's logits [B, V] float32, known without asking it: out_info costs ~1 ms)
-        logits = jax.ShapeDtypeStruct((inputs.logits_indices.shape[0], self._limits.vocab_size),
-                                      np.float32)
-        return fn, (self._sampler_for(logits, inputs, verify=bool(layout.verify_block_q))
-                    if sampler else None)
+        """The compiled forward program(s) and sampler for ``inputs``' shapes (compiled now,
+        or loaded from the executable store, if new; the runner's executor's,
+        ``jaxpaged.runner.step_executor``); None for a program not asked for."""
+        return self._executor.executables_for(layout, inputs, forward, sampler)
 
     def defer_shapes(self, shapes: list[tuple]) -> None:
         """Mark ``shapes`` (``(T, B, P, decode_only, ...)``) as compiling on a background

@@ -21,7 +21,6 @@ it in the executable store or JAX's compilation cache, and
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from flax import nnx
 
 from jaxpaged.runner.kv_scales import KVScales, set_kv_scales
 from jaxpaged.core.scheduler_output import SchedulerOutput
+from jaxpaged.distributed.pipeline_parallel import PipelineParallel
 from jaxpaged.layers import cpu_matmul
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, allocate_kv_pool
 from jaxpaged.layers.kv_group_layers import model_kv_layout
@@ -44,12 +44,12 @@ from jaxpaged.runner.scratch_prefill import ScratchPrefill
 from jaxpaged.runner.executable_store import ExecutableStore
 from jaxpaged.runner.input_batch import PreparedStep, StepInputs, prepare_step
 from jaxpaged.core.runner_output import ModelRunnerOutput
-from jaxpaged.runner.pending_step import PendingStep, copy_indices
-from jaxpaged.runner.step_programs import (build_programs, build_verify_program,
-                                           forward_inputs, is_plain_greedy, sample_inputs)
+from jaxpaged.runner.pending_step import PendingStep
+from jaxpaged.runner.pipeline_runner import PipelineExecutor
+from jaxpaged.runner.step_executor import SingleStageExecutor, StepExecutor
+from jaxpaged.runner.step_programs import build_verify_program, forward_inputs
 from jaxpaged.runner.weight_update import RunnerWeights
 from jaxpaged.sampling import cpu_argmax
-from jaxpaged.sampling.sampler import SamplerOutput
 from jaxpaged.structured_output.manager import all_allowed, num_words
 
 logger = logging.getLogger(__name__)
@@ -98,13 +98,23 @@ class ModelRunner(RunnerCompilation, ScratchPrefill, RunnerWeights):
             (``jaxpaged.runner.executable_store``; None: not kept).
         lora: the writer of the model's LoRA slots (``jaxpaged.lora.device``; None: LoRA
             off, and the step takes no slot index).
+        pipeline: run the model as these pipeline stages
+            (``jaxpaged.runner.pipeline_runner.PipelineExecutor``; ``model``'s parameters
+            and ``kv_caches`` already on their stages' devices, ``replicated`` replaced by
+            the last stage's); None: as one program over ``replicated``'s mesh
+            (``jaxpaged.runner.step_executor.SingleStageExecutor``).
     """
 
     def __init__(self, model: nnx.Module, kv_caches: list[KVPages], backend: AttentionBackend,
                  *, page_size: int, limits: RunnerLimits,
                  eos_token_ids: frozenset[int] = frozenset(),
                  replicated: jax.sharding.Sharding, executable_dir: str | None = None,
-                 lora: LoRASlotWriter | None = None):
+                 lora: LoRASlotWriter | None = None, pipeline: PipelineParallel | None = None):
+        if pipeline is None:
+            self._executor: StepExecutor = SingleStageExecutor(self)
+        else:   # (the sampler runs on the last stage)
+            self._executor = PipelineExecutor(self, pipeline, model, backend)
+            replicated = pipeline.stages[-1].replicated
         self._kv_caches = kv_caches
         self._lora = lora
         self._store = ExecutableStore(executable_dir)
@@ -128,24 +138,16 @@ class ModelRunner(RunnerCompilation, ScratchPrefill, RunnerWeights):
         self._load(model)
 
     def _load(self, model: nnx.Module) -> None:
-        """Split ``model`` into graph and state and build the jitted functions over them."""
-        for _, node in nnx.iter_graph(model):    # (layer_stack: fewer step arguments)
-            if hasattr(node, "stack_packed_weights"):
-                node.stack_packed_weights()
+        """Split ``model`` into graph and state and build the programs over them (the
+        executor's), with no compiled step and no previous step."""
         #: The pool's KV cache groups (``jaxpaged.core.kv_groups``; None: a pair per layer).
         self.kv_layout = model_kv_layout(model)
         with self._compile_lock:        # (after a background compilation's current shape)
-            graphdef, self._state = nnx.split(model)
-            self._graphdef = graphdef
+            self._executor.load(model)
             self._executables.clear()
             self._ready_shapes.clear()
-            num_rows = self._buckets.seq_buckets[-1]
-            self._state_leaves, state_def, self._leaf_index = distinct_leaves(self._state)
-            self._programs = build_programs(
-                graphdef, [a.sharding for a in self._state_leaves],
-                jax.tree.map(lambda a: a.sharding, self._kv_caches), self._replicated,
-                self._cpu_matmuls, state_def, self._cpu_argmax, self._leaf_index)
-            self._prev_tokens = jax.device_put(np.zeros(num_rows, np.int32), self._replicated)
+            self._prev_tokens = jax.device_put(
+                np.zeros(self._buckets.seq_buckets[-1], np.int32), self._replicated)
             self._prev_rows: Callable[[], dict[str, int]] = dict
             self._free_bitmasks: dict[int, jax.Array] = {}
 
@@ -169,6 +171,7 @@ class ModelRunner(RunnerCompilation, ScratchPrefill, RunnerWeights):
         shapes (``ShapeBuckets(verify_block_q=1 + k)``; precompile after this), sampled by
         the rejection sampler (``jaxpaged.sampling.rejection``), a row per token; every
         other step samples as without speculation."""
+        self._executor.refuse("enable_spec_decode")
         self._verify = build_verify_program(self._replicated)
         self._verify_block_q = 1 + num_speculative_tokens
         self._set_buckets(self._verify_block_q)
@@ -176,6 +179,7 @@ class ModelRunner(RunnerCompilation, ScratchPrefill, RunnerWeights):
     def set_kv_scales(self, scales: KVScales) -> None:
         """Give layer i's attention ``scales[i]`` (after a calibration,
         ``jaxpaged.runner.kv_scales``); compiled steps are dropped."""
+        self._executor.refuse("set_kv_scales")
         model = nnx.merge(self._graphdef, self._state)
         set_kv_scales(model, scales)
         self._load(model)
@@ -195,7 +199,12 @@ class ModelRunner(RunnerCompilation, ScratchPrefill, RunnerWeights):
     @property
     def devices(self) -> list:
         """The devices the model and its pool live on, by id."""
-        return sorted(self._replicated.device_set, key=lambda d: d.id)
+        return self._executor.devices
+
+    @property
+    def pipeline(self) -> PipelineParallel | None:
+        """The pipeline stages the model runs as (None: one stage)."""
+        return self._executor.pipeline
 
     @property
     def weight_bytes(self) -> int:
@@ -233,9 +242,8 @@ class ModelRunner(RunnerCompilation, ScratchPrefill, RunnerWeights):
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole pages (source -> destination) in every layer, in place (copy-on-write)."""
-        if not copies:
-            return
-        self._kv_caches = self._programs.copy_pages(self._kv_caches, *copy_indices(copies))
+        if copies:
+            self._executor.copy_pages(copies)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: the step's page copies, then the forward pass and sampling.
@@ -265,13 +273,7 @@ class ModelRunner(RunnerCompilation, ScratchPrefill, RunnerWeights):
         self.copy_pages(scheduler_output.page_copies)
         for slot, adapter in scheduler_output.lora_loads:
             self.write_lora_slot(slot, adapter)
-        prepared = self._prepare(scheduler_output)
-        out, pooled, accepted = self._launch(prepared.layout, prepared.inputs,
-                                             prepared.draft_ids, scheduler_output)
-        scheduled, starts = scheduler_output.scheduled, prepared.row_starts
-        self._prev_rows = lambda: {s.request.request_id: starts[i]
-                                   for i, s in enumerate(scheduled) if s.samples}
-        return PendingStep(scheduler_output, prepared, out, pooled, accepted)
+        return self._executor.dispatch(scheduler_output)
 
     def _prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """The step's padded host inputs (``jaxpaged.runner.input_batch.prepare_step``)."""
@@ -288,21 +290,8 @@ class ModelRunner(RunnerCompilation, ScratchPrefill, RunnerWeights):
         """Dispatch the forward and the sampler over ``inputs`` (the pool updated in
         place; with LoRA, each token's adapter slot from ``scheduler_output``); returns
         (SamplerOutput with prompt logprobs, pooled rows, the verifier's accepted [B] bool
-        or None), all device arrays possibly not ready yet."""
-        forward, _ = self._executables_for(layout, inputs, sampler=False)
-        logits, prompt, pooled, greedy, greedy_prev, self._kv_caches = forward(
-            self._state_leaves, self._kv_caches, self._forward_inputs(inputs, scheduler_output),
-            self._prev_tokens)
-        accepted = None
-        if layout.verify_block_q:
-            out, accepted = self._sampler_for(logits, inputs, verify=True)(
-                logits, sample_inputs(inputs), draft_ids)
-        elif is_plain_greedy(inputs, self._free_bitmasks.get(logits.shape[0])):
-            out, self._prev_tokens = SamplerOutput(greedy), greedy_prev
-        else:       # (the sampler compiled by the first step that samples, if not before)
-            out, self._prev_tokens = self._sampler_for(logits, inputs)(
-                logits, sample_inputs(inputs), self._prev_tokens)
-        return dataclasses.replace(out, prompt_logprobs=prompt), pooled, accepted
+        or None), all device arrays possibly not ready yet (the executor's)."""
+        return self._executor.launch(layout, inputs, draft_ids, scheduler_output)
 
     def _forward_inputs(self, inputs: StepInputs,
                         scheduler_output: SchedulerOutput | None = None) -> dict:

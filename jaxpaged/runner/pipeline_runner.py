@@ -1,4 +1,4 @@
-"""`PipelineModelRunner`: a `ModelRunner` whose model runs as ``pp`` stages on disjoint devices.
+"""`PipelineExecutor`: a `ModelRunner`'s model run as ``pp`` stages on disjoint devices.
 
 The schedule is GPipe's fill and drain within one engine step (Huang et al., "GPipe:
 Efficient Training of Giant Neural Networks using Pipeline Parallelism", 2019, section 2.2,
@@ -29,7 +29,6 @@ import dataclasses
 from dataclasses import dataclass
 
 import jax
-import numpy as np
 from flax import nnx
 
 from jaxpaged.distributed.pipeline_parallel import PipelineParallel, PipelineParallelError
@@ -40,10 +39,10 @@ from jaxpaged.layers.attention.tensor_parallel import TensorParallelAttention
 from jaxpaged.models.loader import param_path
 from jaxpaged.runner.input_batch import StepInputs
 from jaxpaged.runner.compilation import _shape_key
-from jaxpaged.runner.model_runner import ModelRunner
 from jaxpaged.runner.pending_step import PendingStep, copy_indices
 from jaxpaged.core.runner_output import ModelRunnerOutput
 from jaxpaged.runner.step_programs import build_programs, forward_inputs, sample_inputs
+from jaxpaged.runner.step_executor import runner_ref
 
 
 def split_micro_batches(sched: SchedulerOutput, num: int) -> list[SchedulerOutput]:
@@ -90,123 +89,118 @@ class PipelineStep:
         return merge_outputs([p.result() for p in self.parts])
 
 
-class PipelineModelRunner(ModelRunner):
-    """A :class:`ModelRunner` over the stages of ``pipeline``.
+class PipelineExecutor:
+    """How a ``ModelRunner`` runs its model as the stages of ``pipeline``
+    (``jaxpaged.runner.step_executor``: the runner holds one, no subclass).
 
     Args:
+        runner: the runner whose pool, compiled programs and sampler it uses; its
+            ``_state`` becomes one state per stage.
+        pipeline: the stages.
         model: the loaded model, each parameter already on its stage's devices
             (``PipelineParallel.param_sharding``); its attention layers are given their
             stage's mesh here.
-        kv_caches: one ``(k_pages, v_pages)`` per layer, each on its layer's stage.
-        pipeline: the stages.
-        others: as :class:`ModelRunner` (``replicated`` is replaced by the last stage's,
-            where the sampler runs).
+        backend: the attention backend the model was built with.
     """
 
-    def __init__(self, model: nnx.Module, kv_caches, backend, *, pipeline: PipelineParallel,
-                 **kwargs):
-        self._pipeline = pipeline
+    #: Runner methods a pipeline cannot run, and why.
+    _REFUSED = {
+        "enable_spec_decode": "speculative decoding is not supported with "
+                              "pipeline_parallel_size > 1",
+        "set_kv_scales": "calculate_kv_scales is not supported with pipeline_parallel_size > 1",
+        "run_prefill": "run_prefill (KV-scale calibration) is not supported with "
+                       "pipeline_parallel_size > 1",
+    }
+
+    def __init__(self, runner, pipeline: PipelineParallel, model: nnx.Module, backend):
+        self.runner = runner_ref(runner)       # (weak: jaxpaged.runner.step_executor)
+        self.pipeline = pipeline
         if pipeline.size > 1:
             for s, (a, b) in enumerate(pipeline.layer_ranges):
                 for i in range(a, b):
                     model.model.layers[i].self_attn.backend = TensorParallelAttention(
                         backend, pipeline.stages[s].mesh)
-        kwargs["replicated"] = pipeline.stages[-1].replicated
-        super().__init__(model, kv_caches, backend, **kwargs)
 
-    def _load(self, model: nnx.Module) -> None:
-        pp = self._pipeline
+    def load(self, model: nnx.Module) -> None:
+        r, pp = self.runner, self.pipeline
         graphdefs, states, self._stage_forward, self._stage_programs = [], [], [], []
         for s, (a, b) in enumerate(pp.layer_ranges):
             first, last = s == 0, s == pp.num_stages - 1
             graphdef, state = nnx.split(PipelineStage(model, a, b, first=first, last=last))
             state = _placed(state, pp.stages[s])
             shardings = jax.tree.map(lambda x: x.sharding, state)
-            kv_sharding = jax.tree.map(lambda x: x.sharding, self._kv_caches[a:b])
+            kv_sharding = jax.tree.map(lambda x: x.sharding, r._kv_caches[a:b])
             rep = pp.stages[s].replicated
             self._stage_forward.append(build_stage_program(graphdef, shardings, kv_sharding,
                                                            rep, last))
             self._stage_programs.append(build_programs(graphdef, shardings, kv_sharding, rep))
             graphdefs.append(graphdef)
             states.append(state)
-        self._graphdef, self._state = tuple(graphdefs), states
-        self._programs = self._stage_programs[-1]      # the sampler's
-        self._executables.clear()
-        self._prev_tokens = jax.device_put(np.zeros(self._buckets.seq_buckets[-1], np.int32),
-                                           self._replicated)
-        self._prev_rows = dict
-        self._free_bitmasks = {}
+        r._graphdef, r._state = tuple(graphdefs), states
+        r._programs = self._stage_programs[-1]      # the sampler's
 
     @property
     def devices(self) -> list:
         """Every stage's devices, by id."""
-        return sorted(self._pipeline.devices, key=lambda d: d.id)
+        return sorted(self.pipeline.devices, key=lambda d: d.id)
 
-    @property
-    def pipeline(self) -> PipelineParallel:
-        return self._pipeline
-
-    def enable_spec_decode(self) -> None:
-        raise PipelineParallelError("speculative decoding is not supported with "
-                                    "pipeline_parallel_size > 1")
-
-    def set_kv_scales(self, scales) -> None:
-        raise PipelineParallelError("calculate_kv_scales is not supported with "
-                                    "pipeline_parallel_size > 1")
-
-    def run_prefill(self, token_ids: list[int]):
-        raise PipelineParallelError("run_prefill (KV-scale calibration) is not supported "
-                                    "with pipeline_parallel_size > 1")
+    def refuse(self, feature: str) -> None:
+        """Raises PipelineParallelError for speculative decoding, KV-scale calibration and
+        scratch prefills."""
+        if feature in self._REFUSED:
+            raise PipelineParallelError(self._REFUSED[feature])
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        """As :meth:`ModelRunner.copy_pages`, on every stage's layers."""
-        if not copies:
-            return
+        """As ``ModelRunner.copy_pages``, on every stage's layers."""
+        r = self.runner
         src, dst = copy_indices(copies)
-        for (a, b), programs in zip(self._pipeline.layer_ranges, self._stage_programs):
-            self._kv_caches[a:b] = programs.copy_pages(self._kv_caches[a:b], src, dst)
+        for (a, b), programs in zip(self.pipeline.layer_ranges, self._stage_programs):
+            r._kv_caches[a:b] = programs.copy_pages(r._kv_caches[a:b], src, dst)
 
     def dispatch(self, scheduler_output: SchedulerOutput) -> PipelineStep:
         """Start the step as ``pp`` micro-batches through the stages (module docstring) and
         return at once; :meth:`PipelineStep.result` waits."""
-        self.copy_pages(scheduler_output.page_copies)
         parts = []
-        for part in split_micro_batches(scheduler_output, self._pipeline.num_stages):
-            prepared = self._prepare(part)
-            out, pooled, _ = self._launch(prepared.layout, prepared.inputs)
+        for part in split_micro_batches(scheduler_output, self.pipeline.num_stages):
+            prepared = self.runner._prepare(part)
+            out, pooled, _ = self.launch(prepared.layout, prepared.inputs)
             parts.append(PendingStep(part, prepared, out, pooled))
         return PipelineStep(parts)
 
-    def _launch(self, layout: BatchLayout, inputs: StepInputs, draft_ids=None) -> tuple:
-        stages, sampler = self._executables_for(layout, inputs)
+    def launch(self, layout: BatchLayout, inputs: StepInputs, draft_ids=None,
+               scheduler_output: SchedulerOutput | None = None) -> tuple:
+        """Each stage's forward in turn, its activations copied to the next stage's
+        devices, then the sampler on the last stage's (no proposals: nothing verified)."""
+        r = self.runner
+        stages, sampler = self.executables_for(layout, inputs)
         x, fwd = inputs.input_ids, forward_inputs(inputs)
-        for s, ((a, b), fn) in enumerate(zip(self._pipeline.layer_ranges, stages)):
+        for s, ((a, b), fn) in enumerate(zip(self.pipeline.layer_ranges, stages)):
             if s:
-                x = jax.device_put(x, self._pipeline.stages[s].replicated)
-            *outs, self._kv_caches[a:b] = fn(self._state[s], self._kv_caches[a:b], x, fwd)
+                x = jax.device_put(x, self.pipeline.stages[s].replicated)
+            *outs, r._kv_caches[a:b] = fn(r._state[s], r._kv_caches[a:b], x, fwd)
             x = outs[0]
         logits, prompt, pooled = outs
-        out, _ = sampler(logits, sample_inputs(inputs), self._prev_tokens)
+        out, _ = sampler(logits, sample_inputs(inputs), r._prev_tokens)
         return dataclasses.replace(out, prompt_logprobs=prompt), pooled, None
 
-    def _executables_for(self, layout: BatchLayout, inputs: StepInputs, forward: bool = True,
-                         sampler: bool = True) -> tuple:
+    def executables_for(self, layout: BatchLayout, inputs: StepInputs, forward: bool = True,
+                        sampler: bool = True) -> tuple:
         """Every stage's compiled forward for ``inputs``' shapes (with ``forward`` False
         too: the sampler's logits are the last stage's output), and the sampler (None
         without ``sampler``)."""
-        pp, stages = self._pipeline, []
+        r, pp, stages = self.runner, self.pipeline, []
         x = inputs.input_ids
         for s, (a, b) in enumerate(pp.layer_ranges):
-            fn = self._compiled(("stage", s, *_shape_key(layout)), self._stage_forward[s],
-                                self._state[s], self._kv_caches[a:b], x, forward_inputs(inputs),
-                                devices=list(pp.stages[s].mesh.devices.flat))
+            fn = r._compiled(("stage", s, *_shape_key(layout)), self._stage_forward[s],
+                             r._state[s], r._kv_caches[a:b], x, forward_inputs(inputs),
+                             devices=list(pp.stages[s].mesh.devices.flat))
             stages.append(fn)
             if s + 1 < pp.num_stages:
                 hidden = fn.out_info[0]
                 x = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype,
                                          sharding=pp.stages[s + 1].replicated)
-        self._ready_shapes.add(_shape_key(layout))
-        return stages, self._sampler_for(stages[-1].out_info[0], inputs) if sampler else None
+        r._ready_shapes.add(_shape_key(layout))
+        return stages, r._sampler_for(stages[-1].out_info[0], inputs) if sampler else None
 
 
 def _placed(state: nnx.State, tp) -> nnx.State:

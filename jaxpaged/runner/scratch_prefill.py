@@ -37,7 +37,9 @@ class ScratchPrefill:
 
         Raises:
             ValueError: an empty prompt.
+            PipelineParallelError: a runner of pipeline stages.
         """
+        self._executor.refuse("run_prefill")
         t = len(token_ids)
         if not t:
             raise ValueError("run_prefill needs at least one token")

@@ -272,7 +272,7 @@ class RunnerWeights:
 
     def check_weights_updatable(self) -> None:
         """Raises NotImplementedError for pipeline stages (their state is split by stage)."""
-        if getattr(self, "_pipeline", None) is not None:
+        if self.pipeline is not None:
             raise NotImplementedError("weight updates and sleep mode with pipeline "
                                       "parallelism are not supported yet")
 

@@ -12,7 +12,6 @@ allocate the serving pool. The engine gets the runner and the figures the host s
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from jaxpaged.config import ModelConfig
 from jaxpaged.core.kv_groups import KVLayout, kv_layout, max_concurrency
 from jaxpaged.distributed.pipeline_parallel import PipelineParallel
 from jaxpaged.distributed.tensor_parallel import TensorParallel
-from jaxpaged.arg_utils import EngineArgs
+from jaxpaged.engine_config import EngineConfig, LoadConfig
 from jaxpaged.family_settings import with_max_model_len
 from jaxpaged.runner.kv_scales import KVScales, calibrate_kv_scales, calibration_token_ids
 from jaxpaged.runner.kv_sizing import check_pool_fits, num_kv_pages
@@ -37,7 +36,6 @@ from jaxpaged.layers.cpu_build import cpu_flags
 from jaxpaged.layers.kv_group_layers import set_kv_layout
 from jaxpaged.layers.recurrent_pool import (num_kv_layers, recurrent_layers, recurrent_pool,
                                            refuse_unsupported, state_bytes)
-from jaxpaged.lora.config import LoRAConfig
 from jaxpaged.lora.device import LoRASlotWriter, add_lora_slots
 from jaxpaged.models.mixtral import use_expert_parallelism
 from jaxpaged.gguf_config import is_gguf
@@ -46,7 +44,6 @@ from jaxpaged.models.loader import load_model
 from jaxpaged.runner.compile_cache import configure_compilation_cache, resolve_cache_dir
 from jaxpaged.runner.model_runner import ModelRunner, RunnerLimits
 from jaxpaged.runner.page_size import DEFAULT_PAGE_SIZE, choose_page_size
-from jaxpaged.runner.pipeline_runner import PipelineModelRunner
 from jaxpaged.sampling.logits_adjust import capacity as adjust_capacity
 
 logger = logging.getLogger(__name__)
@@ -106,26 +103,27 @@ def gguf_auto_dtype(packed: bool, platform: str) -> str:
     return "float32"
 
 
-def keeps_gguf_packed(args: EngineArgs, cfg: ModelConfig, num_devices: int,
+def keeps_gguf_packed(load: LoadConfig, cfg: ModelConfig, num_devices: int,
                       platform: str) -> bool:
     """Whether a GGUF model's projections, embedding and LM head stay packed as the file
     stores them (:class:`jaxpaged.layers.packed_linear.PackedLinear`) rather than dequantized
     on load: on one CPU device, without ``--quantization``, when every one of those tensors
     is of a packable block type (``jaxpaged.models.gguf_loader.keeps_packed``). On a GPU, or
-    split over devices, the file loads dequantized (``docs/quantization.md``)."""
-    return (is_gguf(args.model) and args.load_format != "dummy" and cfg.quantization is None
-            and num_devices == 1 and platform == "cpu" and keeps_packed(args.model))
+    split over devices, the file loads dequantized (``docs/quantization.md``). ``load``:
+    its ``model`` and ``load_format`` are read."""
+    return (is_gguf(load.model) and load.load_format != "dummy" and cfg.quantization is None
+            and num_devices == 1 and platform == "cpu" and keeps_packed(load.model))
 
 
-def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
-                 tokenizer: Callable[[], Any], devices: list | None = None,
+def build_worker(config: EngineConfig, *, tokenizer: Callable[[], Any],
+                 devices: list | None = None,
                  extra_bytes_per_page: Callable[[int], int] | None = None) -> Worker:
     """Load the model onto its devices and build its one :class:`ModelRunner`.
 
     Args:
-        args: the engine configuration.
-        cfg: the model's configuration (with ``args.quantization`` applied).
-        max_model_len: the resolved length limit.
+        config: the engine's typed configs (``jaxpaged.engine_config``): the model's
+            (``--quantization`` applied), loading, cache, parallel and scheduler limits
+            (the resolved ``max_model_len`` among them), attention backend, LoRA.
         tokenizer: returns the model's tokenizer (called only to make the fp8 KV-scale
             calibration prompt; the engine loads it on another thread meanwhile).
         devices: the ``tensor_parallel_size`` devices to use (default: the first ones).
@@ -138,36 +136,39 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
             :class:`jaxpaged.engine.engine.Engine` documents; ValueError: a pool that does
             not fit the devices or cannot hold one ``max_model_len`` request.
     """
-    cache_dir = resolve_cache_dir(args.compilation_cache_dir)
+    load, cache, par = config.load_config, config.cache_config, config.parallel_config
+    sched, cfg, max_model_len = config.scheduler_config, config.model_config, \
+        config.max_model_len
+    cache_dir = resolve_cache_dir(load.compilation_cache_dir)
     configure_compilation_cache(cache_dir)
     cfg = dataclasses.replace(cfg, family=with_max_model_len(cfg.family, max_model_len))
     pipeline = None
-    if args.pipeline_parallel_size > 1:
-        pipeline = PipelineParallel.create(args.pipeline_parallel_size,
-                                           args.tensor_parallel_size, cfg, devices)
+    if par.pipeline_parallel_size > 1:
+        pipeline = PipelineParallel.create(par.pipeline_parallel_size,
+                                           par.tensor_parallel_size, cfg, devices)
         tp = pipeline.stages[0]      # every stage has the same tensor-parallel layout
     else:
-        tp = TensorParallel.create(args.tensor_parallel_size, cfg, devices,
-                                   args.enable_expert_parallel)
+        tp = TensorParallel.create(par.tensor_parallel_size, cfg, devices,
+                                   par.enable_expert_parallel)
     kv_heads = tp.physical_config(cfg).num_kv_heads
     refuse_unsupported(cfg, pipeline=pipeline is not None,
-                       speculative=args.speculative_config is not None,
-                       calculate_kv_scales=args.calculate_kv_scales)
+                       speculative=config.speculative_config is not None,
+                       calculate_kv_scales=cache.calculate_kv_scales)
     platform = tp.mesh.devices.flat[0].platform
-    packed = keeps_gguf_packed(args, cfg, tp.size * args.pipeline_parallel_size, platform)
+    packed = keeps_gguf_packed(load, cfg, tp.size * par.pipeline_parallel_size, platform)
     checkpoint_dtype = cfg.checkpoint_dtype
-    if is_gguf(args.model) and args.dtype == "auto":
+    if is_gguf(load.model) and load.dtype == "auto":
         checkpoint_dtype = gguf_auto_dtype(packed, platform)
         logger.info("dtype auto: %s for this GGUF (%s)", checkpoint_dtype,
                     "packed projections" if packed else f"dequantized on load, {platform}")
-    dtype = resolve_dtype(args.dtype, checkpoint_dtype)
-    kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    dtype = resolve_dtype(load.dtype, checkpoint_dtype)
+    kv_cache_dtype = resolve_kv_cache_dtype(cache.cache_dtype, dtype)
     backend = get_attention_backend(
-        args.attention_backend, num_kv_heads=cfg.num_kv_heads, num_heads=cfg.num_heads,
+        config.attention_backend, num_kv_heads=cfg.num_kv_heads, num_heads=cfg.num_heads,
         head_dim=cfg.head_dim,
-        page_size=DEFAULT_PAGE_SIZE if args.block_size == "auto" else args.block_size,
+        page_size=DEFAULT_PAGE_SIZE if cache.block_size == "auto" else cache.block_size,
         dtype=dtype, kv_cache_dtype=kv_cache_dtype)
-    page_size = args.block_size
+    page_size = cache.block_size
     if page_size == "auto":
         device = tp.mesh.devices.flat[0]
         choice = choose_page_size(platform=device.platform, device_kind=device.device_kind,
@@ -181,17 +182,18 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
     if packed:
         cfg = dataclasses.replace(cfg, quantization="gguf")
         logger.info("GGUF projections and embedding kept packed as stored (CPU, one device)")
-    model = load_model(args.model, cfg, dtype=dtype, backend=backend,
-                       load_format=args.load_format, seed=args.seed, tp=pipeline or tp,
+    model = load_model(load.model, cfg, dtype=dtype, backend=backend,
+                       load_format=load.load_format, seed=load.seed, tp=pipeline or tp,
                        packed_cache_dir=cache_dir and os.path.join(cache_dir, "gguf-packed"))
     if tp.expert_parallel:
         use_expert_parallelism(model, tp.mesh)
-    lora_config = LoRAConfig.from_engine_args(args)
+    lora_config = config.lora_config
     lora = None if lora_config is None else LoRASlotWriter(
         add_lora_slots(model, cfg, lora_config, tp, dtype), tp)
     pages_per_seq = -(-max_model_len // page_size)
     layout = kv_layout(cfg.sliding_windows, enabled=pipeline is None
-                       and args.speculative_config is None and not args.calculate_kv_scales)
+                       and config.speculative_config is None
+                       and not cache.calculate_kv_scales)
     if layout is not None and not set_kv_layout(model, layout):
         layout = None       # (a model without the grouped decoder)
 
@@ -205,25 +207,23 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
             return recurrent_pool(
                 cfg, lambda n: allocate_kv_pool(n, num_pages, page_size, kv_heads, cfg.head_dim,
                                                 pool_dtype, tp.kv_pool_sharding),
-                args.max_num_seqs, dtype, tp.replicated)
+                sched.max_num_seqs, dtype, tp.replicated)
         return allocate_kv_pool(layout.slots if layout else cfg.num_layers, num_pages,
                                 page_size, kv_heads, cfg.head_dim, pool_dtype,
                                 tp.kv_pool_sharding)
 
     # Calibration reads the exact K/V, so it runs on an unquantized scratch pool first.
-    runner_cls = (ModelRunner if pipeline is None else
-                  functools.partial(PipelineModelRunner, pipeline=pipeline))
-    runner = runner_cls(
-        model, pool(2, dtype if args.calculate_kv_scales else kv_cache_dtype), backend,
-        page_size=page_size, replicated=tp.replicated,
+    runner = ModelRunner(
+        model, pool(2, dtype if cache.calculate_kv_scales else kv_cache_dtype), backend,
+        page_size=page_size, replicated=tp.replicated, pipeline=pipeline,
         executable_dir=cache_dir and os.path.join(cache_dir, "steps"), lora=lora,
-        limits=RunnerLimits(max_num_tokens=args.max_num_batched_tokens,
-                            max_num_seqs=args.max_num_seqs, max_pages_per_seq=pages_per_seq,
+        limits=RunnerLimits(max_num_tokens=sched.max_num_batched_tokens,
+                            max_num_seqs=sched.max_num_seqs, max_pages_per_seq=pages_per_seq,
                             vocab_size=cfg.vocab_size,
                             max_adjust_entries=adjust_capacity(cfg.vocab_size, max_model_len)))
     runner.tensor_parallel = pipeline or tp     # (weight updates repeat KV heads as loading)
     scales = [(1.0, 1.0)] * cfg.num_layers
-    if args.calculate_kv_scales:
+    if cache.calculate_kv_scales:
         scales = calibrate_kv_scales(runner, calibration_token_ids(
             tokenizer(), cfg.max_position_embeddings, cfg.vocab_size))
         runner.set_kv_scales(scales)
@@ -237,19 +237,19 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
     # real need (its window's pages in a sliding group).
     layers_per_device = max(b - a for a, b in pipeline.layer_ranges) if pipeline \
         else layout.slots if layout else num_kv_layers(cfg)
-    seq_pages = layout.pages_per_seq(max_model_len, page_size, args.max_num_batched_tokens) \
+    seq_pages = layout.pages_per_seq(max_model_len, page_size, sched.max_num_batched_tokens) \
         if layout else pages_per_seq
     bytes_per_page = kv_bytes_per_page(layers_per_device, page_size, kv_heads // tp.size,
                                        cfg.head_dim, kv_cache_dtype)
-    num_devices = tp.size * args.pipeline_parallel_size * args.data_parallel_size
+    num_devices = tp.size * par.pipeline_parallel_size * par.data_parallel_size
     extra = extra_bytes_per_page(page_size) if extra_bytes_per_page else 0
     num_pages = num_kv_pages(
         bytes_per_page=bytes_per_page + extra, pages_per_seq=seq_pages,
-        max_num_seqs=args.max_num_seqs, num_gpu_blocks_override=args.num_gpu_blocks_override,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=sched.max_num_seqs, num_gpu_blocks_override=cache.num_gpu_blocks_override,
+        kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
+        gpu_memory_utilization=cache.gpu_memory_utilization,
         profile_peak_bytes=runner.profile_peak_bytes, num_devices=num_devices,
-        device=tp.mesh.devices.flat[0], kv_cache_memory_share=args.kv_cache_memory_share)
+        device=tp.mesh.devices.flat[0], kv_cache_memory_share=cache.kv_cache_memory_share)
     check_pool_fits(num_pages, bytes_per_page + extra, num_devices)
     if num_pages - 1 < seq_pages:     # page 0 is the null page
         raise ValueError(
@@ -258,7 +258,7 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
             "max_model_len")
     runner.set_kv_pool(pool(num_pages))
     concurrency = max_concurrency(num_pages, max_model_len, page_size,
-                                  args.max_num_batched_tokens, layout)
+                                  sched.max_num_batched_tokens, layout)
     logger.info("KV cache: %d pages of %d tokens in %s, %d bytes per page (%.1f MiB in all); "
                 "maximum concurrency for %d-token requests: %.2fx", num_pages, page_size,
                 np.dtype(kv_cache_dtype).name, bytes_per_page,
@@ -266,19 +266,19 @@ def build_worker(args: EngineArgs, cfg: ModelConfig, *, max_model_len: int,
                 concurrency)
     if recurrent_layers(cfg):
         logger.info("recurrent state: %d slots (max_num_seqs) in each of %d recurrent layers, "
-                    "%.2f MiB besides the KV pages", args.max_num_seqs,
+                    "%.2f MiB besides the KV pages", sched.max_num_seqs,
                     sum(recurrent_layers(cfg)),
-                    state_bytes(cfg, args.max_num_seqs, dtype) / 2**20)
+                    state_bytes(cfg, sched.max_num_seqs, dtype) / 2**20)
     if layout is not None:
         logger.info("KV cache groups: %s, a page spanning %d layers; a %d-token request holds "
                     "%s pages of them", ", ".join(
                         f"{len(g.layers)} {'full' if g.window is None else f'window-{g.window}'}"
                         for g in layout.groups), layout.slots, max_model_len,
                     "+".join(map(str, layout.group_pages_per_seq(
-                        max_model_len, page_size, args.max_num_batched_tokens))))
+                        max_model_len, page_size, sched.max_num_batched_tokens))))
     logger.info("model %s (%s, %d layers), dtype %s, quantization %s (weights %.1f MiB), "
                 "max_model_len %d, attention %s, tensor parallel %d, pipeline stages %s",
-                args.model, cfg.architecture, cfg.num_layers, np.dtype(dtype).name,
+                load.model, cfg.architecture, cfg.num_layers, np.dtype(dtype).name,
                 cfg.quantization, runner.weight_bytes / 2**20, max_model_len,
                 runner.backend.name, tp.size,
                 pipeline.layer_ranges if pipeline else 1)

@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from jaxpaged.config import ModelConfig, UnsupportedModelError
 from jaxpaged.distributed.tensor_parallel import TensorParallel
 from jaxpaged.arg_utils import EngineArgs
+from jaxpaged.core.scheduler_config import SchedulerConfig
+from jaxpaged.engine_config import LoadConfig
 from jaxpaged.core.request import Request
 from jaxpaged.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxpaged.layers.attention import allocate_kv_pool, get_attention_backend, kv_bytes_per_page
@@ -70,20 +72,28 @@ class DraftModel:
         path: its directory or GGUF file (``speculative_config.model``).
         config: its ``config.json``.
         dtype: the compute dtype (the target's) of its weights and its KV pool.
-        args: the engine's arguments (load format, seed, backend, limits).
-        max_model_len: the engine's length limit.
+        load: the engine's load config (load format, seed, compilation cache).
+        attention_backend: the engine's ``--attention-backend``.
+        scheduler_config: the engine's step limits and ``max_model_len``.
     """
 
     path: str
     config: ModelConfig
     dtype: object
-    args: EngineArgs
-    max_model_len: int
+    load: LoadConfig
+    attention_backend: str
+    scheduler_config: SchedulerConfig
+
+    @property
+    def max_model_len(self) -> int:
+        """The engine's length limit."""
+        return self.scheduler_config.max_model_len
 
     @classmethod
-    def check(cls, args: EngineArgs, spec: SpeculativeConfig | None, target: ModelConfig,
-              max_model_len: int) -> DraftModel | None:
-        """The draft of ``spec`` (None unless ``method="draft_model"``).
+    def check(cls, spec: SpeculativeConfig | None, target: ModelConfig, *, load: LoadConfig,
+              attention_backend: str, scheduler_config: SchedulerConfig) -> DraftModel | None:
+        """The draft of ``spec`` (None unless ``method="draft_model"``) for ``target``,
+        under the engine's configs.
 
         Raises:
             SpeculativeConfigError: ``field="model"``: no readable config or no weights
@@ -93,6 +103,7 @@ class DraftModel:
         """
         if spec is None or spec.method != "draft_model":
             return None
+        max_model_len = scheduler_config.max_model_len
         try:
             config = ModelConfig.from_pretrained(spec.model)
         except (OSError, ValueError) as e:
@@ -101,7 +112,7 @@ class DraftModel:
             raise SpeculativeConfigError(
                 "model", f"the draft's vocab_size {config.vocab_size} differs from the "
                 f"target's {target.vocab_size} (draft and target must share the tokenizer)")
-        if args.load_format != "dummy" and not has_weights(spec.model):
+        if load.load_format != "dummy" and not has_weights(spec.model):
             raise SpeculativeConfigError(
                 "model", f"no weights in {spec.model!r} (a model.safetensors, a "
                 "model.safetensors.index.json with its shards, or a .gguf file)")
@@ -109,8 +120,8 @@ class DraftModel:
             raise SpeculativeConfigError(
                 "model", f"the draft's max_position_embeddings "
                 f"{config.max_position_embeddings} is below max_model_len={max_model_len}")
-        return cls(spec.model, config, resolve_dtype(args.dtype, target.checkpoint_dtype),
-                   args, max_model_len)
+        return cls(spec.model, config, resolve_dtype(load.dtype, target.checkpoint_dtype),
+                   load, attention_backend, scheduler_config)
 
     def kv_bytes_per_page(self, page_size: int) -> int:
         """Bytes one page of the draft's pool takes (all its layers, K and V)."""
@@ -121,26 +132,27 @@ class DraftModel:
         """Load the draft onto the target's first device with its own ``ModelRunner``
         (the target's attention backend, page size and page count, as
         ``jaxpaged.runner.worker.build_worker`` builds one) and return its proposer."""
-        args, cfg, page_size = self.args, self.config, worker.page_size
+        load, limits, cfg = self.load, self.scheduler_config, self.config
+        page_size = worker.page_size
         tp = TensorParallel.create(1, cfg, worker.runner.devices[:1])
         backend = get_attention_backend(
-            args.attention_backend, num_kv_heads=cfg.num_kv_heads, num_heads=cfg.num_heads,
+            self.attention_backend, num_kv_heads=cfg.num_kv_heads, num_heads=cfg.num_heads,
             head_dim=cfg.head_dim, page_size=page_size, dtype=self.dtype,
             kv_cache_dtype=self.dtype)
         try:
             model = load_model(self.path, cfg, dtype=self.dtype, backend=backend,
-                               load_format=args.load_format, seed=args.seed, tp=tp)
+                               load_format=load.load_format, seed=load.seed, tp=tp)
         except (MissingWeightsError, UnsupportedModelError, FileNotFoundError) as e:
             raise SpeculativeConfigError("model", f"cannot load the draft model: {e}") from e
         pool = allocate_kv_pool(cfg.num_layers, worker.num_pages, page_size,
                                 tp.physical_config(cfg).num_kv_heads, cfg.head_dim,
                                 self.dtype, tp.kv_pool_sharding)
-        cache_dir = resolve_cache_dir(args.compilation_cache_dir)
+        cache_dir = resolve_cache_dir(load.compilation_cache_dir)
         runner = ModelRunner(
             model, pool, backend, page_size=page_size, replicated=tp.replicated,
             executable_dir=cache_dir and os.path.join(cache_dir, "steps"),
-            limits=RunnerLimits(max_num_tokens=args.max_num_batched_tokens,
-                                max_num_seqs=args.max_num_seqs,
+            limits=RunnerLimits(max_num_tokens=limits.max_num_batched_tokens,
+                                max_num_seqs=limits.max_num_seqs,
                                 max_pages_per_seq=-(-self.max_model_len // page_size),
                                 vocab_size=cfg.vocab_size))
         logger.info("draft model %s (%s, %d layers, weights %.1f MiB): KV pool of %d pages "
@@ -148,8 +160,8 @@ class DraftModel:
                     cfg.architecture, cfg.num_layers, runner.weight_bytes / 2**20,
                     worker.num_pages, page_size,
                     worker.num_pages * self.kv_bytes_per_page(page_size) / 2**20)
-        return DraftModelProposer(runner, num_speculative_tokens, args.max_num_batched_tokens,
-                                  args.max_num_seqs)
+        return DraftModelProposer(runner, num_speculative_tokens,
+                                  limits.max_num_batched_tokens, limits.max_num_seqs)
 
 
 def check_draft_model(args: EngineArgs) -> None:
@@ -164,7 +176,10 @@ def check_draft_model(args: EngineArgs) -> None:
     if spec is None or spec.method != "draft_model":
         return
     target = ModelConfig.from_pretrained(args.model)
-    DraftModel.check(args, spec, target, args.max_model_len or target.max_position_embeddings)
+    DraftModel.check(spec, target, load=args.create_load_config(),
+                     attention_backend=args.attention_backend,
+                     scheduler_config=args.create_scheduler_config(
+                         args.max_model_len or target.max_position_embeddings))
 
 
 

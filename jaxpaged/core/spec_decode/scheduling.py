@@ -57,14 +57,16 @@ class SpecDecodingStats:
 
 
 class SpecDecodeScheduling:
-    """Drafting decisions of one scheduler.
+    """Drafting decisions of one scheduler, which calls it twice a step: :meth:`drafts` for
+    each running sequence while it plans, and :meth:`finish_step` once on the final plan
+    (a sequence preempted or dropped from the plan meanwhile takes its proposals with it).
 
     A step speculates only when it is a verification step (every scheduled sequence
     decodes one token, ``n = 1``) and the rule of :meth:`wants_speculation` says so. A
-    step that also prefills (an admitted
-    request, a prompt's next chunk) drops its proposals (:meth:`finish_step`): its
-    sequences decode plainly that step, so steps with prefill chunks keep their own
-    shapes. Proposals take no seats: a verification step has a row per token.
+    step that also prefills (an admitted request, a prompt's next chunk) drops its
+    proposals (:meth:`finish_step`): its sequences decode plainly that step, so steps with
+    prefill chunks keep their own shapes. Proposals take no seats: a verification step has
+    a row per token.
 
     Args:
         config: the speculative config.
@@ -76,11 +78,9 @@ class SpecDecodeScheduling:
         self.proposer = None if config.method == "draft_model" else NgramProposer(
             config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         self.max_model_len = max_model_len
-        #: Proposals scheduled in the step being built.
-        self.step_drafts = 0
-        self._speculate = True
+        #: Whether the step being planned speculates (None: not decided yet).
+        self._speculate: bool | None = None
         self._decision: bool | None = None
-        self._num_running = 0
         self._adaptive = None if config.disable_by_batch_size is not None else \
             AdaptiveSpeculation(acceptance_is_free=self.proposer is not None)
         self.stats = SpecDecodingStats(config.num_speculative_tokens)
@@ -89,7 +89,7 @@ class SpecDecodeScheduling:
 
     def wants_speculation(self, running: list[Request]) -> bool:
         """Whether the next step over ``running`` speculates (decided once, and kept for
-        :meth:`begin_step`): with ``disable_by_batch_size``, when there are at most that
+        the step's first :meth:`drafts` call): with ``disable_by_batch_size``, when there are at most that
         many; else when :class:`~jaxpaged.core.spec_decode.adaptive.AdaptiveSpeculation`
         expects it to pay, from the sequences' acceptance rates. The engine asks before
         scheduling, to finish an in-flight step first (proposals need the last tokens on
@@ -105,13 +105,6 @@ class SpecDecodeScheduling:
                      for r in running])
         return self._decision
 
-    def begin_step(self, running: list[Request]) -> None:
-        """Start a step over ``running`` (:meth:`wants_speculation` decides)."""
-        self.step_drafts = 0
-        self._speculate = self.wants_speculation(running)
-        self._decision = None
-        self._num_running = len(running)
-
     @staticmethod
     def _may_draft(req: Request) -> bool:
         """Whether ``req``'s sampling allows proposals (one sample, no prompt logprobs,
@@ -125,14 +118,18 @@ class SpecDecodeScheduling:
             req.spec_state = SpecState()
         return req.spec_state
 
-    def drafts(self, req: Request, num_new: int, budget: int) -> list[int] | None:
+    def drafts(self, req: Request, num_new: int, budget: int,
+               running: list[Request]) -> list[int] | None:
         """The proposals to verify after ``req``'s ``num_new`` scheduled tokens, within
-        ``budget`` more tokens; None when it does not speculate this step (not a plain
-        decode, ``n > 1``, prompt logprobs, structured outputs, or no n-gram match).
+        ``budget`` more tokens; None when it does not speculate this step (the step does not:
+        :meth:`wants_speculation` over ``running``, asked at the step's first call; not a
+        plain decode, ``n > 1``, prompt logprobs, structured outputs, or no n-gram match).
         Each proposal is capped so the emitted run stays within ``max_tokens`` and
         ``max_model_len``. With a draft model the list holds ``-1`` placeholders, as many
         as the draft is to propose (``DraftModelProposer.propose`` fills it in place
         after :meth:`finish_step`, before the step is dispatched)."""
+        if self._speculate is None:
+            self._speculate = self.wants_speculation(running)
         total = len(req.all_token_ids)
         if (not self._speculate or num_new != 1 or req.num_computed_tokens != total - 1
                 or req.num_output_placeholders or not self._may_draft(req)):
@@ -143,28 +140,27 @@ class SpecDecodeScheduling:
             return None
         proposal = ([-1] * min(limit, self.config.num_speculative_tokens)
                     if self.proposer is None else self.proposer.propose(req.all_token_ids, limit))
-        if not proposal:
-            return None
-        self.step_drafts += len(proposal)
-        return proposal
+        return proposal or None
 
-    def finish_step(self, scheduled: list[ScheduledRequest]) -> None:
-        """Drop every proposal of a step that is not a verification step (some sequence
-        prefills or draws ``n > 1`` samples); its pages allocated for them stay in its
-        page table and take its next tokens. A step of decodes alone is timed for the
-        adaptive rule (steps with prefill chunks are not)."""
+    def finish_step(self, scheduled: list[ScheduledRequest], num_running: int) -> None:
+        """The step's final plan ``scheduled``, made over ``num_running`` running sequences:
+        drop every proposal of a step that is not a verification step (some sequence
+        prefills or draws ``n > 1`` samples); the pages allocated for them stay in their
+        sequence's page table and take its next tokens. A step of decodes alone is timed
+        for the adaptive rule (steps with prefill chunks are not). The next step decides
+        afresh whether it speculates."""
+        self._speculate = self._decision = None
+        drafted = any(s.draft_token_ids for s in scheduled)
         decodes = all(s.num_new_tokens == 1 + len(s.draft_token_ids or ()) and s.num_samples <= 1
                       for s in scheduled)
         if decodes and scheduled and self._adaptive is not None:
-            self._adaptive.scheduled(id(scheduled), self._num_running, len(scheduled),
-                                     self.step_drafts > 0)
-        if not self.step_drafts or decodes:
+            self._adaptive.scheduled(id(scheduled), num_running, len(scheduled), drafted)
+        if not drafted or decodes:
             return
         for s in scheduled:
             if s.draft_token_ids:
                 s.num_new_tokens -= len(s.draft_token_ids)
                 s.draft_token_ids = None
-        self.step_drafts = 0
 
     def step_done(self, scheduled: list[ScheduledRequest], idle: bool) -> None:
         """The step ``scheduled`` (its list, as :meth:`finish_step` saw it) is applied;
@@ -182,23 +178,16 @@ class SpecDecodeScheduling:
         self._state(req).observe(req.all_token_ids, self.proposer.propose,
                                  self.config.num_speculative_tokens)
 
-    def unschedule(self, drafts: list[int] | None) -> None:
-        """A sequence scheduled with ``drafts`` was taken out of the step (preempted)."""
-        if drafts:
-            self.step_drafts -= len(drafts)
-
     def apply_verified(self, req: Request, drafts: list[int], tokens: list[int],
-                       logprobs: list | None, append, finish) -> int:
+                       logprobs: list | None, append) -> int:
         """Apply a verified run: ``tokens`` are the accepted proposals, then the resampled
         or bonus token. Moves ``req.num_computed_tokens`` back over the rejected positions,
-        counts, and hands the tokens in order to ``append`` (``OutputProcessor.append_token``)
-        until one of them stops the sequence (then ``finish(req, *stop)``,
-        ``Scheduler.finish_request``); returns how many tokens were dropped after the stop."""
+        counts, and hands the tokens in order to ``append`` (``Scheduler.append_token``,
+        which returns True once one stops the sequence); returns how many tokens were
+        dropped after the stop."""
         self._count(req, drafts, len(tokens))
         for j, token in enumerate(tokens):
-            stop = append(req, token, None if logprobs is None else logprobs[j])
-            if stop is not None:
-                finish(req, *stop)
+            if append(req, token, None if logprobs is None else logprobs[j]):
                 return len(tokens) - j - 1
         return 0
 
