@@ -6,8 +6,8 @@ ratio holds on a shared machine whose load moves. ``--backends xla cpu`` compare
 backends instead (each step in ``--dtypes``' first dtype; a single backend, e.g.
 ``--backends cpu``, compares the dtypes with it), and ``--layer`` first times one
 layer's decode attention alone (KV write and attention of W1's decode step, per backend).
-Also home of ``step_profile --compare-options`` (XLA:CPU compile-option sets against the
-defaults, same interleaving).
+``--compile-options`` times the XLA:CPU compile-option sets of ``OPTION_SETS`` against the
+defaults instead (same interleaving).
 
 Prints one JSON line per step kind: per round and dtype the best and median ms, the best's
 ratio to float32's, and whether the greedy tokens equal float32's (dummy weights give
@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "attention backend, the first of --dtypes)")
     p.add_argument("--layer", action="store_true",
                    help="with --backends: time one layer's decode attention first")
+    p.add_argument("--compile-options", action="store_true",
+                   help="time the XLA:CPU compile-option sets of OPTION_SETS against the "
+                        "defaults instead")
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args(argv)
@@ -195,7 +198,10 @@ def main(argv: list[str] | None = None) -> dict:
                                                args.repeats, args.rounds)
         print(json.dumps({"layer": result["layer"]}), flush=True)
     for kind in args.steps:
-        if args.matmuls:
+        if args.compile_options:
+            result[kind] = compare_options(kind, args.model, OPTION_SETS, args.repeats,
+                                           args.rounds)
+        elif args.matmuls:
             result[kind] = compare_matmuls(kind, args.model, args.dtypes[0], args.repeats,
                                            args.rounds)
         elif args.backends and len(args.backends) == 1:

@@ -35,7 +35,6 @@ import argparse
 import bisect
 import collections
 import glob
-import json
 import os
 import re
 import tempfile
@@ -325,8 +324,6 @@ def main(argv: list[str] | None = None) -> dict:
                    choices=["decode", "prefill"])
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--trace-steps", type=int, default=4)
-    p.add_argument("--compare-options", action="store_true",
-                   help="time the compile-option sets of OPTION_SETS against the defaults")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="weights and KV pool dtype of the profiled steps")
@@ -337,18 +334,11 @@ def main(argv: list[str] | None = None) -> dict:
     load_before = os.getloadavg()[0]
     result = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "dtype": args.dtype,
               "attention_backend": args.attention_backend}
-    if args.compare_options:
-        for kind in args.steps:
-            from jaxpaged.benchmarks.step_compare import OPTION_SETS, compare_options
-            result[kind] = compare_options(kind, args.model, OPTION_SETS, args.repeats,
-                                           args.rounds)
-            print(json.dumps({kind: result[kind]}), flush=True)
-    else:
-        for kind in args.steps:
-            result[kind] = profile_step(kind, args.model, args.repeats, args.trace_steps,
-                                        args.dtype, args.attention_backend)
-        # After the steps, best of several: one slow call on a shared machine says nothing.
-        result["peak_gflops"] = round(matmul_gflops(4096, 4096, 4096, 8), 1)
+    for kind in args.steps:
+        result[kind] = profile_step(kind, args.model, args.repeats, args.trace_steps,
+                                    args.dtype, args.attention_backend)
+    # After the steps, best of several: one slow call on a shared machine says nothing.
+    result["peak_gflops"] = round(matmul_gflops(4096, 4096, 4096, 8), 1)
     result.update(machine(load_before))
     write_outputs(result, args.output_json)
     return result

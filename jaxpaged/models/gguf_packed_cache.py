@@ -47,9 +47,10 @@ ALIGNMENT = 64
 def _code_digest() -> str:
     """A digest of the modules whose code decides the packed layout."""
     from jaxpaged.layers import packed_layout
-    from jaxpaged.models import gguf_blocks, gguf_loader
 
-    return digest_files(m.__file__ for m in (gguf_blocks, gguf_loader, packed_layout))[:16]
+    here = os.path.dirname(__file__)     # (by path: gguf_loader imports this module)
+    return digest_files([os.path.join(here, "gguf_blocks.py"),
+                         os.path.join(here, "gguf_loader.py"), packed_layout.__file__])[:16]
 
 
 class PackedWeightCache:
