@@ -233,16 +233,28 @@ def _gemma3(cfg: dict) -> tuple[dict, FamilySettings]:
         local_rope if k == "sliding_attention" else full_rope for k in kinds))
 
 
-def _phi3(cfg: dict) -> tuple[dict, FamilySettings]:
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+def _rotary_features(cfg: dict, params: dict, default: float) -> tuple[int, int]:
+    """(head_dim, features RoPE rotates) from ``partial_rotary_factor`` (``default`` when
+    neither ``params`` nor ``cfg`` names it).
+
+    Raises:
+        FamilySettingsError: a factor outside (0, 1] or one leaving an odd feature count.
+    """
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor",
+                                                                default)))
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"])
                    // int(cfg["num_attention_heads"]))
     rotary = int(head_dim * partial)
     if not 0 < partial <= 1 or rotary % 2:
         raise FamilySettingsError(f"partial_rotary_factor={partial} must leave an even number "
                                   f"of the {head_dim} head features to rotate")
+    return head_dim, rotary
+
+
+def _phi3(cfg: dict) -> tuple[dict, FamilySettings]:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    head_dim, rotary = _rotary_features(cfg, params, 1.0)
     kind = params.get("rope_type", params.get("type")) or "default"
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
     cfg.pop("rope_scaling", None)
@@ -351,13 +363,7 @@ def _qwen3_next(cfg: dict) -> tuple[dict, FamilySettings]:
         raise FamilySettingsError(f"Qwen3-Next rope_type {kind!r} is not supported; "
                                   "supported: default")
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"])
-                   // int(cfg["num_attention_heads"]))
-    rotary = int(head_dim * partial)
-    if not 0 < partial <= 1 or rotary % 2:
-        raise FamilySettingsError(f"partial_rotary_factor={partial} must leave an even number "
-                                  f"of the {head_dim} head features to rotate")
+    head_dim, rotary = _rotary_features(cfg, params, 0.25)
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
     cfg.pop("rope_scaling", None)
     interval = int(cfg.get("full_attention_interval", 4))
