@@ -134,3 +134,14 @@ def test_files_llama_cpp_reads_otherwise_are_refused():
     meta.update({"qwen3next.ssm.inner_size": 64, "qwen3next.nextn_predict_layers": 1})
     with pytest.raises(UnsupportedModelError, match=r"\(nextn\) layers is not supported"):
         family_config("qwen3next", meta, {}, cfg())
+
+
+@pytest.mark.slow                       # 23-26 s each
+@pytest.mark.parametrize("file", list(FILES))
+def test_two_devices_match_transformers(file):
+    """tp=2 on host devices: heads and expert columns split (Qwen3-Next's DeltaNet too, from
+    the in_proj_qkvz the reader interleaves back)."""
+    ref = FILES[file]
+    llm = engine(ref, model=gguf(file), dtype="float32", num_gpu_blocks_override=24,
+                 tensor_parallel_size=2, attention_backend="xla")
+    (check_generate if "gpt_oss" in file else check_hybrid_generate)(llm, ref)
