@@ -17,10 +17,11 @@ import struct
 from jaxpaged.errors import UnsupportedModelError
 from jaxpaged import gguf_header_cache as header_cache
 from jaxpaged.gguf_arch import (GGUF_ARCHITECTURES, LINEAR_ROPE_SCALING, PARTIAL_ROTARY,
-                                family_config)
+                                YARN_ROPE_SCALING, family_config)
 from jaxpaged.gguf_file import GGUFFile, GGUFFormatError, read_gguf
 #: ggml tensor types the loader dequantizes (``gguf.GGMLQuantizationType`` names).
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K",
+                          "MXFP4")
 
 
 class BadGGUFError(ValueError):
@@ -125,7 +126,8 @@ def gguf_config(path: str) -> dict:
 
     Raises:
         UnsupportedModelError: an architecture outside :data:`GGUF_ARCHITECTURES`, RoPE
-            scaling (but Gemma 3's linear), a partial rotary dimension (but Phi-3's), a
+            scaling (but Gemma 3's linear and gpt-oss's YaRN), a partial rotary dimension (but
+            Phi-3's and Qwen3-Next's), a
             family setting jaxpaged does not have, or a tensor type outside
             :data:`SUPPORTED_TENSOR_TYPES` (all named).
         BadGGUFError: unreadable file, missing size keys, or a vocabulary (``vocab_size`` or the
@@ -146,8 +148,10 @@ def gguf_config(path: str) -> dict:
                                     f"{list(SUPPORTED_TENSOR_TYPES)}")
     for key in ("rope.scaling.type", "rope.scaling.factor"):
         value = meta.get(f"{arch}.{key}")
-        linear = arch in LINEAR_ROPE_SCALING and meta.get(f"{arch}.rope.scaling.type") == "linear"
-        if value not in (None, "none", 1.0) and not linear:
+        kind = meta.get(f"{arch}.rope.scaling.type")
+        read = (arch in LINEAR_ROPE_SCALING and kind == "linear"
+                or arch in YARN_ROPE_SCALING and kind == "yarn")
+        if value not in (None, "none", 1.0) and not read:
             raise UnsupportedModelError(f"GGUF {arch}.{key}={value!r}: RoPE scaling from GGUF "
                                         f"metadata is not supported for {arch}")
     if "rope_freqs.weight" in tensors:

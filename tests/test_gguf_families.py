@@ -126,7 +126,7 @@ def test_float32_tensors_are_the_checkpoints(file):
     assert reader.unread() == [] and len(names) > 10
 
 
-@pytest.mark.parametrize("arch", ["gpt-oss", "qwen3next", "qwen2moe"])
+@pytest.mark.parametrize("arch", ["qwen2moe", "qwen35", "jamba"])
 def test_architectures_still_not_read_are_named(tmp_path, arch):
     path = str(tmp_path / "model.gguf")
     write_random_llama(path, arch=arch)

@@ -32,13 +32,15 @@ def fixture(file):
     return np.load(os.path.join(MODEL, file))
 
 
-def forward_logits(ids, starts=(0,), width=None, page_size=8, backend="xla") -> np.ndarray:
+def forward_logits(ids, starts=(0,), width=None, page_size=8, backend="xla",
+                   model=MODEL) -> np.ndarray:
     """Logits of one sequence ``ids`` run as consecutive jitted forwards over chunks beginning
     at ``starts`` (slot 1 carried between them as the engine's steps carry it), each padded
-    to ``width`` tokens (default: the whole sequence) with padding tokens in the scratch slot."""
-    cfg = ModelConfig.from_pretrained(MODEL)
+    to ``width`` tokens (default: the whole sequence) with padding tokens in the scratch slot;
+    ``model`` a checkpoint directory or GGUF file."""
+    cfg = ModelConfig.from_pretrained(model)
     backend = get_attention_backend(backend)
-    graphdef, state = nnx.split(load_model(MODEL, cfg, dtype=jnp.float32, backend=backend))
+    graphdef, state = nnx.split(load_model(model, cfg, dtype=jnp.float32, backend=backend))
 
     @jax.jit
     def run(state, ids, positions, pool, meta):

@@ -74,9 +74,10 @@ class CheckpointView:
 def checkpoint_view(reader, config: ModelConfig):
     """``reader`` as the model's modules ask it (:class:`CheckpointView`) for the families
     that store tensors otherwise (Phi-3, Qwen3-MoE, Qwen3-Next; gpt-oss:
-    :class:`GptOssCheckpoint`); ``reader`` itself for the rest."""
+    :class:`GptOssCheckpoint`, unless the reader's ``module_names`` says its names are the
+    modules' already, as a gpt-oss GGUF's are); ``reader`` itself for the rest."""
     if config.architecture in ("Phi3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"):
         return CheckpointView(reader, config)
-    if config.architecture == "GptOssForCausalLM":
+    if config.architecture == "GptOssForCausalLM" and not getattr(reader, "module_names", False):
         return GptOssCheckpoint(reader)
     return reader

@@ -11,8 +11,10 @@ Hugging Face directory:
 - :class:`GGUFCheckpoint`: the tensors under the Hugging Face names
   (:mod:`jaxpaged.models.gguf_names`), ``[out, in]`` float32, dequantized on the host by the
   ``gguf`` package (maintained with llama.cpp, ``gguf.quants.dequantize``), with the Q/K row
-  permutation undone (below), Gemma 3's ``1 +`` on its norms taken off, and each expert read
-  from its layer's stacked tensor;
+  permutation undone (below), Gemma 3's and Qwen3-Next's ``1 +`` on their norms taken off,
+  each expert read from its layer's stacked tensor (gpt-oss's MXFP4 ones dequantized by
+  ``gguf`` too) and Qwen3-Next's DeltaNet tensors restored
+  (:mod:`jaxpaged.models.gguf_deltanet`);
 - :func:`gguf_tokenizer` (:mod:`jaxpaged.models.gguf_tokenizer`): the tokenizer and chat template.
 
 The Q/K permutation: llama.cpp's converter (``convert_hf_to_gguf.py``, ``LlamaModel.permute``,
@@ -38,8 +40,9 @@ from jaxpaged.gguf_arch import PERMUTED_QK
 from jaxpaged.gguf_config import BadGGUFError, SUPPORTED_TENSOR_TYPES, open_gguf  # noqa: F401
 from jaxpaged.layers.packed_layout import PACKED_LEAVES, pack_weight
 from jaxpaged.models.gguf_blocks import PACKABLE_TYPES, decode_blocks
-from jaxpaged.models.gguf_names import (LAYER_NAMES, expert_slice, hf_tensor_name,  # noqa: F401
-                                        is_config_tensor, norm_offset)
+from jaxpaged.models.gguf_deltanet import fused_parts, qkvz_rows, restore
+from jaxpaged.models.gguf_names import (LAYER_NAMES, MODULE_NAMED, expert_slice,  # noqa: F401
+                                        hf_tensor_name, is_config_tensor, norm_offset)
 from jaxpaged.models.gguf_packed_cache import PackedWeightCache
 
 #: Architectures whose projections may stay packed (:func:`keeps_packed`; the others load
@@ -107,6 +110,12 @@ class GGUFCheckpoint:
                 self._unmapped.append(t.name)
         self._heads = ({"self_attn.q_proj": num_heads, "self_attn.k_proj": num_kv_heads}
                        if self._arch in PERMUTED_QK else {})
+        #: Whether the names are those the modules ask for (no family checkpoint view).
+        self.module_names = self._arch in MODULE_NAMED
+        #: Qwen3-Next's DeltaNet key heads and their width (:func:`qkvz_rows`).
+        self._deltanet = self._arch == "qwen3next" and tuple(
+            int(opened.metadata.get(f"qwen3next.ssm.{k}", 0))
+            for k in ("group_count", "state_size"))
         self._read: set[str] = set()
         self._stack: tuple[str, np.ndarray] | None = None   # the last expert stack read
 
@@ -162,11 +171,18 @@ class GGUFCheckpoint:
         """Tensor ``name`` (Hugging Face naming and layout: a weight ``[out, in]``) as float32,
         or None if the file lacks it; an expert's weight
         (``model.layers.{i}.mlp.experts.{e}.gate_proj.weight``) is its slice of the layer's
-        stacked tensor.
+        stacked tensor; Qwen3-Next's DeltaNet tensors as transformers stores them
+        (:mod:`jaxpaged.models.gguf_deltanet`).
 
         Raises:
             UnsupportedModelError: a tensor type outside :data:`SUPPORTED_TENSOR_TYPES`.
+            ValueError: Qwen3-Next ``attn_qkv`` / ``attn_gate`` rows that do not fit its
+                ``ssm.*`` heads.
         """
+        parts = self._deltanet and fused_parts(name)
+        if parts:
+            qkv, z = (self.get(p) for p in parts)
+            return None if qkv is None or z is None else qkvz_rows(qkv, z, *self._deltanet)
         expert = expert_slice(name)
         if expert is not None and name not in self._tensors:
             stack, e = expert
@@ -180,7 +196,8 @@ class GGUFCheckpoint:
         if w is None:
             return None
         offset = norm_offset(self._arch, name)
-        return self._hf_rows(name, w - offset if offset else w)
+        w = self._hf_rows(name, w - offset if offset else w)
+        return restore(name, w) if self._deltanet else w
 
     def _dequantized(self, name: str) -> np.ndarray | None:
         """The file's tensor ``name`` as float32 in numpy order (``[out, in]``, a stack of

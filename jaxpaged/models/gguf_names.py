@@ -21,6 +21,18 @@ and fused tensors:
   :mod:`jaxpaged.models.checkpoint_names` under transformers' ``qkv_proj`` /
   ``gate_up_proj``; ``rope_factors_long`` / ``rope_factors_short`` are settings
   (:data:`jaxpaged.gguf_arch.CONFIG_TENSORS`).
+- gpt-oss: ``attn_norm``, ``post_attention_norm`` (before the MoE), biased projections,
+  ``attn_sinks``, the router ``ffn_gate_inp`` (weight and bias) and the stacked experts
+  ``ffn_{gate,up,down}_exps`` with their stacked biases, named as the modules ask for them
+  (``mlp.experts.{e}.w1.weight``, ``w1_bias``; gate and up already apart, not transformers'
+  interleaved ``gate_up_proj``), so no :class:`~jaxpaged.models.gpt_oss_checkpoint.
+  GptOssCheckpoint` view (:data:`MODULE_NAMED`).
+- Qwen3-Next: the full-attention layers as Qwen3-MoE's (``attn_q`` holding query and gate
+  rows as transformers' ``q_proj``), a gated shared expert (``ffn_{gate,up,down}_shexp``,
+  ``ffn_gate_inp_shexp``) and the Gated DeltaNet's ``ssm_*`` tensors; the converter stores
+  every norm but ``ssm_norm`` as ``1 + weight``, ``ssm_a`` as ``-exp(A_log)``, ``ssm_conv1d``
+  squeezed to ``[channels, K]`` and ``in_proj_qkvz`` split into ``attn_qkv`` and
+  ``attn_gate`` (:mod:`jaxpaged.models.gguf_deltanet` gives each back).
 """
 
 from __future__ import annotations
@@ -49,13 +61,35 @@ LAYER_NAMES = {
                "post_ffw_norm": "post_feedforward_layernorm", **_ATTENTION, **_QK_NORMS, **_MLP},
     "olmo2": {"post_attention_norm": "post_attention_layernorm",
               "post_ffw_norm": "post_feedforward_layernorm", **_ATTENTION, **_QK_NORMS, **_MLP},
+    "gpt-oss": {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                **_ATTENTION, "attn_sinks": "self_attn.sinks", "ffn_gate_inp": "mlp.router"},
+    "qwen3next": {"attn_norm": "input_layernorm",
+                  "post_attention_norm": "post_attention_layernorm", **_ATTENTION, **_QK_NORMS,
+                  "ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                  "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                  "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                  "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                  "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+                  "ssm_ba": "linear_attn.in_proj_ba", "ssm_conv1d": "linear_attn.conv1d",
+                  "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj"},
 }
-#: Stacked expert tensors -> the projection each expert's slice is.
-EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
-                "ffn_down_exps": "down_proj"}
-#: Architectures whose norms the converter stores as ``1 + weight``.
-_UNIT_OFFSET_NORMS = ("gemma3",)
-_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+#: Layer tensors without a ``.weight`` / ``.bias`` leaf of their own in Hugging Face naming:
+#: (architecture, llama.cpp name, its leaf or None) -> the name under ``model.layers.{i}``.
+_WHOLE_NAMES = {("qwen3next", "ssm_a", None): "linear_attn.A_log",
+                ("qwen3next", "ssm_dt", "bias"): "linear_attn.dt_bias"}
+_EXPERT_PROJECTIONS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                       "ffn_down_exps": "down_proj"}
+#: Per architecture: stacked expert tensors -> the projection each expert's slice is.
+EXPERT_NAMES = {"qwen3moe": _EXPERT_PROJECTIONS, "qwen3next": _EXPERT_PROJECTIONS,
+                "gpt-oss": {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}}
+#: Architectures whose tensors are named as jaxpaged's modules ask for them, read without the
+#: family's checkpoint view (:func:`jaxpaged.models.checkpoint_names.checkpoint_view`).
+MODULE_NAMED = ("gpt-oss",)
+#: Architectures whose norms the converter stores as ``1 + weight`` (but those of
+#: :data:`_OWN_SCALE_NORMS`).
+_UNIT_OFFSET_NORMS = ("gemma3", "qwen3next")
+_OWN_SCALE_NORMS = ("linear_attn.norm.weight",)
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?$")
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
@@ -63,7 +97,9 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a llama.cpp tensor of architecture ``arch``
     (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; a stacked expert
     tensor ``blk.0.ffn_up_exps.weight`` -> ``model.layers.0.mlp.experts.up_proj.weight``, the
-    stack :func:`expert_slice` reads from), or None for a name outside the mapping."""
+    stack :func:`expert_slice` reads from; gpt-oss's ``blk.0.ffn_up_exps.bias`` ->
+    ``model.layers.0.mlp.experts.w3_bias.weight``), or None for a name outside the
+    mapping."""
     base, _, leaf = gguf_name.rpartition(".")
     if base in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[base]}.{leaf}"
@@ -71,10 +107,16 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     if not m:
         return None
     layer, kind, leaf = m.groups()
+    if (arch, kind, leaf) in _WHOLE_NAMES:
+        return f"model.layers.{layer}.{_WHOLE_NAMES[arch, kind, leaf]}"
+    if leaf is None:
+        return None
     if kind in LAYER_NAMES.get(arch, {}):
         return f"model.layers.{layer}.{LAYER_NAMES[arch][kind]}.{leaf}"
-    if kind in EXPERT_NAMES and arch == "qwen3moe" and leaf == "weight":
-        return f"model.layers.{layer}.mlp.experts.{EXPERT_NAMES[kind]}.weight"
+    projection = EXPERT_NAMES.get(arch, {}).get(kind)
+    if projection is not None and (leaf == "weight" or arch == "gpt-oss"):
+        suffix = "" if leaf == "weight" else "_bias"       # gpt-oss's expert biases
+        return f"model.layers.{layer}.mlp.experts.{projection}{suffix}.weight"
     return None
 
 
@@ -88,8 +130,10 @@ def expert_slice(name: str) -> tuple[str, int] | None:
 
 def norm_offset(arch: str, name: str) -> float:
     """What the converter added to tensor ``name`` (Hugging Face naming) of architecture
-    ``arch``: 1 for a Gemma 3 norm's weight, else 0."""
-    return 1.0 if arch in _UNIT_OFFSET_NORMS and name.endswith("norm.weight") else 0.0
+    ``arch``: 1 for a Gemma 3 or Qwen3-Next norm's weight (but the DeltaNet's gated norm),
+    else 0."""
+    return 1.0 if (arch in _UNIT_OFFSET_NORMS and name.endswith("norm.weight")
+                   and not name.endswith(_OWN_SCALE_NORMS)) else 0.0
 
 
 def is_config_tensor(gguf_name: str) -> bool:
