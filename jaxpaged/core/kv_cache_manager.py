@@ -185,6 +185,12 @@ class KVCacheManager:
             found.append(page_id)
         return found
 
+    def page_hashes(self, request_id: str, token_ids: list[int] = (),
+                    extra_keys: tuple = ()) -> list[bytes]:
+        """The prefix hashes of the request's full pages (of ``token_ids``, when given)."""
+        return self._page_hashes(self._tables.setdefault(request_id, _Table()), token_ids,
+                                 extra_keys)
+
     def adopt_cached(self, request_id: str, page_ids: list[int], first: int = 0) -> None:
         """Give the request (holding no pages) the cached pages ``page_ids[first:]`` as its
         first ``len(page_ids)`` pages, entries before ``first`` pointing at the null page
