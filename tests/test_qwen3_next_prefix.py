@@ -149,3 +149,24 @@ def test_no_prefix_caching_keeps_no_cached_states():
     assert kv.cached_states is None and kv.state_slots.num_free == 3
     conv_state = llm.engine.runner._kv_caches[0][0]
     assert conv_state.shape[0] == 3 + 1        # live slots and the scratch row only
+
+
+@pytest.mark.slow
+def test_soak_hits_equal_misses_and_leaks_no_slot():
+    """18 requests sharing an 8-token prefix (suffixes of 1 to 20 tokens) through a pool
+    that preempts and a cached-state pool that evicts: every output is the uncached
+    engine's, prefixes hit, and every live and cached state slot is accounted for."""
+    rng = np.random.default_rng(2)
+    shared = rng.integers(3, 256, 8).tolist()
+    prompts = [shared + rng.integers(3, 256, n).tolist() for n in (1, 5, 9, 14, 3, 20)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    misses = engine(enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    llm = engine(num_gpu_blocks_override=18)
+    outs = llm.generate(prompts * 3, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids
+                                                      for o in misses] * 3
+    assert all(o.num_cached_tokens == 0 for o in misses)
+    assert sum(o.num_cached_tokens > 0 for o in outs) >= 12
+    kv = llm.engine.kv_cache_manager
+    assert llm.engine.num_preemptions > 0 and kv.cached_states.evictions > 0
+    assert_slots_free(llm)
