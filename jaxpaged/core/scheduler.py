@@ -190,7 +190,7 @@ class Scheduler:
         lora = () if self.lora is None else self.lora.take_step()
         return SchedulerOutput(scheduled, preempted, admitted, self.kv.take_pending_copies(),
                                forks, *lora, state_copies=self._take_states()
-                               if self._take_states else ([], []))
+                               if self._take_states else ((), ()))
 
     def _can_run_ahead(self, req: Request) -> bool:
         """Whether a sequence whose last sampled token(s) are not known yet can be scheduled

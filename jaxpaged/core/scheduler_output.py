@@ -88,7 +88,7 @@ class SchedulerOutput:
     forks: bool = False
     lora_loads: list = field(default_factory=list)
     lora_slots: dict = field(default_factory=dict)
-    state_copies: tuple[list, list] = ([], [])
+    state_copies: tuple = ((), ())
 
     @property
     def num_tokens(self) -> int:
