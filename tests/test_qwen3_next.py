@@ -145,11 +145,13 @@ def test_generate_matches_transformers(backend):
 
 def test_two_devices_match_transformers():
     """tp=2 on host devices: attention heads and expert columns split, the DeltaNet layers
-    and their states replicated."""
+    and their states replicated (and copied between slots on prefix hits)."""
     llm = engine(tensor_parallel_size=2, attention_backend="xla")
     prompt, want = fixture("greedy_prompt.npy").tolist(), fixture("greedy_tokens.npy").tolist()
     outs = llm.generate([prompt] * 3, GREEDY_32, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [want] * 3
+    # The first copy's state saved at 8 tokens (its first chunk), the others restore it.
+    assert [o.num_cached_tokens for o in outs] == [0, 8, 8]
     assert llm.engine.num_preemptions > 0
     assert_slots_free(llm)
 
