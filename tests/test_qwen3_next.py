@@ -1,7 +1,8 @@
 """Qwen3-Next (issue 45): Gated DeltaNet layers with per-sequence state slots beside the paged
 pool, against transformers' own ``Qwen3NextForCausalLM`` (committed tiny random checkpoint,
 ``tests/fixtures/make_family_references.py``): float32 logits within 1e-4, 32 identical greedy
-tokens through ``LLM.generate`` with chunked prefill and preemption, and no leaked slot."""
+tokens through ``LLM.generate`` with chunked prefill, preemption and prefix-cache hits, and no
+leaked slot (prefix caching's own tests: ``tests/test_qwen3_next_prefix.py``)."""
 
 import os
 
@@ -113,9 +114,13 @@ def engine(**kw):
 
 
 def assert_slots_free(llm):
-    slots = llm.engine.kv_cache_manager.state_slots
-    assert slots.num_free == slots.num_slots == 3
-    assert llm.engine.kv_cache_manager.num_used_pages == 0
+    """Every live state slot and page free; every cached-state slot free or holding an
+    entry (none reserved)."""
+    kv = llm.engine.kv_cache_manager
+    assert kv.state_slots.num_free == kv.state_slots.num_slots == 3
+    assert kv.num_used_pages == 0
+    cached = kv.cached_states
+    assert cached.num_free + cached.num_cached == cached.num_slots == 6
 
 
 @pytest.mark.parametrize("backend", ["xla", "cpu", pytest.param("pallas", marks=pytest.mark.slow)])
@@ -126,7 +131,9 @@ def test_generate_matches_transformers(backend):
     outs = llm.generate([prompt] * 3, GREEDY_32, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [want] * 3
     assert llm.engine.num_preemptions > 0
-    assert all(o.num_cached_tokens == 0 for o in outs)      # prefix caching is off
+    # The first run saved the state at its 2 full pages: every copy hits them (a preempted
+    # one again on resuming).
+    assert [o.num_cached_tokens for o in outs] == [8, 8, 8]
     assert_slots_free(llm)
     # Prompt logprobs of the 41 ids, prefilled 8 tokens a step: transformers' log-softmax.
     ids, ref = fixture("input_ids.npy"), fixture("logits.npy").astype(np.float64)
@@ -140,11 +147,13 @@ def test_generate_matches_transformers(backend):
 
 def test_two_devices_match_transformers():
     """tp=2 on host devices: attention heads and expert columns split, the DeltaNet layers
-    and their states replicated."""
+    and their states replicated (and copied between slots on prefix hits)."""
     llm = engine(tensor_parallel_size=2, attention_backend="xla")
     prompt, want = fixture("greedy_prompt.npy").tolist(), fixture("greedy_tokens.npy").tolist()
     outs = llm.generate([prompt] * 3, GREEDY_32, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [want] * 3
+    # The first copy's state saved at 8 tokens (its first chunk), the others restore it.
+    assert [o.num_cached_tokens for o in outs] == [0, 8, 8]
     assert llm.engine.num_preemptions > 0
     assert_slots_free(llm)
 
@@ -174,7 +183,8 @@ def test_state_slot_manager_takes_and_gives_back():
     assert kv.allocate_slots("a", 8) and kv.state_slot("a") == 0     # grows, same slot
     kv.free("a")                                         # finished or preempted
     assert kv.allocate_slots("c", 4) and kv.state_slot("c") == 0
-    assert kv.find_cached_prefix("d", [1, 2, 3, 4, 5]) == 0
+    assert kv.find_cached_prefix("d", [1, 2, 3, 4, 5]) == 0      # prefix caching off
+    assert kv.cached_states is None and kv.take_state_copies() == ([], [])
     with pytest.raises(ValueError, match="num_slots"):
         StateSlots(0)
 

@@ -135,13 +135,11 @@ class KVCacheManager:
         return table.pages if table else []
 
     def group_page_tables(self, request_id: str) -> list[list[int]] | None:
-        """The page tables of the request's other KV cache groups (copies), or None: one
-        page table serves every layer here (``jaxpaged.core.kv_groups``)."""
+        """None: one page table serves every layer here (``jaxpaged.core.kv_groups``)."""
         return None
 
     def state_slot(self, request_id: str) -> int:
-        """The request's recurrent state slot: always -1, no layer here is recurrent
-        (``jaxpaged.core.state_slots``)."""
+        """Always -1: no layer is recurrent here (``jaxpaged.core.state_slots``)."""
         return -1
 
     def share_pool(self, other: "KVCacheManager") -> None:
@@ -184,6 +182,10 @@ class KVCacheManager:
                     page_id = None      # a hash collision
             found.append(page_id)
         return found
+
+    def page_hashes(self, request_id: str, token_ids=(), extra_keys: tuple = ()) -> list[bytes]:
+        """The prefix hashes of the request's full pages (of ``token_ids``, when given)."""
+        return self._page_hashes(self._tables.setdefault(request_id, _Table()), token_ids, extra_keys)
 
     def adopt_cached(self, request_id: str, page_ids: list[int], first: int = 0) -> None:
         """Give the request (holding no pages) the cached pages ``page_ids[first:]`` as its
@@ -317,8 +319,7 @@ class KVCacheManager:
         first = num_computed_tokens // s      # the first page the write touches
         if grow <= 0 and (first >= num_pages or (first == num_pages - 1
                                                  and self._pages[pages[first]].ref_cnt == 1)):
-            # A decode inside its last page, held by this request alone: the common case
-            # (here num_tokens // s <= num_pages).
+            # A decode inside its last page, held by this request alone (the common case).
             if (self.enable_prefix_caching and token_ids is not None
                     and num_tokens // s > table.num_cached_pages):
                 self._register_full_pages(table, token_ids, num_tokens, extra_keys)

@@ -73,6 +73,9 @@ class Scheduler:
         self.spec = None if speculative_config is None else SpecDecodeScheduling(
             speculative_config, config.max_model_len)
         self.lora = lora
+        # (recurrent states cached at page boundaries: jaxpaged.core.state_slots)
+        self._align = getattr(kv_cache_manager, "align_prefill", None)
+        self._take_states = getattr(kv_cache_manager, "take_state_copies", None)
 
     def _enqueue(self, req: Request) -> None:
         """Insert into the waiting queue in policy order (arrival order for fcfs, so a
@@ -101,8 +104,10 @@ class Scheduler:
         if num_new > budget:    # (not min(): a builtin call costs more, once per sequence)
             num_new = budget
         threshold = self.config.long_prefill_token_threshold
-        if threshold and computed < len(req.prompt_token_ids):
-            num_new = min(num_new, threshold)
+        if (threshold or self._align) and computed < len(req.prompt_token_ids):
+            num_new = min(num_new, threshold or num_new)
+            if self._align:     # (recurrent states saved at page boundaries)
+                num_new = self._align(req, num_new)
         return num_new
 
     def _allocate(self, req: Request, num_new: int) -> bool:
@@ -182,11 +187,10 @@ class Scheduler:
             if s.samples:
                 req.num_output_placeholders += 1
                 forks = forks or s.num_samples > 1
-        if self.lora is None:
-            return SchedulerOutput(scheduled, preempted, admitted,
-                                   self.kv.take_pending_copies(), forks)
+        lora = () if self.lora is None else self.lora.take_step()
         return SchedulerOutput(scheduled, preempted, admitted, self.kv.take_pending_copies(),
-                               forks, *self.lora.take_step())
+                               forks, *lora, state_copies=self._take_states()
+                               if self._take_states else ((), ()))
 
     def _can_run_ahead(self, req: Request) -> bool:
         """Whether a sequence whose last sampled token(s) are not known yet can be scheduled

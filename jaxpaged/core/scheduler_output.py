@@ -75,6 +75,10 @@ class SchedulerOutput:
         lora_loads: ``(slot, adapter)`` weights the runner writes into the LoRA slots
             before the step (``jaxpaged.lora.scheduling``).
         lora_slots: ``lora_int_id -> slot`` of every adapter in a slot (empty: LoRA off).
+        state_copies: a model with recurrent layers and prefix caching
+            (``jaxpaged.core.state_slots``): ``(restores, saves)``, lists of ``(source
+            slot, destination slot)`` the runner copies in every recurrent layer, restores
+            before the step's forward and saves after it.
     """
 
     scheduled: list[ScheduledRequest]
@@ -84,6 +88,7 @@ class SchedulerOutput:
     forks: bool = False
     lora_loads: list = field(default_factory=list)
     lora_slots: dict = field(default_factory=dict)
+    state_copies: tuple = ((), ())
 
     @property
     def num_tokens(self) -> int:

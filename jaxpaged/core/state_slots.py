@@ -14,16 +14,37 @@ preempted) gives it back. A preempted sequence recomputes from position 0, and t
 starts a sequence's state from zero at position 0, so a reused slot needs no clearing. With
 ``num_slots = max_num_seqs`` a slot is always free for a sequence the scheduler admits.
 
-Prefix caching is off for these models (a page boundary would need the recurrent state
-saved there; vLLM's first hybrid support was the same), so the manager never reports a
-cached prefix. Pure Python, no JAX (host side).
+Prefix caching (vLLM's mamba "align" mode, ``MambaManager`` in
+``vllm/v1/core/single_type_kv_cache_manager.py``): a prefill chunk of a cacheable sequence is
+cut to end on a page boundary (:meth:`StateSlotKVCacheManager.align_prefill`: every
+unfinished chunk, and the chunk that would cross the prompt's last full page), and after the
+step that ends there the live slot's states are copied into a cached-state slot
+(``jaxpaged.core.state_cache``) keyed by the prefix hash of the page they end. A prefix hit
+of ``n`` pages needs pages ``0 .. n-1`` cached *and* a cached state at page ``n - 1``'s end;
+the hit is the longest such ``n``. Its state is copied into the sequence's live slot before
+its first step, which starts at position ``n * page_size`` (not 0: no reset). The step's
+copies travel in ``SchedulerOutput.state_copies`` as ``(restores, saves)`` pairs of slot
+indices (:meth:`StateSlotKVCacheManager.take_state_copies`): the runner copies restores
+before the forward and saves after it. A save is hittable only from the next step on.
+Pure Python, no JAX (host side).
 """
 
 from __future__ import annotations
 
 import logging
 
+from jaxpaged.core.kv_cache_manager import KVCacheManager
+from jaxpaged.core.state_cache import CachedStates
+
 logger = logging.getLogger(__name__)
+
+#: Cached-state slots per live slot (``max_num_seqs``) when prefix caching is on.
+CACHED_STATES_PER_SEQ = 2
+
+
+def num_cached_states(max_num_seqs: int, enable_prefix_caching: bool) -> int:
+    """Cached-state slots beside ``max_num_seqs`` live ones (0: prefix caching off)."""
+    return CACHED_STATES_PER_SEQ * max_num_seqs if enable_prefix_caching else 0
 
 
 class StateSlots:
@@ -66,16 +87,25 @@ class StateSlots:
 
 class StateSlotKVCacheManager:
     """A page manager (``KVCacheManager`` or ``HybridKVCacheManager``) plus state slots
-    (module docstring); every other attribute is the wrapped manager's.
+    and, with prefix caching, cached states (module docstring); every other attribute is
+    the wrapped manager's.
 
     Args:
-        pages: the page manager (built with prefix caching off).
-        num_slots: state slots (the engine's ``max_num_seqs``).
+        pages: the page manager (prefix caching on only if ``num_cached`` > 0).
+        num_slots: live state slots (the engine's ``max_num_seqs``): indices
+            ``0 .. num_slots - 1``.
+        num_cached: cached-state slots (0: prefix caching off), indices after the live ones.
+            Needs a plain ``KVCacheManager``.
     """
 
-    def __init__(self, pages, num_slots: int):
+    def __init__(self, pages, num_slots: int, num_cached: int = 0):
         self.pages = pages
         self.state_slots = StateSlots(num_slots)
+        self.cached_states = CachedStates(num_slots, num_cached) if num_cached else None
+        self._hits: dict[str, int] = {}          # request -> cached slot to restore
+        self._aligned: dict[str, int] = {}       # request -> its chunk's boundary
+        self._restores: dict[str, tuple[int, int]] = {}
+        self._saves: dict[str, tuple[int, int, bytes]] = {}
 
     def __getattr__(self, name):
         return getattr(self.pages, name)
@@ -83,16 +113,53 @@ class StateSlotKVCacheManager:
     def allocate_slots(self, request_id: str, num_tokens: int, token_ids: list[int] | None = None,
                        num_computed_tokens: int = 0, extra_keys: tuple = ()) -> bool:
         """The page manager's ``allocate_slots``, taking a state slot too at a request's
-        first allocation. Returns False, changing nothing, if pages or a slot are lacking."""
+        first allocation (with a restore copy on a prefix hit), and a cached-state slot for
+        a chunk :meth:`align_prefill` ended on a page boundary. Returns False, changing
+        nothing, if pages or a slot are lacking."""
         new = self.state_slots.slot(request_id) < 0
         if new and not self.state_slots.num_free:
             return False
         if not self.pages.allocate_slots(request_id, num_tokens, token_ids,
                                          num_computed_tokens, extra_keys):
             return False
-        if new:
-            self.state_slots.acquire(request_id)
+        live = self.state_slots.acquire(request_id)
+        if new and request_id in self._hits:
+            self._restores[request_id] = (self._hits.pop(request_id), live)
+        if self._aligned.pop(request_id, None) == num_tokens and token_ids is not None \
+                and num_tokens <= len(token_ids):
+            self._save(request_id, live, self.pages.page_hashes(
+                request_id, token_ids[:num_tokens], extra_keys)[num_tokens // self.page_size - 1])
         return True
+
+    def _save(self, request_id: str, live: int, key: bytes) -> None:
+        """Plan the copy of ``live``'s states after this step into a cached slot for ``key``
+        (none if ``key`` is cached already or every cached slot is reserved)."""
+        cache = self.cached_states
+        if cache.get(key) is not None:
+            cache.touch(key)
+            return
+        slot = cache.reserve()
+        if slot is not None:
+            self._saves[request_id] = (live, slot, key)
+
+    def align_prefill(self, req, num_new: int) -> int:
+        """``num_new`` tokens of ``req``'s prefill chunk, cut so that a cacheable sequence's
+        chunk ends on a page boundary (module docstring): an unfinished chunk at its last
+        boundary, the prompt's last chunk at the prompt's last full page (if it crosses it).
+        The scheduler calls it for chunks that start inside the prompt."""
+        if self.cached_states is None or req.params.prompt_logprobs is not None \
+                or req.pooling is not None:
+            return num_new
+        s, start = self.page_size, req.num_computed_tokens
+        end, prompt = start + num_new, req.num_prompt_tokens
+        last = prompt // s * s
+        if start < last < end:
+            end = last
+        elif end < prompt and end // s * s > start:
+            end = end // s * s
+        if end % s == 0:
+            self._aligned[req.request_id] = end
+        return end - start
 
     def state_slot(self, request_id: str) -> int:
         """The request's state slot (-1: it holds none)."""
@@ -100,8 +167,35 @@ class StateSlotKVCacheManager:
 
     def find_cached_prefix(self, request_id: str, token_ids: list[int],
                            extra_keys: tuple = ()) -> int:
-        """Always 0: recurrent states are not cached at page boundaries (module docstring)."""
-        return 0
+        """Take the longest cached prefix that has both its pages and a cached state at its
+        end (module docstring); must be called while the request holds no pages. Returns
+        the cached tokens (a multiple of the page size, at most ``len(token_ids) - 1``)."""
+        cache = self.cached_states
+        if cache is None:
+            return 0
+        found = self.pages.lookup_cached(request_id, token_ids, extra_keys,
+                                         (len(token_ids) - 1) // self.page_size)
+        hashes, n = self.pages.page_hashes(request_id), 0
+        for i, page in enumerate(found):
+            if page is None:
+                break
+            if cache.get(hashes[i]) is not None:
+                n = i + 1
+        if n:
+            self.pages.adopt_cached(request_id, found[:n])
+            cache.touch(hashes[n - 1])
+            self._hits[request_id] = cache.get(hashes[n - 1])
+        return n * self.page_size
+
+    def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's ``(restores, saves)``: ``(source slot, destination slot)`` pairs the
+        runner copies in every recurrent layer, restores before the forward and saves after
+        it. The saved states become hittable (the scheduler calls it once a step)."""
+        for _, slot, key in self._saves.values():
+            self.cached_states.publish(key, slot)
+        restores, saves = list(self._restores.values()), [s[:2] for s in self._saves.values()]
+        self._restores, self._saves = {}, {}
+        return restores, saves
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Parallel sampling would need the parent's state copied into the child's slot,
@@ -113,17 +207,42 @@ class StateSlotKVCacheManager:
         raise NotImplementedError("parallel sampling (n > 1) is not supported for models "
                                   "with recurrent layers")
 
+    def uncache_from(self, request_id: str, num_tokens: int) -> None:
+        """The page manager's ``uncache_from``, also dropping the request's cached states at
+        page boundaries after ``num_tokens`` (the failed step did not compute them)."""
+        if self.cached_states is not None:
+            for key in self.pages.page_hashes(request_id)[num_tokens // self.page_size:]:
+                self.cached_states.drop(key)
+        self.pages.uncache_from(request_id, num_tokens)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached page and state (as the page manager's; raises the same)."""
+        self.pages.reset_prefix_cache()
+        if self.cached_states is not None:
+            self.cached_states.clear()
+
     def free(self, request_id: str) -> None:
-        """Release the request's pages and its state slot."""
+        """Release the request's pages, its state slot and any copy planned for it in the
+        step being scheduled (it was preempted or not admitted after all)."""
         self.pages.free(request_id)
         self.state_slots.release(request_id)
+        self._hits.pop(request_id, None)
+        self._aligned.pop(request_id, None)
+        self._restores.pop(request_id, None)
+        save = self._saves.pop(request_id, None)
+        if save is not None:
+            self.cached_states.release(save[1])
 
 
-def with_state_slots(pages, num_slots: int, prefix_caching_requested: bool,
+def with_state_slots(pages, num_slots: int, enable_prefix_caching: bool,
                      architecture: str) -> StateSlotKVCacheManager:
-    """``pages`` (built with prefix caching off) wrapped with ``num_slots`` state slots,
-    logging why prefix caching is off when it was asked for."""
-    if prefix_caching_requested:
-        logger.info("prefix caching is off for %s: its recurrent layers' states are not "
-                    "saved at page boundaries (docs/models.md)", architecture)
-    return StateSlotKVCacheManager(pages, num_slots)
+    """``pages`` (built with prefix caching as ``enable_prefix_caching``) wrapped with
+    ``num_slots`` live state slots and, with prefix caching, :func:`num_cached_states`
+    cached ones. Prefix caching needs a plain ``KVCacheManager`` (no KV cache groups);
+    otherwise it is off with a logged reason."""
+    num_cached = num_cached_states(num_slots, enable_prefix_caching)
+    if num_cached and type(pages) is not KVCacheManager:
+        logger.info("prefix caching is off for %s: its recurrent states are cached only "
+                    "beside a single KV cache group (docs/models.md)", architecture)
+        num_cached = 0
+    return StateSlotKVCacheManager(pages, num_slots, num_cached)

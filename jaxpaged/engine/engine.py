@@ -137,7 +137,7 @@ class Engine(EngineSteps, Rollout, Sleep):
         num_pages, page_size = worker.num_pages, worker.page_size
         recurrent = cfg.family.linear_attention is not None
         self.kv_cache_manager = kv_cache_manager_for(
-            num_pages, page_size, args.enable_prefix_caching and not recurrent,
+            num_pages, page_size, args.enable_prefix_caching,
             cfg.sliding_windows, worker.kv_layout, speculative=speculative_config is not None)
         if recurrent:       # (jaxpaged.core.state_slots)
             self.input_processor.parallel_sampling = False

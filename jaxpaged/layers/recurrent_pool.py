@@ -5,14 +5,16 @@ The pool the runner donates to each step is a list with one entry per layer, in 
 a full-attention layer's ``(k_pages, v_pages)`` (``jaxpaged.layers.attention.base``), a
 linear-attention layer's ``(conv_state, ssm_state)``
 (:mod:`jaxpaged.layers.gated_deltanet`): [S + 1, K - 1, conv_dim] in the model dtype and
-[S + 1, Hv, Dk, Dv] float32, S state slots (one per running sequence, ``max_num_seqs``) plus
-the scratch slot padding writes. Pages are sized for the attention layers alone
+[S + 1, Hv, Dk, Dv] float32, S state slots (one per running sequence, ``max_num_seqs``, then
+with prefix caching the cached-state slots: ``jaxpaged.core.state_slots``) plus the scratch
+slot padding writes; :func:`copy_state_rows` copies rows between slots. Pages are sized for the attention layers alone
 (:func:`num_kv_layers`); the states take :func:`state_bytes` besides.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +77,32 @@ def recurrent_pool(config: ModelConfig, kv_pairs: Callable[[int], list], num_slo
     zeros = jax.jit(lambda: (jnp.zeros(conv, dtype), jnp.zeros(ssm, jnp.float32)),
                     out_shardings=sharding)
     return [zeros() if recurrent else next(pairs) for recurrent in flags]
+
+
+def is_state_pair(pair) -> bool:
+    """Whether a pool entry is a recurrent layer's ``(conv_state, ssm_state)`` (their shapes
+    differ; a KV layer's ``(k_pages, v_pages)`` share one)."""
+    return pair[0].shape != pair[1].shape
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def copy_state_rows(pool: list, src: jax.Array, dst: jax.Array) -> list:
+    """Every recurrent layer's state rows ``src`` [n] int32 copied over rows ``dst`` [n]
+    (the cached-state slots of prefix caching, ``jaxpaged.core.state_slots``); ``-1`` in
+    either names the scratch row (padding). KV entries pass through; the pool is donated."""
+    def copy(a):
+        scratch = a.shape[0] - 1
+        return a.at[jnp.where(dst < 0, scratch, dst)].set(a[jnp.where(src < 0, scratch, src)])
+    return [(copy(c), copy(s)) if is_state_pair((c, s)) else (c, s) for c, s in pool]
+
+
+def state_copy_indices(copies: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """``(src, dst)`` int32 slot indices of ``copies`` padded with ``-1`` (scratch) to a
+    power of two of at least 4 (one executable per size)."""
+    n = max(4, 1 << (len(copies) - 1).bit_length())
+    src, dst = np.full(n, -1, np.int32), np.full(n, -1, np.int32)
+    src[:len(copies)], dst[:len(copies)] = zip(*copies)
+    return src, dst
 
 
 def refuse_unsupported(config: ModelConfig, *, pipeline: bool, speculative: bool,

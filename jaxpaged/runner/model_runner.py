@@ -37,6 +37,7 @@ from jaxpaged.layers import cpu_matmul
 from jaxpaged.layers.attention import AttentionBackend, BatchLayout, KVPages, allocate_kv_pool
 from jaxpaged.layers.kv_group_layers import model_kv_layout
 from jaxpaged.layers.layer_stack import distinct_leaves
+from jaxpaged.layers.recurrent_pool import copy_state_rows, state_copy_indices
 from jaxpaged.lora.device import LoRASlotWriter, token_slots
 from jaxpaged.runner.buckets import ShapeBuckets, padding_budget_tokens
 from jaxpaged.runner.compilation import RunnerCompilation
@@ -273,7 +274,17 @@ class ModelRunner(RunnerCompilation, ScratchPrefill, RunnerWeights):
         self.copy_pages(scheduler_output.page_copies)
         for slot, adapter in scheduler_output.lora_loads:
             self.write_lora_slot(slot, adapter)
-        return self._executor.dispatch(scheduler_output)
+        restores, saves = scheduler_output.state_copies
+        self.copy_states(restores)
+        pending = self._executor.dispatch(scheduler_output)
+        self.copy_states(saves)
+        return pending
+
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Copy recurrent state slots (source -> destination) in every recurrent layer, in
+        place (prefix caching's restores and saves: ``jaxpaged.core.state_slots``)."""
+        if copies:
+            self._kv_caches = copy_state_rows(self._kv_caches, *state_copy_indices(copies))
 
     def _prepare(self, scheduler_output: SchedulerOutput) -> PreparedStep:
         """The step's padded host inputs (``jaxpaged.runner.input_batch.prepare_step``)."""

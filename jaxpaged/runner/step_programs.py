@@ -115,8 +115,10 @@ def is_plain_greedy(inputs: StepInputs, free_bitmask) -> bool:
 
 
 def copy_kv_pages(kv_caches: list[KVPages], src: jax.Array, dst: jax.Array) -> list[KVPages]:
-    """Every layer's pages ``src`` [n] copied over pages ``dst`` [n]."""
-    return [(k.at[dst].set(k[src]), v.at[dst].set(v[src])) for k, v in kv_caches]
+    """Every KV layer's pages ``src`` [n] copied over pages ``dst`` [n] (a recurrent layer's
+    state pair, ``jaxpaged.layers.recurrent_pool``, passes through)."""
+    return [(k, v) if k.shape != v.shape else (k.at[dst].set(k[src]), v.at[dst].set(v[src]))
+            for k, v in kv_caches]
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from jaxpaged.layers.attention import (allocate_kv_pool, get_attention_backend,
 from jaxpaged.layers.attention.tensor_parallel import TensorParallelAttention
 from jaxpaged.layers.cpu_build import cpu_flags
 from jaxpaged.layers.kv_group_layers import set_kv_layout
+from jaxpaged.core.state_slots import num_cached_states
 from jaxpaged.layers.recurrent_pool import (num_kv_layers, recurrent_layers, recurrent_pool,
                                            refuse_unsupported, state_bytes)
 from jaxpaged.lora.device import LoRASlotWriter, add_lora_slots
@@ -197,6 +198,11 @@ def build_worker(config: EngineConfig, *, tokenizer: Callable[[], Any],
     if layout is not None and not set_kv_layout(model, layout):
         layout = None       # (a model without the grouped decoder)
 
+    # Live state slots, then cached ones (prefix caching: jaxpaged.core.state_slots).
+    num_cached = num_cached_states(sched.max_num_seqs,
+                                   cache.enable_prefix_caching and layout is None)
+    num_state_slots = sched.max_num_seqs + num_cached
+
     def pool(num_pages, pool_dtype=kv_cache_dtype):
         if pipeline is not None:    # each stage's layers on its own devices
             return [pair for (a, b), stage in zip(pipeline.layer_ranges, pipeline.stages)
@@ -207,7 +213,7 @@ def build_worker(config: EngineConfig, *, tokenizer: Callable[[], Any],
             return recurrent_pool(
                 cfg, lambda n: allocate_kv_pool(n, num_pages, page_size, kv_heads, cfg.head_dim,
                                                 pool_dtype, tp.kv_pool_sharding),
-                sched.max_num_seqs, dtype, tp.replicated)
+                num_state_slots, dtype, tp.replicated)
         return allocate_kv_pool(layout.slots if layout else cfg.num_layers, num_pages,
                                 page_size, kv_heads, cfg.head_dim, pool_dtype,
                                 tp.kv_pool_sharding)
@@ -265,10 +271,12 @@ def build_worker(config: EngineConfig, *, tokenizer: Callable[[], Any],
                 num_pages * bytes_per_page / 2**20, max_model_len,
                 concurrency)
     if recurrent_layers(cfg):
-        logger.info("recurrent state: %d slots (max_num_seqs) in each of %d recurrent layers, "
-                    "%.2f MiB besides the KV pages", sched.max_num_seqs,
-                    sum(recurrent_layers(cfg)),
-                    state_bytes(cfg, sched.max_num_seqs, dtype) / 2**20)
+        logger.info("recurrent state: %d live slots (max_num_seqs) and %d cached-state slots "
+                    "(prefix caching) in each of %d recurrent layers, %.2f MiB besides the KV "
+                    "pages (%.2f MiB of them cached states)", sched.max_num_seqs, num_cached,
+                    sum(recurrent_layers(cfg)), state_bytes(cfg, num_state_slots, dtype) / 2**20,
+                    (state_bytes(cfg, num_state_slots, dtype)
+                     - state_bytes(cfg, sched.max_num_seqs, dtype)) / 2**20)
     if layout is not None:
         logger.info("KV cache groups: %s, a page spanning %d layers; a %d-token request holds "
                     "%s pages of them", ", ".join(
