@@ -92,6 +92,7 @@ inline vi16 widen16(const uint8_t* p) {
 
 // Output vectors (of 16 features) per work item, and the most rows one register block covers.
 constexpr int64_t kChunkVectors = 4;
+constexpr int64_t kSplitChunkVectors = 2;
 constexpr int kMaxRows = 4;
 
 // One weight and where its products go: y[r * ldy + f - col0] for feature f of row r.
@@ -302,30 +303,23 @@ void project_chunk(const PackedArgs& a, const float* xsum, const SplitRows* spli
   }
 }
 
-// Per group of G inputs, the sum of each row's x over it ([M, K/G]).
-std::vector<float> group_sums(const float* x, int64_t m, int64_t k, int64_t group) {
-  std::vector<float> sums(m * (k / group));
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t g = 0; g < k / group; ++g) {
-      float total = 0.0f;
-      for (int64_t i = g * group; i < (g + 1) * group; ++i) total += x[r * k + i];
-      sums[r * (k / group) + g] = total;
-    }
+// Per group of G inputs, the sum of one row's x over it (sums: K/G floats).
+void group_sums_row(const float* x, int64_t k, int64_t group, float* sums) {
+  for (int64_t g = 0; g < k / group; ++g) {
+    const float* xg = x + g * group;
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < group; ++i) total += xg[i];
+    sums[g] = total;
   }
-  return sums;
 }
 
-// x * rsqrt(mean(x^2) + eps) * weight, row by row (float32).
-std::vector<float> rms_normalized(const float* x, int64_t m, int64_t k, const float* weight,
-                                  float eps) {
-  std::vector<float> out(m * k);
-  for (int64_t r = 0; r < m; ++r) {
-    float square = 0.0f;
-    for (int64_t i = 0; i < k; ++i) square += x[r * k + i] * x[r * k + i];
-    const float inv = 1.0f / std::sqrt(square / static_cast<float>(k) + eps);
-    for (int64_t i = 0; i < k; ++i) out[r * k + i] = weight[i] * (x[r * k + i] * inv);
-  }
-  return out;
+// One row of x * rsqrt(mean(x^2) + eps) * weight (float32) into out.
+void rms_normalize_row(const float* x, int64_t k, const float* weight, float eps, float* out) {
+  float square = 0.0f;
+  for (int64_t i = 0; i < k; ++i) square += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(square / static_cast<float>(k) + eps);
+  for (int64_t i = 0; i < k; ++i) out[i] = weight[i] * (x[i] * inv);
 }
 
 // silu(y) u = y sigmoid(y) u, the sigmoid from exp(-|y|) (cpu_math.h's branch-free exp, which
@@ -338,7 +332,9 @@ inline float silu_times(float y, float u) {
 
 struct Call {
   std::vector<PackedArgs> weights;
-  std::vector<std::vector<float>> xsums;   // per weight
+  std::vector<std::shared_ptr<std::vector<float>>> xsums;  // per weight [M, K/G] (shared
+                                                           // by weights of one group size)
+  std::vector<int64_t> chunk;              // per weight: output vectors a work item
   std::vector<std::shared_ptr<SplitRows>> splits;  // per weight; null: the float paths
   std::vector<int64_t> first_item;         // weight p's items start here (P + 1 entries)
   const float* residual = nullptr;         // [M, N_0]
@@ -351,16 +347,16 @@ void run_item(const Call& c, int64_t i, std::vector<float>& scratch) {
   const int64_t p = std::upper_bound(c.first_item.begin(), c.first_item.end(), i) -
                     c.first_item.begin() - 1;
   const PackedArgs& a = c.weights[p];
-  const int64_t v0 = (i - c.first_item[p]) * kChunkVectors;
-  const int64_t v_end = std::min(a.n / kLanes, v0 + kChunkVectors);
-  project_chunk(a, c.xsums[p].data(), c.splits[p].get(), v0, v_end);
+  const int64_t v0 = (i - c.first_item[p]) * c.chunk[p];
+  const int64_t v_end = std::min(a.n / kLanes, v0 + c.chunk[p]);
+  project_chunk(a, c.xsums[p]->data(), c.splits[p].get(), v0, v_end);
   const int64_t f0 = v0 * kLanes, f1 = v_end * kLanes;
   if (c.gated) {
     PackedArgs up = c.weights[1];
     up.y = scratch.data();
     up.ldy = kChunkVectors * kLanes;
     up.col0 = f0;
-    project_chunk(up, c.xsums[1].data(), c.splits[1].get(), v0, v_end);
+    project_chunk(up, c.xsums[1]->data(), c.splits[1].get(), v0, v_end);
     for (int64_t r = 0; r < a.m; ++r) {
       float* y = a.y + r * a.ldy + f0;
       const float* u = scratch.data() + r * up.ldy;
@@ -380,10 +376,11 @@ void run_item(const Call& c, int64_t i, std::vector<float>& scratch) {
 // matmul kernel").
 constexpr int64_t kInt8MaxRows = 128;
 
-// The split activations for a weight of groups of `group` inputs (shared with an earlier
-// weight of the same call that needs the same), or null where the float paths serve.
-std::shared_ptr<SplitRows> split_for(const Call& c, const float* x, int64_t m, int64_t k,
-                                     int64_t group, bool four_bit) {
+// Room for the split activations of a weight of groups of `group` inputs (shared with an
+// earlier weight of the same call that needs the same; filled by prepare_rows), or null
+// where the float paths serve.
+std::shared_ptr<SplitRows> split_for(const Call& c, int64_t m, int64_t k, int64_t group,
+                                     bool four_bit) {
 #ifdef JAXPAGED_PACKED_VNNI
   if (m >= kInt8MaxRows || !vnni_shape(group, four_bit)) return nullptr;
   for (size_t p = 0; p < c.splits.size(); ++p) {
@@ -391,25 +388,88 @@ std::shared_ptr<SplitRows> split_for(const Call& c, const float* x, int64_t m, i
       return c.splits[p];
     }
   }
-  return std::make_shared<SplitRows>(split_rows(x, m, k, group, four_bit));
+  return std::make_shared<SplitRows>(split_storage(m, k, group));
 #else
   return nullptr;
 #endif
 }
 
+// Room for the group sums of a weight of groups of `group` inputs (shared with an earlier
+// weight of the same call that has the same groups; filled by prepare_rows).
+std::shared_ptr<std::vector<float>> xsums_for(const Call& c, int64_t m, int64_t k,
+                                              int64_t group) {
+  for (size_t p = 0; p < c.xsums.size(); ++p) {
+    if (c.weights[p].group == group) return c.xsums[p];
+  }
+  return std::make_shared<std::vector<float>>(m * (k / group));
+}
+
+// Rows from this many on prepare in parallel (below, a handoff costs more than the rows).
+constexpr int64_t kParallelPrepareRows = 4;
+
+// What the call's weights read of each row, before any product: the row RMS-normalized (into
+// `normalized`, when `norm` is set), its group sums and its split (once per distinct group
+// and layout). Rows are independent, so from kParallelPrepareRows rows on they are spread
+// over the pool (the split alone was ~1.2 ms of one core a step at 16 rows for SmolLM2,
+// docs/measurements.md, "Packed matmul kernel").
+void prepare_rows(ffi::ThreadPool& pool, const std::shared_ptr<Call>& shared, const float* x,
+                  const float* norm, float eps, float* normalized, int64_t m, int64_t k) {
+  auto row = [shared, x, norm, eps, normalized, k](int64_t r) {
+    const Call& c = *shared;
+    const float* xr = x + r * k;
+    if (norm != nullptr) {
+      rms_normalize_row(xr, k, norm, eps, normalized + r * k);
+      xr = normalized + r * k;
+    }
+    for (size_t p = 0; p < c.weights.size(); ++p) {      // each shared array once
+      if (std::find(c.xsums.begin(), c.xsums.begin() + p, c.xsums[p]) == c.xsums.begin() + p) {
+        const int64_t groups = k / c.weights[p].group;
+        group_sums_row(xr, k, c.weights[p].group, c.xsums[p]->data() + r * groups);
+      }
+#ifdef JAXPAGED_PACKED_VNNI
+      if (c.splits[p] &&
+          std::find(c.splits.begin(), c.splits.begin() + p, c.splits[p]) == c.splits.begin() + p) {
+        split_row(xr, r, c.weights[p].four_bit, *c.splits[p]);
+      }
+#endif
+    }
+  };
+  if (m < kParallelPrepareRows) {
+    for (int64_t r = 0; r < m; ++r) row(r);
+    return;
+  }
+  run_items(pool, m, [row] { return row; });
+}
+
 // The angles of rows [0, m) for RoPE: cos and sin [m, half] of float(position) * inv_freq[i]
-// (float32, as jaxpaged.layers.rotary.apply_rope), computed once a call for all its outputs.
+// (float32, as jaxpaged.layers.rotary.apply_rope). Every layer of a step rotates at the same
+// positions with the same frequencies, so the last call's angles are kept (per thread) and
+// reused when both are equal: one step computes them once, not once a layer (2 * m * half
+// libm calls each: ~1k at 16 rows for SmolLM2).
 struct RopeAngles {
-  std::vector<float> cos, sin;
-  RopeAngles(int64_t m, const int32_t* positions, const float* inv_freq, int64_t half)
-      : cos(m * half), sin(m * half) {
-    for (int64_t r = 0; r < m; ++r) {
-      for (int64_t i = 0; i < half; ++i) {
-        const float angle = static_cast<float>(positions[r]) * inv_freq[i];
-        cos[r * half + i] = std::cos(angle);
-        sin[r * half + i] = std::sin(angle);
+  std::vector<int32_t> positions;
+  std::vector<float> inv_freq, cos, sin;
+
+  static const RopeAngles& of(int64_t m, const int32_t* positions, const float* inv_freq,
+                              int64_t half) {
+    thread_local RopeAngles last;
+    if (static_cast<int64_t>(last.positions.size()) != m ||
+        static_cast<int64_t>(last.inv_freq.size()) != half ||
+        !std::equal(positions, positions + m, last.positions.begin()) ||
+        !std::equal(inv_freq, inv_freq + half, last.inv_freq.begin())) {
+      last.positions.assign(positions, positions + m);
+      last.inv_freq.assign(inv_freq, inv_freq + half);
+      last.cos.resize(m * half);
+      last.sin.resize(m * half);
+      for (int64_t r = 0; r < m; ++r) {
+        for (int64_t i = 0; i < half; ++i) {
+          const float angle = static_cast<float>(positions[r]) * inv_freq[i];
+          last.cos[r * half + i] = std::cos(angle);
+          last.sin[r * half + i] = std::sin(angle);
+        }
       }
     }
+    return last;
   }
 };
 
@@ -484,12 +544,9 @@ ffi::Error PackedProjectionsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t valid = std::clamp<int64_t>(rows.typed_data()[0], 0, m);
   auto shared = std::make_shared<Call>();
   Call& c = *shared;
-  const float* input = x.typed_data();
-  std::vector<float> normalized;
-  if (norm_size == k && valid > 0) {
-    normalized = rms_normalized(input, valid, k, norm_weight, eps);
-    input = normalized.data();
-  }
+  const bool normalize = norm_size == k && valid > 0;
+  std::vector<float> normalized(normalize ? valid * k : 0);
+  const float* input = normalize ? normalized.data() : x.typed_data();
   c.gated = gated != 0;
   c.first_item.push_back(0);
   for (int64_t p = 0; p < num_weights; ++p) {
@@ -528,9 +585,15 @@ ffi::Error PackedProjectionsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     if (p == 0 || !c.gated) std::fill(out + valid * n, out + m * n, 0.0f);
     c.weights.push_back({input, lq.data, {ls.data, half}, {lm.data, half}, out,
                          valid, k, n, k / sd[1], n, 0, four_bit});
-    c.xsums.push_back(group_sums(input, valid, k, k / sd[1]));
-    c.splits.push_back(int8 ? split_for(c, input, valid, k, k / sd[1], four_bit) : nullptr);
-    const int64_t items = (n / kLanes + kChunkVectors - 1) / kChunkVectors;
+    c.xsums.push_back(xsums_for(c, valid, k, k / sd[1]));
+    c.splits.push_back(int8 ? split_for(c, valid, k, k / sd[1], four_bit) : nullptr);
+    // The int8 path at several rows: items of kSplitChunkVectors, so that the last items
+    // of a call keep both threads busy (its loop is per vector, so a smaller chunk costs
+    // nothing but an atomic increment); the float paths keep kChunkVectors (panel widths).
+    const int64_t chunk = (c.gated && p == 1) ? c.chunk[0]
+                          : (c.splits.back() && valid >= 4) ? kSplitChunkVectors : kChunkVectors;
+    c.chunk.push_back(chunk);
+    const int64_t items = (n / kLanes + chunk - 1) / chunk;
     c.first_item.push_back(c.first_item.back() + ((c.gated && p == 1) ? 0 : items));
   }
   if (c.gated && c.weights[0].n != c.weights[1].n) {
@@ -538,13 +601,16 @@ ffi::Error PackedProjectionsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   }
   c.residual = residual.element_count() != 0 ? residual.typed_data() : nullptr;
   if (valid == 0) return ffi::Error::Success();
+  prepare_rows(pool, shared, x.typed_data(), normalize ? norm_weight : nullptr, eps,
+               normalized.data(), valid, k);
   run_items(pool, c.first_item.back(), [shared, valid] {
     return [shared, scratch = std::vector<float>(valid * kChunkVectors * kLanes)](
                int64_t i) mutable { run_item(*shared, i, scratch); };
   });
   if (rope_outputs > 0) {
     const int64_t half = inv_freq.element_count();
-    const RopeAngles angles(valid, positions.typed_data(), inv_freq.typed_data(), half);
+    const RopeAngles& angles =
+        RopeAngles::of(valid, positions.typed_data(), inv_freq.typed_data(), half);
     for (int32_t p = 0; p < rope_outputs; ++p) {
       rotate(c.weights[p].y, valid, c.weights[p].n, angles, half);
     }

@@ -103,56 +103,54 @@ inline void split_row_16(const float* xr, int64_t k, int64_t group, bool four_bi
   }
 }
 
-// Splits rows [0, m) of x [m, k] for groups of `group` inputs, quads in the order of 4-bit
-// (nibble-paired) or 8-bit (consecutive) weights.
-inline SplitRows split_rows(const float* x, int64_t m, int64_t k, int64_t group,
-                            bool four_bit) {
+// Room for the split of m rows of k inputs in groups of `group` (filled by split_row).
+inline SplitRows split_storage(int64_t m, int64_t k, int64_t group) {
   SplitRows s;
   s.k = k;
   s.group = group;
-  const int64_t groups = k / group;
   s.quads.assign(m * (k / 4) * 3, 0);
-  s.step.assign(m * groups, 0.0f);
-  s.sums.assign(m * groups * 2, 0);
+  s.step.assign(m * (k / group), 0.0f);
+  s.sums.assign(m * (k / group) * 2, 0);
+  return s;
+}
+
+// Splits row r (xr: its k inputs) into `s` (split_storage), quads in the order of 4-bit
+// (nibble-paired) or 8-bit (consecutive) weights. Rows are independent: any thread may
+// split any row.
+inline void split_row(const float* xr, int64_t r, bool four_bit, SplitRows& s) {
+  const int64_t k = s.k, group = s.group, groups = k / group;
+  int8_t* out = reinterpret_cast<int8_t*>(s.quads.data() + r * (k / 4) * 3);
   if (group % 16 == 0) {
-    for (int64_t r = 0; r < m; ++r) {
-      split_row_16(x + r * k, k, group, four_bit,
-                   reinterpret_cast<int8_t*>(s.quads.data() + r * (k / 4) * 3),
-                   s.step.data() + r * groups, s.sums.data() + r * groups * 2);
-    }
-    return s;
+    split_row_16(xr, k, group, four_bit, out, s.step.data() + r * groups,
+                 s.sums.data() + r * groups * 2);
+    return;
   }
   std::vector<int8_t> digits(3 * k);  // [3][k]: h, m, l
-  for (int64_t r = 0; r < m; ++r) {
-    const float* xr = x + r * k;
-    for (int64_t g = 0; g < groups; ++g) {
-      float amax = 0.0f;
-      for (int64_t i = g * group; i < (g + 1) * group; ++i) amax = std::max(amax, std::fabs(xr[i]));
-      const float e = amax / (127.0f * 65536.0f);
-      const float inv = e > 0.0f ? 1.0f / e : 0.0f;
-      int32_t* sums = s.sums.data() + (r * groups + g) * 2;
-      for (int64_t i = g * group; i < (g + 1) * group; ++i) {
-        int32_t t = static_cast<int32_t>(std::nearbyint(xr[i] * inv));
-        t = std::clamp(t, -127 * 65536, 127 * 65536);
-        for (int d = 2; d >= 0; --d) {         // l, then m, then h: t = 256 t' + digit
-          const int32_t digit = d == 0 ? t : ((t + 128) & 255) - 128;
-          digits[d * k + i] = static_cast<int8_t>(digit);
-          sums[d == 0 ? 0 : 1] += d == 1 ? 256 * digit : digit;
-          t = (t - digit) / 256;
-        }
+  for (int64_t g = 0; g < groups; ++g) {
+    float amax = 0.0f;
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) amax = std::max(amax, std::fabs(xr[i]));
+    const float e = amax / (127.0f * 65536.0f);
+    const float inv = e > 0.0f ? 1.0f / e : 0.0f;
+    int32_t* sums = s.sums.data() + (r * groups + g) * 2;
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) {
+      int32_t t = static_cast<int32_t>(std::nearbyint(xr[i] * inv));
+      t = std::clamp(t, -127 * 65536, 127 * 65536);
+      for (int d = 2; d >= 0; --d) {         // l, then m, then h: t = 256 t' + digit
+        const int32_t digit = d == 0 ? t : ((t + 128) & 255) - 128;
+        digits[d * k + i] = static_cast<int8_t>(digit);
+        sums[d == 0 ? 0 : 1] += d == 1 ? 256 * digit : digit;
+        t = (t - digit) / 256;
       }
-      s.step[r * groups + g] = e;
     }
-    int8_t* out = reinterpret_cast<int8_t*>(s.quads.data() + r * (k / 4) * 3);
-    for (int64_t q = 0; q < k / 4; ++q) {
-      for (int b = 0; b < 4; ++b) {
-        // 4 bits: quad 2o is inputs 8o + {0, 2, 4, 6}, quad 2o + 1 is 8o + {1, 3, 5, 7}.
-        const int64_t i = (q / 4) * 16 + quad_input((q % 4) * 12 + b, four_bit);
-        for (int d = 0; d < 3; ++d) out[q * 12 + 4 * d + b] = digits[d * k + i];
-      }
+    s.step[r * groups + g] = e;
+  }
+  for (int64_t q = 0; q < k / 4; ++q) {
+    for (int b = 0; b < 4; ++b) {
+      // 4 bits: quad 2o is inputs 8o + {0, 2, 4, 6}, quad 2o + 1 is 8o + {1, 3, 5, 7}.
+      const int64_t i = (q / 4) * 16 + quad_input((q % 4) * 12 + b, four_bit);
+      for (int d = 0; d < 3; ++d) out[q * 12 + 4 * d + b] = digits[d * k + i];
     }
   }
-  return s;
 }
 
 // acc += w (unsigned bytes) . the 4 signed bytes at p, broadcast to every lane: vpdpbusd with
