@@ -102,12 +102,32 @@ void attend_head_regs(const Shape& sh, const float* q, int64_t lo, int64_t qpos,
   }
   alignas(64) float weight[G][16];
   const int64_t last = sh.last_page(qpos);
+  constexpr int64_t kRowBytes = 16 * NC * sizeof(T);    // this head's part of a key row
   for (int64_t j = lo / ps; j <= last; ++j) {
     const T* kp = k_pages + sh.page_offset(pages, j, h);
     const T* vp = v_pages + sh.page_offset(pages, j, h);
     const int64_t t_begin = std::max<int64_t>(0, lo - j * ps);
     const int64_t t_end = std::min<int64_t>(ps, qpos - j * ps + 1);
     for (int64_t t0 = t_begin / 16 * 16; t0 < t_end; t0 += 16) {
+      // The next 16 rows' K and V of this head into L2 while these are read: a sequence's
+      // pages are scattered over the pool and a head reads a strided part of each row, so
+      // the hardware prefetcher does not run ahead (decode attention was DRAM-latency bound:
+      // docs/measurements.md, "CPU attention kernel").
+      {
+        const bool in_page = t0 + 16 < std::min<int64_t>(ps, qpos - j * ps + 1);
+        if (in_page || j < last) {
+          const char* kn = reinterpret_cast<const char*>(
+              in_page ? kp + (t0 + 16) * stride : k_pages + sh.page_offset(pages, j + 1, h));
+          const char* vn = reinterpret_cast<const char*>(
+              in_page ? vp + (t0 + 16) * stride : v_pages + sh.page_offset(pages, j + 1, h));
+          for (int i = 0; i < 16; ++i) {
+            for (int64_t b = 0; b < kRowBytes; b += 64) {
+              __builtin_prefetch(kn + i * stride * sizeof(T) + b, 0, 2);
+              __builtin_prefetch(vn + i * stride * sizeof(T) + b, 0, 2);
+            }
+          }
+        }
+      }
       // Lanes t0 + i with t_begin <= t0 + i < t_end are keys of this query.
       const int64_t from = std::max<int64_t>(t_begin - t0, 0), to = std::min<int64_t>(t_end - t0, 16);
       const __mmask16 keys = static_cast<__mmask16>(((1u << to) - 1) & ~((1u << from) - 1));
