@@ -13,6 +13,7 @@ import pytest
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import ModelConfig, UnsupportedModelError
 from jaxpaged.arg_utils import DEFAULT_MODEL
+from jaxpaged.layers.attention.cpu import kernel_available
 from tests.conftest import FIXTURES
 from tests.test_model_logits import full_sequence_logits
 
@@ -85,8 +86,11 @@ def test_logits_match_transformers(name):
     for n in FAMILIES for b in ("xla", "cpu", "pallas")])
 def test_generate_matches_transformers(name, backend):
     """Prefill logits on the engine's own backend (short LongRoPE factors for Phi-3), then
-    chunked prefill, prefix-cache hits and preemption with identical greedy tokens."""
+    chunked prefill, prefix-cache hits and preemption with identical greedy tokens (on
+    ``cpu``, every layer through the C++ kernel, gpt-oss's sinks included)."""
     llm = engine(name, attention_backend=backend)
+    if backend == "cpu" and kernel_available():
+        assert llm.engine.runner.backend.name == "cpu"
     logits, _ = llm.engine.runner.run_prefill(fixture(name, "input_ids.npy").tolist())
     assert np.abs(np.asarray(logits) - fixture(name, "logits.npy")).max() < 1e-4
     check_generate(llm, name)

@@ -18,15 +18,31 @@ and each group holds per sequence only what its kind needs
 (:class:`jaxpaged.core.hybrid_kv_cache_manager.HybridKVCacheManager`).
 
 ``slots`` is the smallest kind's layer count, or the largest's when every kind has within 25%
-of it (vLLM's rule: few groups, little padding). A group with fewer layers than ``slots`` (the
-last of its kind) leaves its pages' other slots unused.
+of it (vLLM's rule: few groups, little padding). A kind's last group may then be short: its
+pages are whole pages of ``slots`` layers, so its empty slots are pool bytes no layer uses
+(vLLM pads the same way). When more than :data:`MAX_PADDING` of the groups' slots would be
+empty, ``slots`` is instead the largest count dividing every kind's (no padding; the better
+strategy vLLM's ``_get_kv_cache_groups_uniform_page_size`` names in its FIXME, "20 full + 30
+sw, where the group size should be 10") if that makes at most :data:`MAX_GROUPS` groups.
+Gemma 3 27B (10 global, 52 local layers) goes from 10 slots (8 of 70 empty: its last local
+group's 2 layers in pages of 10) to 2 slots in 31 groups, which brings an 8k sequence under
+issue 45's bound (``tests/test_kv_groups.py``) at about 4x the allocator's host time; 1B (4
+and 22 layers: 2 of 28 slots empty) keeps 4, 4B (5 and 29: 1 of 35) 5 and 12B (8 and 40) 8.
 
 Pure Python, no JAX (host side); the runner reads the same :class:`KVLayout`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+#: The most groups a padding-free grouping may make: each group is one more page table per
+#: sequence (host bookkeeping at every page a sequence opens, one more [B, P] table a step).
+MAX_GROUPS = 32
+#: The largest share of the groups' slots vLLM's grouping may leave empty before the
+#: padding-free one replaces it (Gemma 3 1B's 7% stays; 27B's 11% goes).
+MAX_PADDING = 1 / 10
 
 
 @dataclass(frozen=True)
@@ -127,8 +143,7 @@ def kv_layout(sliding_windows, enabled: bool = True) -> KVLayout | None:
     kinds: dict[int | None, list[int]] = {None: []}      # full attention first: group 0
     for i, w in enumerate(windows):
         kinds.setdefault(w, []).append(i)
-    counts = [len(layers) for layers in kinds.values()]
-    slots = max(counts) if max(counts) * 4 < min(counts) * 5 else min(counts)
+    slots = group_slots([len(layers) for layers in kinds.values()])
     groups, layer_slot, layer_group = [], [0] * len(windows), [0] * len(windows)
     for window, layers in kinds.items():
         for start in range(0, len(layers), slots):
@@ -137,3 +152,16 @@ def kv_layout(sliding_windows, enabled: bool = True) -> KVLayout | None:
                 layer_slot[layer], layer_group[layer] = slot, len(groups)
             groups.append(KVGroup(window, members))
     return KVLayout(tuple(groups), slots, tuple(layer_slot), tuple(layer_group))
+
+
+def group_slots(counts: list[int]) -> int:
+    """Layers per group (a page's pool slots) for kinds of ``counts`` layers each (module
+    docstring): vLLM's rule, or the counts' greatest common divisor when vLLM's would leave
+    more than :data:`MAX_PADDING` of its slots empty and the divisor makes no more than
+    :data:`MAX_GROUPS` groups."""
+    slots = max(counts) if max(counts) * 4 < min(counts) * 5 else min(counts)
+    padded = sum(-(-c // slots) for c in counts) * slots
+    exact = math.gcd(*counts)
+    if padded - sum(counts) > MAX_PADDING * padded and sum(counts) // exact <= MAX_GROUPS:
+        return exact
+    return slots

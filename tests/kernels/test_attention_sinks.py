@@ -1,8 +1,8 @@
 """Attention sinks (gpt-oss) in every attention path: the jnp reference against a direct
 softmax over [scores, sink], then the xla backend's chunked attention, the Pallas v2 decode
 (any split count) and prefill kernels and the v1 kernel (interpret mode on CPU) against the
-reference, the ``cpu`` backend's logged fallback to the ``xla`` path, and the kernels with
-sinks cross-lowered for an H200 (Triton)."""
+reference, the ``cpu`` backend's C++ kernel (decode, one-query and row-tile paths) against
+the ``xla`` backend, and the kernels with sinks cross-lowered for an H200 (Triton)."""
 
 import functools
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpaged.layers.attention.cpu import CpuAttentionBackend, xla_for_sinks
+from jaxpaged.layers.attention.cpu import CpuAttentionBackend, kernel_available
 from jaxpaged.layers.attention.pallas import PallasAttentionBackend
 from jaxpaged.layers.attention.xla import XlaAttentionBackend, paged_attention_chunked
 from pallas_kernels.paged_attention_v1 import paged_attention as paged_attention_v1
@@ -90,7 +90,7 @@ def test_pallas_v1_matches_reference(num_splits):
                                      PallasAttentionBackend(interpret=True, kernel="v1")])
 def test_backends_forward_with_sinks_equal_xla(backend):
     """A ragged step of decodes and prefill chunks: the backend's forward with sinks equals the
-    xla backend's (the cpu backend by its logged fallback), and the sinks change it."""
+    xla backend's (the cpu backend through its C++ kernel), and the sinks change it."""
     rng = np.random.default_rng(5)
     batch = make_batch(rng, num_heads=4, num_kv_heads=2, head_dim=16, page_size=8,
                        dtype=jnp.float32, seqs=random_seqs(rng, 5, 8, max_ctx=40))
@@ -106,7 +106,34 @@ def test_backends_forward_with_sinks_equal_xla(backend):
     want = run(XlaAttentionBackend(), sinks=sinks)
     assert np.abs(run(backend, sinks=sinks) - want).max() <= 1e-5
     assert np.abs(run(XlaAttentionBackend()) - want).max() > 1e-3
-    assert xla_for_sinks(sinks) and not xla_for_sinks(None)
+
+
+@pytest.mark.skipif(not kernel_available(), reason="no C++ compiler")
+@pytest.mark.parametrize("block_q, group, head_dim, dtype, sliding_window", [
+    (1, 3, 64, jnp.float32, None),   # decodes, accumulators in registers (SmolLM2's G and D)
+    (1, 3, 64, jnp.float32, 20),
+    (1, 2, 16, jnp.float32, None),   # decodes, one_query.h (the gpt-oss fixture's G and D)
+    (16, 4, 64, jnp.float32, None),  # prefill blocks: row tiles, one-query for sparse blocks
+    (16, 4, 64, jnp.float32, 20),
+    (16, 2, 16, jnp.float32, 20),
+    (1, 3, 64, jnp.bfloat16, 20), (16, 4, 64, jnp.bfloat16, None)])
+def test_cpu_kernel_with_sinks_matches_xla(block_q, group, head_dim, dtype, sliding_window):
+    """The C++ kernel's query blocks (up to 12 pages of 16 keys each) with sinks against the
+    xla backend's chunked attention with the same sinks (float32: 1e-5; bf16 pools: 2e-2),
+    and the sinks move its output (the kernel reads them)."""
+    rng = np.random.default_rng(block_q * 10 + group + head_dim)
+    args, valid = block_inputs(rng, nb=8, block_q=block_q, group=group, head_dim=head_dim,
+                               dtype=dtype)
+    q, kp, vp, table, seq, pos = args
+    sinks = sinks_for(2 * group, seed=group)
+    kw = dict(scale=SCALE, sliding_window=sliding_window)
+    want = np.asarray(paged_attention_chunked(*args, sinks=sinks, **kw), np.float32)
+    cpu = CpuAttentionBackend()
+    got = np.asarray(cpu.attend(q, (kp, vp), table, seq, pos, sinks=sinks, **kw), np.float32)
+    tolerance = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert np.abs(got - want)[valid].max() <= tolerance
+    plain = np.asarray(cpu.attend(q, (kp, vp), table, seq, pos, **kw), np.float32)
+    assert np.abs(plain - want)[valid].max() > 10 * tolerance
 
 
 @pytest.mark.parametrize("batch, block_q, launches", [(1, 1, 2), (256, 1, 1), (16, 32, 1)])

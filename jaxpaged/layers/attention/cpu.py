@@ -22,7 +22,6 @@ blocks as FlashAttention-2's tiles (Dao, 2023).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import jax
@@ -32,8 +31,6 @@ import numpy as np
 from jaxpaged.layers.cpu_build import (PAGED_ATTENTION_TARGET, PAGED_ATTENTION_WRITE_TARGET,
                                       load_cpu_kernels)
 from jaxpaged.layers.attention.xla import XlaAttentionBackend, paged_attention_chunked
-
-logger = logging.getLogger(__name__)
 
 #: Query and pool dtypes the kernel reads (the pool in the queries' dtype).
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -48,7 +45,8 @@ def paged_attention_cpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                         page_table: jax.Array, block_tokens: jax.Array, block_seq: jax.Array,
                         block_positions: jax.Array, *, scale: float,
                         sliding_window: int | None = None, soft_cap: float | None = None,
-                        k_scale: float = 1.0, v_scale: float = 1.0) -> jax.Array:
+                        k_scale: float = 1.0, v_scale: float = 1.0,
+                        sinks: jax.Array | None = None) -> jax.Array:
     """Paged attention of a step's query tokens, in query blocks, by the C++ kernel (the FFI
     target must be registered: :func:`~jaxpaged.layers.cpu_build.load_cpu_kernels`).
 
@@ -61,17 +59,19 @@ def paged_attention_cpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
             tokens of one sequence each (Bq = 1 for decodes; out of [0, T): padding).
         block_seq: [NB] int32 each block's page-table row.
         block_positions: [NB, Bq] int32 each query's position (-1: a padding query).
-        scale: softmax scale; sliding_window, soft_cap: as
+        scale: softmax scale; sliding_window, soft_cap, sinks ([H] float32 attention-sink
+            logits, gpt-oss; None: none): as
             :meth:`~jaxpaged.layers.attention.base.AttentionBackend.forward`.
 
     Returns:
         [T, H, D] in q's dtype: for each block query, softmax(scale * q.k) . v over the keys
-        at positions ``<= position`` (and within the window), accumulated in float32, in its
+        at positions ``<= position`` (and within the window; with sinks, each head's
+        ``exp(sink)`` added to its denominator), accumulated in float32, in its
         token's row; zeros in the rows of tokens no block query names.
     """
     call = jax.ffi.ffi_call(PAGED_ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_pages, v_pages,
-                *_int32(page_table, block_tokens, block_seq, block_positions),
+                *_int32(page_table, block_tokens, block_seq, block_positions), _sinks(sinks),
                 **_attributes(scale, sliding_window, soft_cap, k_scale, v_scale))
 
 
@@ -79,7 +79,8 @@ def write_and_attend_cpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k
                          v: jax.Array, slot_mapping: jax.Array, page_table: jax.Array,
                          block_tokens: jax.Array, block_seq: jax.Array,
                          block_positions: jax.Array, *, scale: float,
-                         sliding_window: int | None = None, soft_cap: float | None = None
+                         sliding_window: int | None = None, soft_cap: float | None = None,
+                         sinks: jax.Array | None = None
                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The step's new rows k, v [T, KVH, D] (the pools' dtype, stored as they are) into
     their ``slot_mapping`` [T] slots, then :func:`paged_attention_cpu` (unit K/V scales), in
@@ -95,13 +96,19 @@ def write_and_attend_cpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, k
          jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
         input_output_aliases={1: 1, 2: 2})
     return call(q, k_pages, v_pages,
-                *_int32(page_table, block_tokens, block_seq, block_positions),
+                *_int32(page_table, block_tokens, block_seq, block_positions), _sinks(sinks),
                 k.astype(k_pages.dtype), v.astype(v_pages.dtype), slot_mapping.astype(jnp.int32),
                 **_attributes(scale, sliding_window, soft_cap, 1.0, 1.0))
 
 
 def _int32(*arrays):
     return [a.astype(jnp.int32) for a in arrays]
+
+
+def _sinks(sinks) -> jax.Array:
+    """The kernel's sinks operand: [H] float32, or an empty [0] array for a model without
+    sinks (the kernel then starts every softmax at -inf and 0, as before sinks existed)."""
+    return jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
 
 
 def _attributes(scale, sliding_window, soft_cap, k_scale, v_scale) -> dict:
@@ -123,8 +130,8 @@ class CpuAttentionBackend(XlaAttentionBackend):
                 soft_cap=None, sinks=None):
         """The KV write, then the kernel on the tokens in place (no gather into blocks), in
         one call (:func:`write_and_attend_cpu`) for unit K/V scales; a pool the kernel does
-        not read, or attention sinks (:func:`xla_for_sinks`): the ``xla`` backend's forward."""
-        if not kernel_supports(q.dtype, kv_pages[0].dtype) or xla_for_sinks(sinks):
+        not read: the ``xla`` backend's forward. Attention sinks go to the kernel."""
+        if not kernel_supports(q.dtype, kv_pages[0].dtype):
             return super().forward(q, k, v, kv_pages, metadata, scale=scale,
                                    sliding_window=sliding_window, soft_cap=soft_cap,
                                    **({} if sinks is None else {"sinks": sinks}))
@@ -132,25 +139,25 @@ class CpuAttentionBackend(XlaAttentionBackend):
             out, *kv_pages = write_and_attend_cpu(
                 q, *kv_pages, k, v, metadata["slot_mapping"], metadata["page_table"],
                 metadata["block_tokens"], metadata["block_seq"], metadata["block_positions"],
-                scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)
             return out, tuple(kv_pages)
         kv_pages = self.write_kv(kv_pages, k, v, metadata["slot_mapping"])
         out = paged_attention_cpu(q, *kv_pages, metadata["page_table"], metadata["block_tokens"],
                                   metadata["block_seq"], metadata["block_positions"],
                                   scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                                  k_scale=self.k_scale, v_scale=self.v_scale)
+                                  k_scale=self.k_scale, v_scale=self.v_scale, sinks=sinks)
         return out, kv_pages
 
     def attend(self, q_blocks, kv_pages, page_table, block_seq, block_positions, *, scale,
                sliding_window=None, soft_cap=None, sinks=None):
-        """Query blocks [NB, Bq, H, D] over a pool the kernel reads, without sinks: the
-        kernel; else :func:`~jaxpaged.layers.attention.xla.paged_attention_chunked`."""
+        """Query blocks [NB, Bq, H, D] over a pool the kernel reads: the kernel (sinks
+        included); else :func:`~jaxpaged.layers.attention.xla.paged_attention_chunked`."""
         k_pages, v_pages = kv_pages
         options = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                       k_scale=self.k_scale, v_scale=self.v_scale)
-        if not kernel_supports(q_blocks.dtype, k_pages.dtype) or xla_for_sinks(sinks):
+                       k_scale=self.k_scale, v_scale=self.v_scale, sinks=sinks)
+        if not kernel_supports(q_blocks.dtype, k_pages.dtype):
             return paged_attention_chunked(q_blocks, k_pages, v_pages, page_table, block_seq,
-                                           block_positions, sinks=sinks, **options)
+                                           block_positions, **options)
         nb, block_q, num_heads, head_dim = q_blocks.shape
         tokens = jnp.arange(nb * block_q, dtype=jnp.int32).reshape(nb, block_q)
         out = paged_attention_cpu(q_blocks.reshape(nb * block_q, num_heads, head_dim), k_pages,
@@ -163,19 +170,3 @@ def kernel_available() -> bool:
     """True when this process runs on the CPU and the kernel is built and registered."""
     return jax.default_backend() == "cpu" and load_cpu_kernels()
 
-
-def xla_for_sinks(sinks) -> bool:
-    """True (logged once a process) when a layer has attention sinks (gpt-oss): the C++
-    kernel has none, so such layers take the ``xla`` backend's chunked attention (the KV write
-    too), which starts each row's softmax at its sink."""
-    if sinks is None:
-        return False
-    global _SINKS_LOGGED
-    if not _SINKS_LOGGED:
-        _SINKS_LOGGED = True
-        logger.info("cpu attention backend: the model has attention sinks, which the C++ "
-                    "kernel does not take; its layers run the xla backend's attention")
-    return True
-
-
-_SINKS_LOGGED = False

@@ -12,7 +12,8 @@
 // read): the pages of a sequence are scattered over the pool, so the hardware prefetcher,
 // which follows one address stream, starts over at every half; this half-ahead distance
 // into L2 was the fastest of those tried on W1's decode step (docs/measurements.md, "CPU
-// attention kernel").
+// attention kernel"). With attention sinks each row's softmax starts from its head's sink
+// (paged_layout.h's initial_max): the sink joins the denominator and adds no value.
 #pragma once
 
 #include <vector>
@@ -59,8 +60,10 @@ void attend_one_query(const Shape& sh, const T* q_rows, int64_t qpos, const int3
   const int64_t rows = nh * group, row_stride = sh.row_stride();
   float* qf = w.q.data();
   for (int64_t i = 0; i < rows * d_len; ++i) qf[i] = load(q_rows, i);
-  std::fill(w.m.begin(), w.m.begin() + rows, -INFINITY);
-  std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {    // row r: query head h0 * G + r
+    w.m[r] = sh.initial_max(h0 * group + r, -INFINITY);
+    w.l[r] = sh.initial_sum();
+  }
   std::fill(w.acc.begin(), w.acc.begin() + rows * d_len, 0.0f);
   const int64_t lo = sh.first_key(qpos);
   float* s = w.s.data();

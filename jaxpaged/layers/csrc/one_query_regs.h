@@ -11,7 +11,7 @@
 // softmax runs on those vectors, and the values are added into G x D / 16 accumulators that
 // stay in registers for the whole sequence. Same arithmetic as one_query.h (float32 scores,
 // statistics and accumulators; weights rounded to bfloat16 for a bfloat16 pool; its exp) in a
-// different summation order.
+// different summation order, sinks included (each row starts from its head's sink).
 #pragma once
 
 #if defined(__AVX512F__)
@@ -96,8 +96,8 @@ void attend_head_regs(const Shape& sh, const float* q, int64_t lo, int64_t qpos,
   __m512 acc[G][NC];
   float m[G], l[G];
   for (int r = 0; r < G; ++r) {
-    m[r] = -INFINITY;
-    l[r] = 0.0f;
+    m[r] = sh.initial_max(h * G + r, -INFINITY);
+    l[r] = sh.initial_sum();
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
   }
   alignas(64) float weight[G][16];

@@ -6,9 +6,10 @@
 // (the pool layout of jaxpaged.layers.attention.base, holding K / k_scale and V / v_scale) in
 // q's dtype; page_table [B, P]; block_tokens [NB, Bq] the token (row of q) of each block
 // query; block_seq [NB] each block's page-table row; block_pos [NB, Bq] each query's
-// position, -1 for a padding query (skipped). Output [T, H, D]: each block query's
-// attention in its token's row, zeros in the rows of tokens no block query names. Reading q
-// and writing the output by token spares the step a gather into blocks and a scatter back.
+// position, -1 for a padding query (skipped); sinks [H] float32 attention-sink logits
+// (gpt-oss), or [0] for none. Output [T, H, D]: each block query's attention in its token's
+// row, zeros in the rows of tokens no block query names. Reading q and writing the output by
+// token spares the step a gather into blocks and a scatter back.
 //
 // A work item is one block with a range of its KV heads (all of them unless there are too few
 // blocks to keep the threads busy). Its real queries take one of two paths:
@@ -27,7 +28,9 @@
 // times `scale` (which includes k_scale), optional soft-capping cap * tanh(s / cap), keys
 // outside (qpos - sliding_window, qpos] skipped, float32 softmax statistics and accumulator;
 // for bfloat16 the softmax weights are rounded to bfloat16 before the value product (as the
-// xla backend's bf16 dots and the Pallas kernels do). The output is acc / l * v_scale.
+// xla backend's bf16 dots and the Pallas kernels do). The output is acc / l * v_scale. A
+// head's sink is a key without a value: each of its rows starts with max = sink and l = 1 (as
+// the xla backend's m0, l0), an empty sinks array keeps max = -inf and l = 0 (no other cost).
 
 #include <cstring>
 #include <memory>
@@ -99,6 +102,7 @@ void attend_item(const Shape& sh, int64_t item, const Operands<T>& x, Scratch& w
         tile.q[tile.n] = rows_of(x.q, i) + offset;
         tile.out[tile.n] = rows_of(x.out, i) + offset;
         tile.pos[tile.n] = pos[i];
+        tile.head[tile.n] = static_cast<int32_t>(h * group + g);
         if (++tile.n == kLanes) {
           attend_row_tile(sh, tile, pages, h, x.k, x.v, w.tile);
           tile.n = 0;
@@ -143,8 +147,9 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
                               ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_table,
                               ffi::Buffer<ffi::S32> block_tokens,
                               ffi::Buffer<ffi::S32> block_seq, ffi::Buffer<ffi::S32> block_pos,
-                              ffi::Result<ffi::AnyBuffer> out, float scale, float soft_cap,
-                              int32_t sliding_window, float v_scale) {
+                              ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out,
+                              float scale, float soft_cap, int32_t sliding_window,
+                              float v_scale) {
   auto qd = q.dimensions(), kd = k_pages.dimensions(), bd = block_tokens.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || page_table.dimensions().size() != 2 ||
       bd.size() != 2) {
@@ -152,13 +157,15 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
                                        "page_table [B, P], block_tokens [NB, Bq]");
   }
   Shape sh{qd[0], bd[0], bd[1], qd[1], qd[2], kd[0], kd[1], kd[2], page_table.dimensions()[1],
-           scale, soft_cap, v_scale, sliding_window, 0};
+           scale, soft_cap, v_scale, sliding_window, 0,
+           sinks.element_count() == 0 ? nullptr : sinks.typed_data()};
   if (kd[3] != sh.head_dim || sh.num_heads % sh.num_kv_heads != 0 ||
       !std::equal(kd.begin(), kd.end(), v_pages.dimensions().begin(),
                   v_pages.dimensions().end()) ||
       static_cast<int64_t>(block_seq.element_count()) != sh.num_blocks ||
-      static_cast<int64_t>(block_pos.element_count()) != sh.num_blocks * sh.block_q) {
-    return ffi::Error::InvalidArgument("inconsistent shapes");
+      static_cast<int64_t>(block_pos.element_count()) != sh.num_blocks * sh.block_q ||
+      (sh.sinks != nullptr && static_cast<int64_t>(sinks.element_count()) != sh.num_heads)) {
+    return ffi::Error::InvalidArgument("inconsistent shapes (sinks: [H] or [0])");
   }
   const auto dtype = q.element_type();
   if (k_pages.element_type() != dtype || v_pages.element_type() != dtype ||
@@ -191,13 +198,14 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
 // v_out are the pools (XLA aliases them to k_pages and v_pages, so they hold the pool's rows
 // when the call starts and the write happens in place). k_new, v_new: [T, KVH, D] in the
 // pool's dtype; slots: [T] int32 flat slots (page * page_size + row; padding tokens name the
-// null page's; a slot outside the pool is skipped). One XLA scatter less per pool and layer.
+// null page's; a slot outside the pool is skipped); sinks as PagedAttentionImpl's. One XLA
+// scatter less per pool and layer.
 ffi::Error PagedAttentionWriteImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                                    ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_table,
                                    ffi::Buffer<ffi::S32> block_tokens,
                                    ffi::Buffer<ffi::S32> block_seq,
-                                   ffi::Buffer<ffi::S32> block_pos, ffi::AnyBuffer k_new,
-                                   ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> slots,
+                                   ffi::Buffer<ffi::S32> block_pos, ffi::Buffer<ffi::F32> sinks,
+                                   ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::Buffer<ffi::S32> slots,
                                    ffi::Result<ffi::AnyBuffer> out,
                                    ffi::Result<ffi::AnyBuffer> k_out,
                                    ffi::Result<ffi::AnyBuffer> v_out, float scale,
@@ -225,7 +233,7 @@ ffi::Error PagedAttentionWriteImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::
     std::memcpy(vp + slot[t] * row, vn + t * row, row);
   }
   return PagedAttentionImpl(pool, q, *k_out, *v_out, page_table, block_tokens, block_seq,
-                            block_pos, out, scale, soft_cap, sliding_window, v_scale);
+                            block_pos, sinks, out, scale, soft_cap, sliding_window, v_scale);
 }
 
 }  // namespace
@@ -241,6 +249,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttentionWrite, jaxpaged_cpu::PagedAt
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -262,6 +271,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedPagedAttention, jaxpaged_cpu::PagedAttenti
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")

@@ -16,6 +16,7 @@ struct Shape {
   float scale, soft_cap, v_scale;     // scale includes k_scale; soft_cap 0: none
   int32_t sliding_window;             // 0: none
   int64_t heads_per_item;             // KV heads of one work item (a divisor of KVH)
+  const float* sinks;                 // [H] attention-sink logits (gpt-oss), nullptr: none
 
   // A block query that attends: a real position and a token row of q.
   bool is_query(int32_t pos, int32_t token) const {
@@ -33,6 +34,11 @@ struct Shape {
     const int64_t page = std::clamp<int64_t>(pages[j], 0, num_pages - 1);
     return page * page_size * row_stride() + h * head_dim;
   }
+  // The softmax state a row of query head `head` starts from: the head's sink as a key
+  // without a value (running max at the sink, sum exp(0) = 1), or, without sinks, `none`
+  // (the path's "no key yet" max) and sum 0.
+  float initial_max(int64_t head, float none) const { return sinks ? sinks[head] : none; }
+  float initial_sum() const { return sinks ? 1.0f : 0.0f; }
   // Last page-table entry holding a key at or before `qpos`.
   int64_t last_page(int64_t qpos) const {
     return std::min<int64_t>(qpos / page_size, pages_per_seq - 1);

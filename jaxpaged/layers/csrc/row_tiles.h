@@ -15,7 +15,8 @@
 // Between them the online softmax (Milakov & Gimelshein 2018; FlashAttention-2's rescaled
 // accumulator, Dao 2023) is elementwise over the lanes. Keys a row must not see (after its
 // position, or before its sliding window) get weight 0; pages wholly visible to every row
-// skip the mask. bfloat16 pages are widened to float32 scratch rows first (one pass).
+// skip the mask. bfloat16 pages are widened to float32 scratch rows first (one pass). With
+// attention sinks each row starts from its head's sink (paged_layout.h's initial_max).
 #pragma once
 
 #include <climits>
@@ -44,6 +45,7 @@ struct RowTile {
   const T* q[kLanes];
   T* out[kLanes];
   int32_t pos[kLanes];
+  int32_t head[kLanes];               // each row's query head (its sink's index)
 };
 
 // Rows t0..t1 of one head of a page as float32 rows `stride` apart: the page itself for a
@@ -131,8 +133,10 @@ void attend_row_tile(const Shape& sh, const RowTile<T>& tile, const int32_t* pag
     }
   }
   float m[kLanes], lsum[kLanes];
-  std::fill(m, m + kLanes, kMasked);
-  std::fill(lsum, lsum + kLanes, 0.0f);
+  for (int l = 0; l < kLanes; ++l) {
+    m[l] = l < tile.n ? sh.initial_max(tile.head[l], kMasked) : kMasked;
+    lsum[l] = l < tile.n ? sh.initial_sum() : 0.0f;
+  }
   std::fill(w.accT.begin(), w.accT.end(), 0.0f);
   float* s = w.s.data();
   for (int64_t j = lo / ps; j <= sh.last_page(hi); ++j) {
