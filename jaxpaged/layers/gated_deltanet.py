@@ -38,8 +38,8 @@ from flax import nnx
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.layers.deltanet_segments import (PREFILL_CHUNK, chunk_function,
-                                               chunked_delta_rule, ragged_segments,
-                                               segment_windows)
+                                               chunked_delta_rule, prefill_kernel,
+                                               ragged_segments, segment_conv)
 from jaxpaged.layers.linear import linear
 from pallas_kernels.deltanet_chunk import gated_delta_step
 
@@ -55,7 +55,14 @@ def conv_qkv(window: jax.Array, taps: jax.Array, num_k_heads: int, k_head_dim: i
     """The convolution's output for windows [..., K, C] (taps [K, C]), SiLU, split into the
     rule's float32 q, k [..., Hv, Dk] (L2-normalised, each key head repeated for its value
     heads, q scaled by ``Dk ** -0.5``) and v [..., Hv, Dv]."""
-    y = jax.nn.silu(jnp.sum(window.astype(taps.dtype) * taps, -2)).astype(jnp.float32)
+    y = jnp.sum(window.astype(taps.dtype) * taps, -2)
+    return split_qkv(y, num_k_heads, k_head_dim, num_v_heads, v_head_dim)
+
+
+def split_qkv(y: jax.Array, num_k_heads: int, k_head_dim: int, num_v_heads: int,
+              v_head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """SiLU of the convolution's output y [..., C], split as :func:`conv_qkv` splits it."""
+    y = jax.nn.silu(y).astype(jnp.float32)
     lead, key_dim = y.shape[:-1], num_k_heads * k_head_dim
     q = y[..., :key_dim].reshape(*lead, num_k_heads, k_head_dim)
     k = y[..., key_dim:2 * key_dim].reshape(*lead, num_k_heads, k_head_dim)
@@ -121,10 +128,8 @@ def ragged_gated_delta(mixed: jax.Array, g: jax.Array, beta: jax.Array, slots: j
     def chunked():
         real_ = jnp.ones(slots.shape, bool) if real is None else real
         segments = ragged_segments(slots, reset, real_, ssm_state.shape[0], chunk)
-        window = segment_windows(mixed, slots, segments, conv_state)           # [T, K, C]
-        q, k, v = conv_qkv(window, taps, *heads)
-        rows = jnp.where(segments.final, slots, conv_state.shape[0])       # others: dropped
-        conv = conv_state.at[rows].set(window[:, 1:], mode="drop")
+        y, conv = segment_conv(mixed, slots, segments, conv_state, taps)
+        q, k, v = split_qkv(y, *heads)
         out, ssm = chunked_delta_rule(q, k, v, g, beta, slots, reset, segments, ssm_state,
                                       chunk, chunk_fn)
         return out, conv, ssm
@@ -188,9 +193,7 @@ class GatedDeltaNet(nnx.Module):
 
     def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs, backend=None):
         la = config.family.linear_attention
-        pallas = getattr(backend, "name", None) == "pallas"
-        self.prefill = "pallas" if pallas else "xla"
-        self.interpret = getattr(backend, "interpret", None) if pallas else None
+        self.prefill, self.interpret = prefill_kernel(backend)
         h = config.hidden_size
         self.num_k_heads, self.num_v_heads = la.num_k_heads, la.num_v_heads
         self.k_head_dim, self.v_head_dim = la.k_head_dim, la.v_head_dim
