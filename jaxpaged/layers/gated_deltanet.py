@@ -93,7 +93,8 @@ def ragged_gated_delta(mixed: jax.Array, g: jax.Array, beta: jax.Array, slots: j
         num_k_heads, k_head_dim, num_v_heads, v_head_dim: the head layout.
         distinct: [] bool, True when no two real tokens share a slot (a decode-only step;
             padding tokens may share the scratch slot): every token then takes its one
-            update at once, vectorised; otherwise (and for None) the multi-token path.
+            update at once, vectorised; otherwise (and for None) the multi-token path. A
+            one-token batch always takes the one-step update.
         real: [T] bool, False for padding tokens (None: all real). The chunked path skips
             padding (zero outputs, their slot's rows kept); the scan runs them too.
         prefill: the multi-token path: ``"xla"`` or ``"pallas"``, the chunked rule with that
@@ -142,6 +143,8 @@ def ragged_gated_delta(mixed: jax.Array, g: jax.Array, beta: jax.Array, slots: j
             jnp.where(reset[:, None, None, None], 0, ssm_state[slots]), q, k, v, g, beta)
         return out, conv_state.at[slots].set(window[:, 1:]), ssm_state.at[slots].set(state)
 
+    if slots.shape[0] == 1:         # one token never shares its slot: no other program
+        return at_once()
     if prefill == "scan":
         many = in_order
     else:
