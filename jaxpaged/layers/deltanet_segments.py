@@ -1,5 +1,5 @@
 """A ragged batch's Gated DeltaNet prefill: its sequences cut into segments and chunks, the
-convolution windows of every token at once, and the chunked gated delta rule over the chunks.
+convolution of every token at once, and the chunked gated delta rule over the chunks.
 
 A multi-token step (prefill, chunked prefill, a mixed step) holds each sequence's tokens
 contiguously in the flat batch. A *segment* is a maximal run of real tokens in one state slot
@@ -10,9 +10,10 @@ shorter); a chunk starts from its slot's state (zero at a reset) and leaves the 
 in the slot, so a chunk boundary inside a segment carries the state. The chunks run in batch
 order in one ``fori_loop`` whose trip count is the step's number of chunks (static shapes, one
 compiled program per step bucket); a one-token chunk (a decode in a mixed step) takes the
-one-step update instead of the chunk's matrices. Each chunk gathers its tokens with a dynamic slice, zeroes those
-past its segment's end (``g = beta = 0`` and ``k = 0`` leave the state as it is: the padding
-of ``pallas_kernels.deltanet_chunk``) and writes back only its own outputs. Padding tokens
+one-step update instead of the chunk's matrices. Each chunk gathers its tokens with a dynamic
+slice, zeroes those past its segment's end (``g = beta = 0`` and ``k = 0`` leave the state as
+it is: the padding of ``pallas_kernels.deltanet_chunk``) and writes back only its own
+outputs. Padding tokens
 (not real) belong to no segment: their outputs are zero and the scratch slot keeps its rows.
 
 The same arithmetic is vLLM's and flash-linear-attention's ``chunk_gated_delta_rule`` over
