@@ -38,7 +38,8 @@ from pallas_kernels.deltanet_chunk import (chunk_gated_delta, chunk_gated_delta_
 from pallas_kernels.lowering import default_interpret
 
 #: Tokens per chunk (a power of two; flash-linear-attention uses 64): 32 was as fast as 16
-#: or 64 for a 512-token prefill of an 80B-shaped layer on XLA:CPU (docs/measurements.md).
+#: and faster than 64 for a 512-token prefill of an 80B-shaped layer on XLA:CPU
+#: (docs/measurements.md, "Gated DeltaNet prefill").
 PREFILL_CHUNK = 32
 
 #: ``(q [C, H, Dk], k, v [C, H, Dv], g [C, H], beta [C, H], state [H, Dk, Dv]) ->
