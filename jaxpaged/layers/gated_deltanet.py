@@ -26,7 +26,7 @@ needs no clearing when a new (or preempted and recomputed) sequence takes it.
 once (no two real tokens share a slot); any other step runs the chunked form of the same
 recurrence per segment of the ragged batch (:mod:`jaxpaged.layers.deltanet_segments`: the XLA
 chunk on the ``xla`` and ``cpu`` attention backends, the Pallas kernel on ``pallas``), its
-convolution windows taken for every token at once. The token-by-token scan (``prefill="scan"``)
+convolution computed for every token at once. The token-by-token scan (``prefill="scan"``)
 is kept as the oracle the chunked path is tested against (``tests/test_deltanet_segments.py``).
 """
 
