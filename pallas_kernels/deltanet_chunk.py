@@ -25,10 +25,11 @@ tokens. ``T`` is computed without a triangular solve, which GPU kernels lack:
 (the whole sequence's rows of the head in its blocks, a ``fori_loop`` over the chunks carrying
 the state); :func:`chunk_gated_delta_xla` is the same arithmetic in plain jnp and
 :func:`recurrent_gated_delta` the token-by-token oracle both are tested against
-(``tests/kernels/test_deltanet_chunk.py``). Everything is float32. Tested in interpret mode
-only: the kernel's blocks span a head's whole (padded) sequence, which a GPU lowering would
-want loaded chunk by chunk instead (``pl.ANY`` refs), and Triton needs power-of-two block
-lengths; it is not yet called by the model (``jaxpaged.layers.gated_deltanet``).
+(``tests/kernels/test_deltanet_chunk.py``). Everything is float32. Run in interpret mode
+only; its Triton lowering is checked (abstract H200) for one chunk of 32 tokens at
+128 x 128 heads, the way the model (``jaxpaged.layers.deltanet_segments``) calls it: one chunk
+at a time per segment of a ragged batch. Over a whole sequence the blocks would span the
+head's padded sequence, which a GPU would want loaded chunk by chunk (``pl.ANY`` refs).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _chunk_terms(q, k, v, g, beta):
         power = dot(power, power)
     u = dot(inverse, beta[:, None] * v)
     w = dot(inverse, (beta * jnp.exp(cum))[:, None] * k)
-    last = cum[c - 1]
+    last = jnp.sum(g)                                 # G_C (no slice: Triton lacks one)
     return (q * jnp.exp(cum)[:, None], dot(q, k.T) * decay, u, w,
             k * jnp.exp(last - cum)[:, None], jnp.exp(last))
 

@@ -23,9 +23,11 @@ needs no clearing when a new (or preempted and recomputed) sequence takes it.
 
 :func:`ragged_gated_delta` applies the one-step update
 (``pallas_kernels.deltanet_chunk.gated_delta_step``) to every token of a decode-only step at
-once (no two real tokens share a slot), and token by token in order otherwise; the
-chunked form of the same recurrence (an XLA function and a Pallas kernel, tested against it)
-is in ``pallas_kernels.deltanet_chunk`` and not yet called by this layer.
+once (no two real tokens share a slot); any other step runs the chunked form of the same
+recurrence per segment of the ragged batch (:mod:`jaxpaged.layers.deltanet_segments`: the XLA
+chunk on the ``xla`` and ``cpu`` attention backends, the Pallas kernel on ``pallas``), its
+convolution computed for every token at once. The token-by-token scan (``prefill="scan"``)
+is kept as the oracle the chunked path is tested against (``tests/test_deltanet_segments.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.layers.deltanet_segments import (PREFILL_CHUNK, chunk_function,
+                                               chunked_delta_rule, prefill_kernel,
+                                               ragged_segments, segment_conv)
 from jaxpaged.layers.linear import linear
 from pallas_kernels.deltanet_chunk import gated_delta_step
 
@@ -50,7 +55,14 @@ def conv_qkv(window: jax.Array, taps: jax.Array, num_k_heads: int, k_head_dim: i
     """The convolution's output for windows [..., K, C] (taps [K, C]), SiLU, split into the
     rule's float32 q, k [..., Hv, Dk] (L2-normalised, each key head repeated for its value
     heads, q scaled by ``Dk ** -0.5``) and v [..., Hv, Dv]."""
-    y = jax.nn.silu(jnp.sum(window.astype(taps.dtype) * taps, -2)).astype(jnp.float32)
+    y = jnp.sum(window.astype(taps.dtype) * taps, -2)
+    return split_qkv(y, num_k_heads, k_head_dim, num_v_heads, v_head_dim)
+
+
+def split_qkv(y: jax.Array, num_k_heads: int, k_head_dim: int, num_v_heads: int,
+              v_head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """SiLU of the convolution's output y [..., C], split as :func:`conv_qkv` splits it."""
+    y = jax.nn.silu(y).astype(jnp.float32)
     lead, key_dim = y.shape[:-1], num_k_heads * k_head_dim
     q = y[..., :key_dim].reshape(*lead, num_k_heads, k_head_dim)
     k = y[..., key_dim:2 * key_dim].reshape(*lead, num_k_heads, k_head_dim)
@@ -63,7 +75,9 @@ def conv_qkv(window: jax.Array, taps: jax.Array, num_k_heads: int, k_head_dim: i
 def ragged_gated_delta(mixed: jax.Array, g: jax.Array, beta: jax.Array, slots: jax.Array,
                        reset: jax.Array, conv_weight: jax.Array, conv_state: jax.Array,
                        ssm_state: jax.Array, num_k_heads: int, k_head_dim: int,
-                       num_v_heads: int, v_head_dim: int, distinct: jax.Array | None = None
+                       num_v_heads: int, v_head_dim: int, distinct: jax.Array | None = None,
+                       real: jax.Array | None = None, prefill: str = "xla",
+                       chunk: int = PREFILL_CHUNK, interpret: bool | None = None
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The convolution and the gated delta rule over a flat ragged batch.
 
@@ -79,10 +93,21 @@ def ragged_gated_delta(mixed: jax.Array, g: jax.Array, beta: jax.Array, slots: j
         num_k_heads, k_head_dim, num_v_heads, v_head_dim: the head layout.
         distinct: [] bool, True when no two real tokens share a slot (a decode-only step;
             padding tokens may share the scratch slot): every token then takes its one
-            update at once, vectorised; otherwise (and for None) token by token in order.
+            update at once, vectorised; otherwise (and for None) the multi-token path. A
+            one-token batch always takes the one-step update.
+        real: [T] bool, False for padding tokens (None: all real). The chunked path skips
+            padding (zero outputs, their slot's rows kept); the scan runs them too.
+        prefill: the multi-token path: ``"xla"`` or ``"pallas"``, the chunked rule with that
+            chunk (:func:`jaxpaged.layers.deltanet_segments.chunk_function`), or ``"scan"``,
+            the token-by-token recurrence (the oracle).
+        chunk: tokens per chunk of the chunked path (a power of two).
+        interpret: the Pallas chunk's interpret mode (None: on unless on a GPU).
 
     Returns:
         (the outputs [T, Hv, Dv] float32, the updated conv_state, the updated ssm_state).
+
+    Raises:
+        ValueError: another ``prefill``, or ``chunk`` not a power of two.
     """
     taps = conv_weight.T                                                     # [K, C]
     heads = (num_k_heads, k_head_dim, num_v_heads, v_head_dim)
@@ -101,6 +126,15 @@ def ragged_gated_delta(mixed: jax.Array, g: jax.Array, beta: jax.Array, slots: j
                                         (mixed, g, beta, slots, reset))
         return out, conv, ssm
 
+    def chunked():
+        real_ = jnp.ones(slots.shape, bool) if real is None else real
+        segments = ragged_segments(slots, reset, real_, ssm_state.shape[0], chunk)
+        y, conv = segment_conv(mixed, slots, segments, conv_state, taps)
+        q, k, v = split_qkv(y, *heads)
+        out, ssm = chunked_delta_rule(q, k, v, g, beta, slots, reset, segments, ssm_state,
+                                      chunk, chunk_fn)
+        return out, conv, ssm
+
     def at_once():
         window = jnp.concatenate([jnp.where(reset[:, None, None], 0, conv_state[slots]),
                                   mixed[:, None].astype(conv_state.dtype)], 1)   # [T, K, C]
@@ -109,7 +143,14 @@ def ragged_gated_delta(mixed: jax.Array, g: jax.Array, beta: jax.Array, slots: j
             jnp.where(reset[:, None, None, None], 0, ssm_state[slots]), q, k, v, g, beta)
         return out, conv_state.at[slots].set(window[:, 1:]), ssm_state.at[slots].set(state)
 
-    return in_order() if distinct is None else jax.lax.cond(distinct, at_once, in_order)
+    if slots.shape[0] == 1:         # one token never shares its slot: no other program
+        return at_once()
+    if prefill == "scan":
+        many = in_order
+    else:
+        chunk_fn = chunk_function(prefill, chunk, interpret)
+        many = chunked
+    return many() if distinct is None else jax.lax.cond(distinct, at_once, many)
 
 
 class ConvWeight(nnx.Module):
@@ -148,10 +189,14 @@ class GatedDeltaNet(nnx.Module):
         config: the model's settings (``config.family.linear_attention`` gives the heads).
         dtype: parameter and activation dtype.
         rngs: initialisers' randomness.
+        backend: the model's attention backend; its ``name`` picks the prefill's chunk
+            (``pallas``: the Pallas kernel, with the backend's ``interpret``; any other, and
+            None: the XLA chunk).
     """
 
-    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs, backend=None):
         la = config.family.linear_attention
+        self.prefill, self.interpret = prefill_kernel(backend)
         h = config.hidden_size
         self.num_k_heads, self.num_v_heads = la.num_k_heads, la.num_v_heads
         self.k_head_dim, self.v_head_dim = la.k_head_dim, la.v_head_dim
@@ -187,8 +232,8 @@ class GatedDeltaNet(nnx.Module):
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         scratch = conv_state.shape[0] - 1
         given = metadata.get("state_slots")
-        if given is None:       # one sequence in the scratch slot: in order
-            slots, distinct = jnp.full(x.shape[0], scratch, jnp.int32), None
+        if given is None:       # one sequence in the scratch slot: the multi-token path
+            slots, distinct, real = jnp.full(x.shape[0], scratch, jnp.int32), None, None
         else:
             real = given >= 0
             slots = jnp.where(real, given, scratch)
@@ -197,6 +242,6 @@ class GatedDeltaNet(nnx.Module):
         out, conv_state, ssm_state = ragged_gated_delta(
             mixed, g, beta, slots, positions == 0, self.conv1d.weight[...][:, 0, :],
             conv_state, ssm_state, self.num_k_heads, self.k_head_dim, self.num_v_heads,
-            self.v_head_dim, distinct)
+            self.v_head_dim, distinct, real, self.prefill, interpret=self.interpret)
         out = self.norm(out.astype(x.dtype), z)
         return self.out_proj(out.reshape(x.shape[0], -1)), (conv_state, ssm_state)

@@ -92,7 +92,7 @@ class Qwen3NextDecoderLayer(nnx.Module):
         self.recurrent = family.linear_attention.layers[layer_idx]
         self.input_layernorm = RMSNorm(h, eps, dtype, unit_offset=True)
         if self.recurrent:
-            self.linear_attn = GatedDeltaNet(config, dtype, rngs)
+            self.linear_attn = GatedDeltaNet(config, dtype, rngs, backend)
         else:
             self.self_attn = Qwen3NextAttention(config, layer_idx, backend, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, unit_offset=True)

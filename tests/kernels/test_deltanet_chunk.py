@@ -1,6 +1,6 @@
 """The chunked gated delta rule (``pallas_kernels.deltanet_chunk``): the Pallas kernel (interpret
 mode) and its XLA form against the token-by-token recurrence, from a nonzero state, over a
-length that is not a multiple of the chunk."""
+length that is not a multiple of the chunk; and one chunk's Triton lowering."""
 
 import jax
 import jax.numpy as jnp
@@ -61,3 +61,12 @@ def test_chunk_must_be_a_power_of_two():
         chunk_gated_delta_xla(*inputs(length=4), chunk=6)
     with pytest.raises(ValueError, match="power of two"):
         jax.eval_shape(lambda: chunk_gated_delta(*inputs(length=4), chunk=12))
+
+
+def test_one_chunk_lowers_for_a_gpu():
+    """The Pallas kernel over one chunk (as ``jaxpaged.layers.deltanet_segments`` calls it)
+    lowers through Triton for an H200 (abstract device; no GPU needed)."""
+    from pallas_kernels.lowering import lower_for_cuda
+    args = inputs(length=32, heads=2, dk=128, dv=128)
+    text = lower_for_cuda(lambda: chunk_gated_delta(*args, chunk=32, interpret=False)).as_text()
+    assert "triton" in text
