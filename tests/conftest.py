@@ -41,3 +41,17 @@ def stories_llm():
     from jaxpaged import LLM
 
     return LLM(enforce_eager=True, max_num_seqs=32, max_num_batched_tokens=512)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module, drop what its engines compiled: XLA:CPU maps every compiled
+    program's code apart, and a whole suite's programs held to the end passed the kernel's
+    65 530 mappings a process (vm.max_map_count), after which allocations fail."""
+    yield
+    import gc
+    import sys
+
+    gc.collect()
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
