@@ -41,8 +41,10 @@
 // 16 outputs is the layout of llama.cpp's repacked CPU kernels (ggml-cpu/repack.cpp), here
 // with float, not int8, arithmetic, so the activations are not rounded.
 //
-// Work items are chunks of kChunkVectors vectors of output features of one weight (of the gate
-// and the up weight together when gated), over every weight (work_items.h).
+// Work items are chunks of output feature vectors of one weight (of the gate and the up
+// weight together when gated), over every weight (work_items.h): kChunkVectors vectors, or
+// kSplitChunkVectors on the int8 path at several rows. Before them, prepare_rows readies
+// each row (norm, group sums, split) over the same pool.
 
 #pragma GCC optimize("fp-contract=fast")
 
