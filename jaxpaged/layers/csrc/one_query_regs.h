@@ -85,110 +85,136 @@ inline bool one_query_regs_shape(const Shape& sh) {
          g >= 1 && g * nc <= 16 && (nc == 4 || nc == 8);
 }
 
-// Query rows q [G, D] (float32) of KV head h attending to its keys at positions [lo, qpos]
-// (pages: the sequence's page-table row); out [G, D] in T.
-template <typename T, int G, int NC>
-void attend_head_regs(const Shape& sh, const float* q, int64_t lo, int64_t qpos,
-                      const int32_t* pages, int64_t h, const T* k_pages, const T* v_pages,
-                      T* out) {
-  const int64_t ps = sh.page_size, stride = sh.row_stride();
-  const __m512 lowest = _mm512_set1_ps(-INFINITY);
+// The online-softmax state of one KV head's G query rows (accumulators, running max and
+// sum); the compiler keeps it in registers while a chunk of 16 keys is folded in.
+template <int G, int NC>
+struct HeadState {
   __m512 acc[G][NC];
   float m[G], l[G];
-  for (int r = 0; r < G; ++r) {
-    m[r] = sh.initial_max(h * G + r, -INFINITY);
-    l[r] = sh.initial_sum();
-    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+};
+
+// Folds keys [t0 + from, t0 + to) of one page (kp, vp: this head's part of row t0, rows
+// `stride` elements apart) into state `st` of query rows q [G, D] (float32); kn, vn: the
+// same rows of the next page, fetched into L2 as these are read (nullptr: none).
+template <typename T, int G, int NC>
+inline void fold_chunk16(const Shape& sh, const float* q, const T* kp, const T* vp,
+                         int64_t stride, int64_t from, int64_t to, const T* kn, const T* vn,
+                         HeadState<G, NC>& st) {
+  const __mmask16 keys = static_cast<__mmask16>(((1u << to) - 1) & ~((1u << from) - 1));
+  __m512 partial[G][16];
+  for (int i = 0; i < 16; ++i) {
+    if (kn != nullptr) {
+      for (int64_t b = 0; b < 16 * NC * static_cast<int64_t>(sizeof(T)); b += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(kn + i * stride) + b, 0, 2);
+        __builtin_prefetch(reinterpret_cast<const char*>(vn + i * stride) + b, 0, 2);
+      }
+    }
+    const T* row = kp + i * stride;
+    __m512 k[NC];
+    for (int c = 0; c < NC; ++c) k[c] = load_row16(row + 16 * c);
+    for (int r = 0; r < G; ++r) {
+      __m512 s = _mm512_mul_ps(k[0], _mm512_loadu_ps(q + r * 16 * NC));
+      for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(k[c], _mm512_loadu_ps(q + (r * NC + c) * 16), s);
+      partial[r][i] = s;
+    }
   }
   alignas(64) float weight[G][16];
-  const int64_t last = sh.last_page(qpos);
-  constexpr int64_t kRowBytes = 16 * NC * sizeof(T);    // this head's part of a key row
-  for (int64_t j = lo / ps; j <= last; ++j) {
-    const T* kp = k_pages + sh.page_offset(pages, j, h);
-    const T* vp = v_pages + sh.page_offset(pages, j, h);
-    const int64_t t_begin = std::max<int64_t>(0, lo - j * ps);
-    const int64_t t_end = std::min<int64_t>(ps, qpos - j * ps + 1);
-    for (int64_t t0 = t_begin / 16 * 16; t0 < t_end; t0 += 16) {
-      // The next 16 rows' K and V of this head into L2 while these are read: a sequence's
-      // pages are scattered over the pool and a head reads a strided part of each row, so
-      // the hardware prefetcher does not run ahead (decode attention was DRAM-latency bound:
-      // docs/measurements.md, "CPU attention kernel").
-      {
-        const bool in_page = t0 + 16 < std::min<int64_t>(ps, qpos - j * ps + 1);
-        if (in_page || j < last) {
-          const char* kn = reinterpret_cast<const char*>(
-              in_page ? kp + (t0 + 16) * stride : k_pages + sh.page_offset(pages, j + 1, h));
-          const char* vn = reinterpret_cast<const char*>(
-              in_page ? vp + (t0 + 16) * stride : v_pages + sh.page_offset(pages, j + 1, h));
-          for (int i = 0; i < 16; ++i) {
-            for (int64_t b = 0; b < kRowBytes; b += 64) {
-              __builtin_prefetch(kn + i * stride * sizeof(T) + b, 0, 2);
-              __builtin_prefetch(vn + i * stride * sizeof(T) + b, 0, 2);
-            }
-          }
-        }
-      }
-      // Lanes t0 + i with t_begin <= t0 + i < t_end are keys of this query.
-      const int64_t from = std::max<int64_t>(t_begin - t0, 0), to = std::min<int64_t>(t_end - t0, 16);
-      const __mmask16 keys = static_cast<__mmask16>(((1u << to) - 1) & ~((1u << from) - 1));
-      __m512 partial[G][16];
-      for (int i = 0; i < 16; ++i) {
-        const T* row = kp + (t0 + i) * stride;
-        __m512 k[NC];
-        for (int c = 0; c < NC; ++c) k[c] = load_row16(row + 16 * c);
-        for (int r = 0; r < G; ++r) {
-          __m512 s = _mm512_mul_ps(k[0], _mm512_loadu_ps(q + r * 16 * NC));
-          for (int c = 1; c < NC; ++c) s = _mm512_fmadd_ps(k[c], _mm512_loadu_ps(q + (r * NC + c) * 16), s);
-          partial[r][i] = s;
-        }
-      }
-      for (int r = 0; r < G; ++r) {
-        const __m512 s = _mm512_mask_mov_ps(
-            lowest, keys, _mm512_mul_ps(sum_each_16(partial[r]), _mm512_set1_ps(sh.scale)));
-        const float m_new = std::max(m[r], _mm512_reduce_max_ps(s));
-        const float correction = exp_nonpositive(m[r] - m_new);
-        const __m512 p = _mm512_maskz_mov_ps(keys, exp_nonpositive16(
-            _mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-        l[r] = l[r] * correction + _mm512_reduce_add_ps(p);
-        m[r] = m_new;
-        _mm512_store_ps(weight[r], round_weights(p, k_pages));
-        for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(correction));
-      }
-      for (int64_t i = from; i < to; ++i) {
-        const T* row = vp + (t0 + i) * stride;
-        __m512 v[NC];
-        for (int c = 0; c < NC; ++c) v[c] = load_row16(row + 16 * c);
-        for (int r = 0; r < G; ++r) {
-          const __m512 w = _mm512_set1_ps(weight[r][i]);
-          for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_fmadd_ps(w, v[c], acc[r][c]);
-        }
-      }
-    }
-  }
   for (int r = 0; r < G; ++r) {
-    const float norm = sh.v_scale / l[r];
-    alignas(64) float row[16 * NC];
-    for (int c = 0; c < NC; ++c) {
-      _mm512_store_ps(row + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(norm)));
+    const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keys,
+                                        _mm512_mul_ps(sum_each_16(partial[r]), _mm512_set1_ps(sh.scale)));
+    const float m_new = std::max(st.m[r], _mm512_reduce_max_ps(s));
+    const float correction = exp_nonpositive(st.m[r] - m_new);
+    const __m512 p = _mm512_maskz_mov_ps(keys, exp_nonpositive16(
+        _mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+    st.l[r] = st.l[r] * correction + _mm512_reduce_add_ps(p);
+    st.m[r] = m_new;
+    _mm512_store_ps(weight[r], round_weights(p, kp));
+    for (int c = 0; c < NC; ++c) st.acc[r][c] = _mm512_mul_ps(st.acc[r][c], _mm512_set1_ps(correction));
+  }
+  for (int64_t i = from; i < to; ++i) {
+    const T* row = vp + i * stride;
+    __m512 v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = load_row16(row + 16 * c);
+    for (int r = 0; r < G; ++r) {
+      const __m512 w = _mm512_set1_ps(weight[r][i]);
+      for (int c = 0; c < NC; ++c) st.acc[r][c] = _mm512_fmadd_ps(w, v[c], st.acc[r][c]);
     }
-    for (int64_t d = 0; d < 16 * NC; ++d) store(out, r * 16 * NC + d, row[d]);
   }
 }
 
-// A query's KV heads [h0, h0 + nh) through attend_head_regs (one_query_regs_shape(sh));
-// q_rows / out_rows as one_query.h's attend_one_query; q_scratch: nh * G * D floats.
+// Most KV heads one query walks together; an item with more walks them in turns.
+constexpr int64_t kMaxRegsHeads = 8;
+
+// Query rows q [nh, G, D] (float32) of KV heads [h0, h0 + nh) (nh <= kMaxRegsHeads) attending
+// to their keys at positions [lo, qpos] (pages: the sequence's page-table row); out
+// [nh, G, D] in T. The sequence's pages are walked once for all nh heads, 16 keys at a
+// time: the heads' parts of a row are contiguous (paged_layout.h), so a page's K and V rows
+// are read whole, in memory order, while the next page is fetched into L2 (decode attention
+// was DRAM-latency bound with one head walking at a time: docs/measurements.md, "CPU
+// attention kernel").
+template <typename T, int G, int NC>
+void attend_heads_regs(const Shape& sh, const float* q, int64_t lo, int64_t qpos,
+                       const int32_t* pages, int64_t h0, int64_t nh, const T* k_pages,
+                       const T* v_pages, T* out) {
+  const int64_t ps = sh.page_size, stride = sh.row_stride();
+  constexpr int64_t kHeadDim = 16 * NC;
+  HeadState<G, NC> st[kMaxRegsHeads];
+  for (int64_t h = 0; h < nh; ++h) {
+    for (int r = 0; r < G; ++r) {
+      st[h].m[r] = sh.initial_max((h0 + h) * G + r, -INFINITY);
+      st[h].l[r] = sh.initial_sum();
+      for (int c = 0; c < NC; ++c) st[h].acc[r][c] = _mm512_setzero_ps();
+    }
+  }
+  const int64_t last = sh.last_page(qpos);
+  for (int64_t j = lo / ps; j <= last; ++j) {
+    const T* kp = k_pages + sh.page_offset(pages, j, h0);
+    const T* vp = v_pages + sh.page_offset(pages, j, h0);
+    // The next page's rows are fetched into L2 a row at a time while this page's rows are
+    // read (a burst of a whole page's prefetches stalled the loads behind it).
+    const T* kn = j < last ? k_pages + sh.page_offset(pages, j + 1, h0) : nullptr;
+    const T* vn = j < last ? v_pages + sh.page_offset(pages, j + 1, h0) : nullptr;
+    const int64_t t_begin = std::max<int64_t>(0, lo - j * ps);
+    const int64_t t_end = std::min<int64_t>(ps, qpos - j * ps + 1);
+    for (int64_t t0 = t_begin / 16 * 16; t0 < t_end; t0 += 16) {
+      // Lanes t0 + i with t_begin <= t0 + i < t_end are keys of this query.
+      const int64_t from = std::max<int64_t>(t_begin - t0, 0), to = std::min<int64_t>(t_end - t0, 16);
+      for (int64_t h = 0; h < nh; ++h) {
+        fold_chunk16<T, G, NC>(sh, q + h * G * kHeadDim, kp + t0 * stride + h * kHeadDim,
+                               vp + t0 * stride + h * kHeadDim, stride, from, to,
+                               kn ? kn + t0 * stride + h * kHeadDim : nullptr,
+                               vn ? vn + t0 * stride + h * kHeadDim : nullptr, st[h]);
+      }
+    }
+  }
+  for (int64_t h = 0; h < nh; ++h) {
+    for (int r = 0; r < G; ++r) {
+      const float norm = sh.v_scale / st[h].l[r];
+      alignas(64) float row[kHeadDim];
+      for (int c = 0; c < NC; ++c) {
+        _mm512_store_ps(row + 16 * c, _mm512_mul_ps(st[h].acc[r][c], _mm512_set1_ps(norm)));
+      }
+      for (int64_t d = 0; d < kHeadDim; ++d) store(out, (h * G + r) * kHeadDim + d, row[d]);
+    }
+  }
+}
+
+// A query's KV heads [h0, h0 + nh) through attend_heads_regs (one_query_regs_shape(sh)),
+// kMaxRegsHeads at a time; q_rows / out_rows as one_query.h's attend_one_query; q_scratch:
+// nh * G * D floats.
 template <typename T>
 void attend_one_query_regs(const Shape& sh, const T* q_rows, int64_t qpos, const int32_t* pages,
                            int64_t h0, int64_t nh, const T* k_pages, const T* v_pages,
                            T* out_rows, float* q_scratch) {
   const int64_t g = sh.group(), d_len = sh.head_dim, lo = sh.first_key(qpos);
   for (int64_t i = 0; i < nh * g * d_len; ++i) q_scratch[i] = load(q_rows, i);
-  for (int64_t h = h0; h < h0 + nh; ++h) {
+  for (int64_t h = h0; h < h0 + nh; h += kMaxRegsHeads) {
+    const int64_t n = std::min(kMaxRegsHeads, h0 + nh - h);
     const float* q = q_scratch + (h - h0) * g * d_len;
     T* out = out_rows + (h - h0) * g * d_len;
 #define JAXPAGED_HEAD_REGS(GG, NN)                                                         \
   if (g == GG && d_len == 16 * NN) {                                                       \
-    attend_head_regs<T, GG, NN>(sh, q, lo, qpos, pages, h, k_pages, v_pages, out);         \
+    attend_heads_regs<T, GG, NN>(sh, q, lo, qpos, pages, h, n, k_pages, v_pages, out);     \
     continue;                                                                              \
   }
     JAXPAGED_HEAD_REGS(1, 4) JAXPAGED_HEAD_REGS(2, 4) JAXPAGED_HEAD_REGS(3, 4)
