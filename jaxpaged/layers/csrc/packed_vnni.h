@@ -185,6 +185,13 @@ inline __m512i lane_transpose() {
   return _mm512_load_si512(idx);
 }
 
+// How far ahead of its loads a block fetches each feature vector's weights into L2, in bytes
+// of that vector's blocks, and its scales and mins, in groups. A work item reads a few
+// columns of a few KiB each (a feature vector's blocks over K), too short for the hardware
+// prefetcher to get ahead: at one row the loads waited on memory (perf annotate).
+constexpr int64_t kWeightsAhead = 1024;
+constexpr int64_t kScalesAhead = 4;
+
 // Rows [r0, r0 + RB) x feature vectors [v0, v0 + NB) of y = x . W^T, x split in `s`.
 // Bits 4: blocks uint8 [N/16, K/2, 16]; 8: int8 [N/16, K, 16]. y row stride ldy, first
 // column col0 (as PackedArgs).
@@ -204,6 +211,10 @@ void vnni_block(const uint8_t* blocks, const Scales& scale, const Scales& min, c
   const int32_t* quads[RB];
   for (int r = 0; r < RB; ++r) quads[r] = s.quads.data() + (r0 + r) * (k / 4) * 3;
   for (int64_t g = 0; g < groups; ++g) {
+    for (int j = 0; j < NB; ++j) {            // the scales and mins kScalesAhead groups on
+      scale.prefetch(((v0 + j) * groups + g + kScalesAhead) * 16);
+      min.prefetch(((v0 + j) * groups + g + kScalesAhead) * 16);
+    }
     __m512i sum[NB][RB][3];                   // per digit: h, m, l
     for (int j = 0; j < NB; ++j)
       for (int r = 0; r < RB; ++r)
@@ -212,7 +223,9 @@ void vnni_block(const uint8_t* blocks, const Scales& scale, const Scales& min, c
       for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 8) {
 #pragma GCC unroll 4
         for (int j = 0; j < NB; ++j) {
-          const __m512i raw = _mm512_loadu_si512(blocks + (v0 + j) * column + k0 / 2 * 16);
+          const uint8_t* at = blocks + (v0 + j) * column + k0 / 2 * 16;
+          _mm_prefetch(reinterpret_cast<const char*>(at + kWeightsAhead), _MM_HINT_T1);
+          const __m512i raw = _mm512_loadu_si512(at);
           const __m512i w = _mm512_permutexvar_epi8(perm, raw);
           const __m512i even = _mm512_and_si512(w, nibble);
           const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
@@ -231,7 +244,9 @@ void vnni_block(const uint8_t* blocks, const Scales& scale, const Scales& min, c
       for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 4) {
 #pragma GCC unroll 4
         for (int j = 0; j < NB; ++j) {
-          const __m512i raw = _mm512_loadu_si512(blocks + (v0 + j) * column + k0 * 16);
+          const uint8_t* at = blocks + (v0 + j) * column + k0 * 16;
+          _mm_prefetch(reinterpret_cast<const char*>(at + kWeightsAhead), _MM_HINT_T1);
+          const __m512i raw = _mm512_loadu_si512(at);
           const __m512i w = _mm512_xor_si512(_mm512_permutexvar_epi8(perm, raw), flip);
 #pragma GCC unroll 8
           for (int r = 0; r < RB; ++r) {
