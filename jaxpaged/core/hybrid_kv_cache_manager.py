@@ -124,6 +124,12 @@ class HybridKVCacheManager:
         """As :meth:`KVCacheManager.state_slot` (-1: no group is recurrent)."""
         return self.groups[0].state_slot(request_id)
 
+    def step_tables(self, request_id: str) -> tuple[list[int], list[list[int]], int]:
+        """As :meth:`KVCacheManager.step_tables`: group 0's table, the other groups'
+        (:meth:`group_page_tables`) and the state slot."""
+        return (self.page_table(request_id).copy(), self.group_page_tables(request_id),
+                self.state_slot(request_id))
+
     def num_held_pages(self, request_id: str) -> int:
         """Pool pages the request's tables point at, all groups (shared pages counted in
         each table that holds them): its share of the pool, in pages of ``layout.slots``

@@ -134,6 +134,14 @@ class KVCacheManager:
         table = self._tables.get(request_id)
         return table.pages if table else []
 
+    def step_tables(self, request_id: str) -> tuple[list[int], list[list[int]] | None, int]:
+        """What a scheduled step carries of the request, in one call (the scheduler makes it
+        for every sequence of every step): a copy of its page table, the other KV cache
+        groups' tables (:meth:`group_page_tables`) and its state slot (:meth:`state_slot`)."""
+        table = self._tables.get(request_id)
+        return (table.pages.copy() if table else [], self.group_page_tables(request_id),
+                self.state_slot(request_id))
+
     def group_page_tables(self, request_id: str) -> list[list[int]] | None:
         """None: one page table serves every layer here (``jaxpaged.core.kv_groups``)."""
         return None

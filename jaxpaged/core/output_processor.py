@@ -160,6 +160,9 @@ class OutputProcessor:
         """
         state = self.seqs[req.request_id]
         p = req.params
+        if (stop is None and state.logprobs is None and state.pending is None
+                and len(req.all_token_ids) - len(req.prompt_token_ids) >= p.min_tokens):
+            return state.detokenizer.add_token(token)    # (most tokens: the last branch below)
         if state.logprobs is not None:
             lp, rank, top_ids, top_logprobs = logprob
             k = p.logprobs

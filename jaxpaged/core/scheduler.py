@@ -119,11 +119,11 @@ class Scheduler:
                    drafts: list[int] | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens
         samples = start + num_new == len(req.all_token_ids) + req.num_output_placeholders
+        pages, group_pages, state_slot = self.kv.step_tables(req.request_id)
         return ScheduledRequest(req, start, num_new + len(drafts) if drafts else num_new,
-                                self.kv.page_table(req.request_id).copy(), samples,
+                                pages, samples,
                                 req.n_samples if samples and req.pooling is None else 0, drafts,
-                                self.kv.group_page_tables(req.request_id),
-                                self.kv.state_slot(req.request_id))
+                                group_pages, state_slot)
 
     # ---- deciding a step -------------------------------------------------------------------
 

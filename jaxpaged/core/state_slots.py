@@ -165,6 +165,11 @@ class StateSlotKVCacheManager:
         """The request's state slot (-1: it holds none)."""
         return self.state_slots.slot(request_id)
 
+    def step_tables(self, request_id: str) -> tuple[list[int], list[list[int]] | None, int]:
+        """The page manager's ``step_tables`` with this request's state slot."""
+        pages, group_pages, _ = self.pages.step_tables(request_id)
+        return pages, group_pages, self.state_slot(request_id)
+
     def find_cached_prefix(self, request_id: str, token_ids: list[int],
                            extra_keys: tuple = ()) -> int:
         """Take the longest cached prefix that has both its pages and a cached state at its
