@@ -1,9 +1,9 @@
 """`KVCacheManager`: host-side ownership of the preallocated KV page pool.
 
-Pure Python, no JAX. It hands out page ids, keeps each request's page table, grows it one page
-at a time as tokens are appended, and releases pages on finish, abort or preemption. The device
-pool (layout in ``jaxpaged.layers.attention.base``) is only ever indexed through these ids.
-Page 0 (``NULL_PAGE``) is reserved and never allocated.
+Pure Python, no JAX. It hands out page ids, keeps each request's page table, grows it a page
+at a time as tokens are appended, and releases pages on finish, abort or preemption; the device
+pool (``jaxpaged.layers.attention.base``) is indexed only through these ids. Page 0 (``NULL_PAGE``)
+is never allocated.
 
 Automatic prefix caching: every *full* page of a request gets a hash chained on its parent
 page's hash, its token ids and extra keys (e.g. a ``cache_salt``). A new request reuses the
@@ -13,9 +13,8 @@ join an LRU free queue (a request's pages are queued tail first, so its tail is 
 first); a cached page is dropped from the cache only when the queue hands it out again.
 
 Pages are shared by reference count: between requests with a common prefix, and between the
-``n`` sequences of a parallel-sampling request (:meth:`fork`). A write into a shared page
-copies it first (copy-on-write); the copies are collected for the runner to perform on the
-device before the step.
+``n`` sequences of a parallel-sampling request (:meth:`fork`). A write into a shared page copies
+it first (copy-on-write), a copy the runner performs on the device before the step.
 
 References: Kwon et al., "Efficient Memory Management for Large Language Model Serving with
 PagedAttention" (SOSP 2023), sections 4.2-4.4 (block tables, on-demand allocation, sharing and
@@ -60,15 +59,14 @@ class _Pages(dict):
 @dataclass
 class PrefixCacheStats:
     """Prefix-cache counters since start-up: tokens of admitted requests looked up and found
-    (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``; see
+    (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``;
     :meth:`KVCacheManager.record_prefix_lookup`), and evictions of cached pages."""
 
     queries: int = 0
     hits: int = 0
     evictions: int = 0
-    #: Lookups of preempted requests resuming, kept apart: their hits are mostly the pages they
-    #: computed themselves before preemption (vLLM's ``preempted_queries`` /
-    #: ``preempted_hits``), so counting them would inflate the hit rate.
+    #: Lookups of preempted requests resuming, kept apart (their hits are mostly their own
+    #: pages; vLLM's ``preempted_queries`` / ``preempted_hits``): they would inflate the rate.
     preempted_queries: int = 0
     preempted_hits: int = 0
 
@@ -97,8 +95,7 @@ class KVCacheManager:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages (1 is reserved), got {num_pages}")
-        self.num_pages = num_pages
-        self.page_size = page_size
+        self.num_pages, self.page_size = num_pages, page_size
         self.enable_prefix_caching = enable_prefix_caching
         self._pages = _Pages()
         self._free: OrderedDict[int, None] = OrderedDict(
@@ -125,22 +122,17 @@ class KVCacheManager:
         """Pages held by at least one request."""
         return self.num_usable_pages - len(self._free)
 
-    def pages_needed(self, num_tokens: int) -> int:
-        """Pages that hold ``num_tokens`` tokens."""
-        return -(-num_tokens // self.page_size)
-
     def page_table(self, request_id: str) -> list[int]:
         """The request's page ids in token order (empty if it holds none)."""
         table = self._tables.get(request_id)
         return table.pages if table else []
 
     def step_tables(self, request_id: str) -> tuple[list[int], list[list[int]] | None, int]:
-        """What a scheduled step carries of the request, in one call (the scheduler makes it
-        for every sequence of every step): a copy of its page table, the other KV cache
-        groups' tables (:meth:`group_page_tables`) and its state slot (:meth:`state_slot`)."""
+        """What a scheduled step carries of the request, in one call (made for every
+        sequence of every step): a copy of its page table, the other KV cache groups' tables
+        and its state slot (here None and -1: :meth:`group_page_tables`, :meth:`state_slot`)."""
         table = self._tables.get(request_id)
-        return (table.pages.copy() if table else [], self.group_page_tables(request_id),
-                self.state_slot(request_id))
+        return table.pages.copy() if table else [], None, -1
 
     def group_page_tables(self, request_id: str) -> list[list[int]] | None:
         """None: one page table serves every layer here (``jaxpaged.core.kv_groups``)."""
