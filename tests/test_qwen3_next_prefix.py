@@ -77,6 +77,45 @@ def test_saves_after_and_restores_before_the_step():
     assert kv.cached_states.num_free == 3 and kv.find_cached_prefix("h", tokens) == 0
 
 
+def test_decodes_save_at_page_ends_once_their_tokens_are_known():
+    """A one-token step (a decode) reaching a page boundary saves the state there: keyed at
+    once when its input token is known (synchronous scheduling), else into a reserved slot
+    whose key the first allocation knowing the page's tokens publishes (async); a request
+    freed or failed before then gives the slot back; a step with drafts saves nothing; a
+    sequence keeps its latest decode-time state only (its prompt's stay)."""
+    kv, tokens = manager(), list(range(1, 14))
+    assert kv.find_cached_prefix("a", tokens[:4]) == 0
+    assert kv.allocate_slots("a", kv.align_prefill(request("a", 0, 4), 4), tokens[:4])
+    assert kv.take_state_copies() == ([], [(0, 2)])      # the prompt's page (prefill)
+    for pos in range(4, 8):                               # token pos known: synchronous
+        assert kv.allocate_slots("a", pos + 1, tokens[:pos + 1], pos)
+        assert kv.take_state_copies() == ([], [(0, 3)] if pos == 7 else [])
+    hashes = kv.page_hashes("a")
+    assert kv.cached_states.get(hashes[1]) == 3
+    for pos in range(8, 12):                              # token pos not known yet: async
+        assert kv.allocate_slots("a", pos + 1, tokens[:pos], pos)
+        assert kv.take_state_copies() == ([], [(0, 4)] if pos == 11 else [])
+    assert (kv.cached_states.num_cached, kv.cached_states.num_free) == (2, 0)
+    assert kv.find_cached_prefix("x", tokens) == 8        # not hittable before its key
+    kv.free("x")
+    assert kv.allocate_slots("a", 13, tokens[:12], 12)    # knows tokens 8..11: published
+    assert [kv.cached_states.get(h) for h in kv.page_hashes("a")] == [2, None, 4]
+    assert kv.allocate_slots("a", 16, tokens, 13)         # 3 tokens (drafts): no save
+    assert kv.take_state_copies() == ([], [])
+    assert kv.find_cached_prefix("b", tokens) == 12
+    kv.free("b")
+    # Freed (finished, aborted, preempted) or failed before the key is known: slot back.
+    for rid, drop in (("c", kv.free), ("d", lambda rid: kv.uncache_from(rid, 3))):
+        assert kv.allocate_slots(rid, 3, [5] * 3) and kv.allocate_slots(rid, 4, [5] * 3, 3)
+        assert kv.take_state_copies() == ([], [(1, 3)]) and kv.cached_states.num_free == 0
+        drop(rid)
+        assert kv.cached_states.num_free == 1
+    kv.free("d")
+    kv.free("a")
+    assert (kv.state_slots.num_free, kv.num_used_pages) == (2, 0)
+    assert (kv.cached_states.num_free, kv.cached_states.num_cached) == (1, 2)
+
+
 def test_cached_states_evict_least_recently_used():
     cache = CachedStates(first_slot=4, num_slots=2)
     a, b = cache.reserve(), cache.reserve()
@@ -135,6 +174,32 @@ def test_hits_with_preemption_synchronously():
     assert [o.outputs[0].token_ids for o in outs] == [want] * 3
     assert [o.num_cached_tokens for o in outs] == [8, 8, 8]
     assert llm.engine.num_preemptions > 0
+    assert_slots_free(llm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_second_turn_hits_the_first_answer(async_scheduling):
+    """A two-turn chat: turn 1 is the greedy prompt (9 ids) with 21 greedy tokens, turn 2's
+    prompt turn 1's prompt and answer and 4 more of transformers' tokens (34 ids). Turn 2 hits
+    28 tokens, the state its decodes saved at 28 (not only prefill's at 8), and its tokens
+    are transformers' and its logprobs the uncached engine's."""
+    prompt, want = fixture("greedy_prompt.npy").tolist(), fixture("greedy_tokens.npy").tolist()
+    turn1 = SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)
+    turn2 = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=0)
+    chat = prompt + want[:25]
+    llm = engine(async_scheduling=async_scheduling)
+    first = llm.generate([prompt], turn1, use_tqdm=False)[0]
+    assert first.outputs[0].token_ids == want[:21] and first.num_cached_tokens == 0
+    out = llm.generate([chat], turn2, use_tqdm=False)[0]
+    miss = engine(async_scheduling=async_scheduling, enable_prefix_caching=False).generate(
+        [chat], turn2, use_tqdm=False)[0]
+    assert (out.num_cached_tokens, miss.num_cached_tokens) == (28, 0)
+    assert out.outputs[0].token_ids == miss.outputs[0].token_ids == want[25:]
+    got, ref = ([lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, want[25:])]
+                for o in (out, miss))
+    np.testing.assert_allclose(got, ref, atol=1e-5)
+    assert llm.engine.kv_cache_manager.stats.hits == 28
     assert_slots_free(llm)
 
 

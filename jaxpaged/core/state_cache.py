@@ -22,8 +22,8 @@ class CachedStates:
     """``num_slots`` cached-state slots, indices ``first_slot .. first_slot + num_slots - 1``.
 
     A slot is either free, *reserved* (a save is under way: :meth:`reserve`, then
-    :meth:`publish` once the copy is on its way to the device, or :meth:`release`), or
-    holds one entry in the LRU order.
+    :meth:`publish` once the copy is on its way to the device and its key is known, or
+    :meth:`release`), or holds one entry in the LRU order.
 
     Args:
         first_slot: the first slot index (the live slots come before).

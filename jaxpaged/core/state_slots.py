@@ -17,9 +17,16 @@ starts a sequence's state from zero at position 0, so a reused slot needs no cle
 Prefix caching (vLLM's mamba "align" mode, ``MambaManager`` in
 ``vllm/v1/core/single_type_kv_cache_manager.py``): a prefill chunk of a cacheable sequence is
 cut to end on a page boundary (:meth:`StateSlotKVCacheManager.align_prefill`: every
-unfinished chunk, and the chunk that would cross the prompt's last full page), and after the
-step that ends there the live slot's states are copied into a cached-state slot
-(``jaxpaged.core.state_cache``) keyed by the prefix hash of the page they end. A prefix hit
+unfinished chunk, and the chunk that would cross the prompt's last full page); a decode
+step ends on one every ``page_size`` tokens. After a step that ends on a page boundary (an
+aligned chunk or a decode: :meth:`StateSlotKVCacheManager.allocate_slots` decides) the live
+slot's states are copied into a cached-state slot (``jaxpaged.core.state_cache``) keyed by
+the prefix hash of the page they end, as vLLM's align mode keeps a state at every full block.
+Under async scheduling a decode's input token is not on the host when its step is scheduled:
+the copy still runs after that step, into a reserved slot, and the key is published by the
+request's first allocation that knows the page's tokens (the one that registers the page in
+the prefix cache); a request freed before then (finished, aborted, preempted) gives the slot
+back, as does a failed step for the boundaries it was to compute. A prefix hit
 of ``n`` pages needs pages ``0 .. n-1`` cached *and* a cached state at page ``n - 1``'s end;
 the hit is the longest such ``n``. Its state is copied into the sequence's live slot before
 its first step, which starts at position ``n * page_size`` (not 0: no reset). The step's
@@ -35,6 +42,7 @@ import logging
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager
 from jaxpaged.core.state_cache import CachedStates
+from jaxpaged.core.state_saves import StateSaves
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +113,7 @@ class StateSlotKVCacheManager:
         self._hits: dict[str, int] = {}          # request -> cached slot to restore
         self._aligned: dict[str, int] = {}       # request -> its chunk's boundary
         self._restores: dict[str, tuple[int, int]] = {}
-        self._saves: dict[str, tuple[int, int, bytes]] = {}
+        self._saves = StateSaves(self.cached_states) if num_cached else None
 
     def __getattr__(self, name):
         return getattr(self.pages, name)
@@ -114,8 +122,11 @@ class StateSlotKVCacheManager:
                        num_computed_tokens: int = 0, extra_keys: tuple = ()) -> bool:
         """The page manager's ``allocate_slots``, taking a state slot too at a request's
         first allocation (with a restore copy on a prefix hit), and a cached-state slot for
-        a chunk :meth:`align_prefill` ended on a page boundary. Returns False, changing
-        nothing, if pages or a slot are lacking."""
+        a step that ends on a page boundary: a chunk :meth:`align_prefill` cut there, or a
+        one-token step (a decode) reaching one. The one place deciding a save (module
+        docstring); a step with draft tokens saves nothing (its state ends where the
+        verification stops). Returns False, changing nothing, if pages or a slot are
+        lacking."""
         new = self.state_slots.slot(request_id) < 0
         if new and not self.state_slots.num_free:
             return False
@@ -125,22 +136,27 @@ class StateSlotKVCacheManager:
         live = self.state_slots.acquire(request_id)
         if new and request_id in self._hits:
             self._restores[request_id] = (self._hits.pop(request_id), live)
-        if self._aligned.pop(request_id, None) == num_tokens and token_ids is not None \
-                and num_tokens <= len(token_ids):
-            self._save(request_id, live, self.pages.page_hashes(
-                request_id, token_ids[:num_tokens], extra_keys)[num_tokens // self.page_size - 1])
+        aligned = self._aligned.pop(request_id, None) == num_tokens
+        saves = self._saves
+        if saves is not None and token_ids is not None:
+            if saves.has_unkeyed(request_id):
+                saves.publish_known(request_id, lambda boundary: self._key(
+                    request_id, boundary, token_ids, extra_keys))
+            if aligned or (num_tokens == num_computed_tokens + 1
+                           and not num_tokens % self.page_size):
+                saves.plan(request_id, live, num_tokens,
+                           self._key(request_id, num_tokens, token_ids, extra_keys),
+                           decode=not aligned)
         return True
 
-    def _save(self, request_id: str, live: int, key: bytes) -> None:
-        """Plan the copy of ``live``'s states after this step into a cached slot for ``key``
-        (none if ``key`` is cached already or every cached slot is reserved)."""
-        cache = self.cached_states
-        if cache.get(key) is not None:
-            cache.touch(key)
-            return
-        slot = cache.reserve()
-        if slot is not None:
-            self._saves[request_id] = (live, slot, key)
+    def _key(self, request_id: str, boundary: int, token_ids: list[int],
+             extra_keys: tuple) -> bytes | None:
+        """The prefix hash of the page ending at ``boundary`` (None: under async scheduling
+        its last token ids are not on the host yet)."""
+        if boundary > len(token_ids):
+            return None
+        return self.pages.page_hashes(request_id, token_ids[:boundary],
+                                      extra_keys)[boundary // self.page_size - 1]
 
     def align_prefill(self, req, num_new: int) -> int:
         """``num_new`` tokens of ``req``'s prefill chunk, cut so that a cacheable sequence's
@@ -195,12 +211,11 @@ class StateSlotKVCacheManager:
     def take_state_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """This step's ``(restores, saves)``: ``(source slot, destination slot)`` pairs the
         runner copies in every recurrent layer, restores before the forward and saves after
-        it. The saved states become hittable (the scheduler calls it once a step)."""
-        for _, slot, key in self._saves.values():
-            self.cached_states.publish(key, slot)
-        restores, saves = list(self._restores.values()), [s[:2] for s in self._saves.values()]
-        self._restores, self._saves = {}, {}
-        return restores, saves
+        it. The saved states whose key is known become hittable, the others once a later
+        allocation knows it (the scheduler calls it once a step)."""
+        restores = list(self._restores.values())
+        self._restores = {}
+        return restores, [] if self._saves is None else self._saves.take()
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Parallel sampling would need the parent's state copied into the child's slot,
@@ -214,10 +229,12 @@ class StateSlotKVCacheManager:
 
     def uncache_from(self, request_id: str, num_tokens: int) -> None:
         """The page manager's ``uncache_from``, also dropping the request's cached states at
-        page boundaries after ``num_tokens`` (the failed step did not compute them)."""
+        page boundaries after ``num_tokens`` (the failed step did not compute them), keyed or
+        not yet."""
         if self.cached_states is not None:
             for key in self.pages.page_hashes(request_id)[num_tokens // self.page_size:]:
                 self.cached_states.drop(key)
+            self._saves.release(request_id, num_tokens)
         self.pages.uncache_from(request_id, num_tokens)
 
     def reset_prefix_cache(self) -> None:
@@ -227,16 +244,17 @@ class StateSlotKVCacheManager:
             self.cached_states.clear()
 
     def free(self, request_id: str) -> None:
-        """Release the request's pages, its state slot and any copy planned for it in the
-        step being scheduled (it was preempted or not admitted after all)."""
+        """Release the request's pages, its state slot, any copy planned for it in the
+        step being scheduled (it was preempted or not admitted after all) and the cached
+        slots of its saves whose key is not known yet (it finished, was aborted or
+        preempted before its next allocation)."""
         self.pages.free(request_id)
         self.state_slots.release(request_id)
         self._hits.pop(request_id, None)
         self._aligned.pop(request_id, None)
         self._restores.pop(request_id, None)
-        save = self._saves.pop(request_id, None)
-        if save is not None:
-            self.cached_states.release(save[1])
+        if self._saves is not None:
+            self._saves.release(request_id)
 
 
 def with_state_slots(pages, num_slots: int, enable_prefix_caching: bool,
