@@ -21,12 +21,10 @@ unfinished chunk, and the chunk that would cross the prompt's last full page); a
 step ends on one every ``page_size`` tokens. After a step that ends on a page boundary (an
 aligned chunk or a decode: :meth:`StateSlotKVCacheManager.allocate_slots` decides) the live
 slot's states are copied into a cached-state slot (``jaxpaged.core.state_cache``) keyed by
-the prefix hash of the page they end, as vLLM's align mode keeps a state at every full block.
-Under async scheduling a decode's input token is not on the host when its step is scheduled:
-the copy still runs after that step, into a reserved slot, and the key is published by the
-request's first allocation that knows the page's tokens (the one that registers the page in
-the prefix cache); a request freed before then (finished, aborted, preempted) gives the slot
-back, as does a failed step for the boundaries it was to compute. A prefix hit
+the prefix hash of the page they end, as vLLM's align mode caches a state at every full
+block, decode included (here a sequence keeps only its latest decode-time state:
+``jaxpaged.core.state_saves``, which also holds the saves whose key async scheduling knows
+only a step later). A prefix hit
 of ``n`` pages needs pages ``0 .. n-1`` cached *and* a cached state at page ``n - 1``'s end;
 the hit is the longest such ``n``. Its state is copied into the sequence's live slot before
 its first step, which starts at position ``n * page_size`` (not 0: no reset). The step's
