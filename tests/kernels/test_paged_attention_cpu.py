@@ -210,7 +210,7 @@ def test_a_passed_self_check_is_recorded_and_not_run_again(monkeypatch, caplog, 
 
 @pytest.mark.parametrize("model, page_size", [
     ("qwen3_next", 4), ("gguf_2026/qwen3_next.f32.gguf", 4), ("qwen3_next", 16),
-    ("gpt_oss", 4), ("qwen3_next", 1), ("qwen3_next", 2)])
+    ("gguf_2026/gpt_oss.mxfp4.gguf", 4), ("qwen3_next", 1), ("qwen3_next", 2)])
 def test_auto_picks_cpu_at_small_pages_for_the_fixtures(monkeypatch, caplog, tmp_path, model,
                                                         page_size):
     """Issue 45: the self-check's 38 tokens (a chunk to position 24, a decode at 37) once sat
