@@ -44,9 +44,12 @@ def test_pallas_kernel_generation_is_checked():
         PallasAttentionBackend(kernel="v3")
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_self_check_passes_in_interpret_mode(dtype):
-    err = selection.self_check(PallasAttentionBackend(interpret=True), 2, 8, 64, 16, dtype)
+@pytest.mark.parametrize("dtype, page_size", [(jnp.float32, 16), (jnp.bfloat16, 16),
+                                             (jnp.float32, 4)])
+def test_self_check_passes_in_interpret_mode(dtype, page_size):
+    """(4-token pages: 10 pages a sequence in the check's table, issue 45.)"""
+    err = selection.self_check(PallasAttentionBackend(interpret=True), 2, 8, 64, page_size,
+                               dtype)
     assert err <= (1e-5 if dtype == jnp.float32 else 2e-2)
 
 

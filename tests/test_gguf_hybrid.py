@@ -2,14 +2,15 @@
 ``tests/fixtures/make_gguf_hybrid_fixtures.py``, ``tests/fixtures/gguf_2026/NOTES_hybrid.md``):
 gpt-oss's MXFP4 experts dequantized on load, Qwen3-Next's Gated DeltaNet tensors given back in
 transformers' layout; float32 prefill logits within 1e-4 of transformers' and 32 identical
-greedy tokens through ``LLM.generate`` (chunked prefill and preemption; prefix-cache hits for
-gpt-oss, whose layers are all attention)."""
+greedy tokens through ``LLM.generate`` on the xla, cpu and pallas backends (chunked prefill and
+preemption; prefix-cache hits for gpt-oss, whose layers are all attention)."""
 
 import numpy as np
 import pytest
 
 from jaxpaged.config import ModelConfig, UnsupportedModelError
 from jaxpaged.gguf_arch import family_config
+from jaxpaged.layers.attention.cpu import kernel_available
 from jaxpaged.models.gguf_deltanet import qkvz_rows
 from jaxpaged.models.gguf_loader import GGUFCheckpoint
 from tests.test_families_2026 import GREEDY_32, check_generate, engine, fixture
@@ -44,15 +45,19 @@ def test_logits_match_transformers():
     assert np.abs(out - fixture(ref, "logits.npy")).max() < 1e-4
 
 
-@pytest.mark.slow                       # 55-75 s each: the engine's programs
-@pytest.mark.parametrize("file, backend", [(f, b) for f in FILES for b in ("xla", "cpu")])
+@pytest.mark.slow           # 3-75 s each; pallas (interpret mode) 36 s gpt-oss, 54-89 s Qwen3-Next
+@pytest.mark.parametrize("file, backend", [(f, b) for f in FILES
+                                           for b in ("xla", "cpu", "pallas")])
 def test_generate_matches_transformers(file, backend):
     """Prefill logits and greedy tokens through the family tests' engine (4-token pages,
-    8-token chunks, 24 pages: a pool that preempts)."""
+    8-token chunks, 24 pages: a pool that preempts) on each backend: gpt-oss's sinks and
+    window-8 layers, Qwen3-Next's one full-attention layer between DeltaNet layers."""
     ref = FILES[file]
     ids, want = fixture(ref, "input_ids.npy"), fixture(ref, "logits.npy")
     llm = engine(ref, model=gguf(file), dtype="float32", num_gpu_blocks_override=24,
                  attention_backend=backend)
+    if backend != "cpu" or kernel_available():
+        assert llm.engine.runner.backend.name == backend
     if "gpt_oss" in file:
         logits, _ = llm.engine.runner.run_prefill(ids.tolist())
         assert np.abs(np.asarray(logits) - want).max() < 1e-4

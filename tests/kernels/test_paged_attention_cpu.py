@@ -207,6 +207,39 @@ def test_a_passed_self_check_is_recorded_and_not_run_again(monkeypatch, caplog, 
     assert pick(4) == "cpu" and len(errors) == 6
 
 
+
+@pytest.mark.parametrize("model, page_size", [
+    ("qwen3_next", 4), ("gguf_2026/qwen3_next.f32.gguf", 4), ("qwen3_next", 16),
+    ("gguf_2026/gpt_oss.mxfp4.gguf", 4), ("qwen3_next", 1), ("qwen3_next", 2)])
+def test_auto_picks_cpu_at_small_pages_for_the_fixtures(monkeypatch, caplog, tmp_path, model,
+                                                        page_size):
+    """Issue 45: the self-check's 38 tokens (a chunk to position 24, a decode at 37) once sat
+    in a 4-page table, too short below 10-token pages: at ``--block-size 4`` (the family
+    tests' engines, Qwen3-Next's HF and GGUF fixtures) it raised IndexError and ``auto`` fell
+    back to xla. Now both steps run, pass, and ``cpu`` is picked without a warning."""
+    from jaxpaged.config import ModelConfig
+    from tests.conftest import FIXTURES
+
+    cfg = ModelConfig.from_pretrained(os.path.join(FIXTURES, model))
+    monkeypatch.setenv(compile_cache.CACHE_ROOT_ENV, str(tmp_path))   # no pass on record
+    errors = []
+    real = selection.self_check
+    monkeypatch.setattr(selection, "self_check",
+                        lambda *a, **k: errors.append(real(*a, **k)) or errors[-1])
+    with caplog.at_level(logging.WARNING, logger=selection.__name__):
+        backend = get_attention_backend("auto", num_kv_heads=cfg.num_kv_heads,
+                                        num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                                        page_size=page_size, dtype=jnp.float32)
+    assert caplog.text == "" and backend.name == "cpu"
+    assert len(errors) == 2 and max(errors) <= TOLERANCE[jnp.float32]
+
+
+def test_self_check_pages_names_a_bad_page_size():
+    assert [selection.self_check_pages(p) for p in (1, 4, 8, 16, 256)] == [38, 10, 5, 4, 4]
+    with pytest.raises(ValueError, match="page_size must be >= 1, got 0"):
+        selection.self_check_pages(0)
+
+
 _LOAD_AND_RUN = """
 import sys, numpy as np, jax
 from jaxpaged.runner.executable_store import ExecutableStore

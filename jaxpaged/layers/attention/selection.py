@@ -106,15 +106,21 @@ def self_check(backend: AttentionBackend, num_kv_heads: int, num_heads: int, hea
                page_size: int, dtype, kv_cache_dtype=None, decode_only: bool = False) -> float:
     """Max abs difference between ``backend`` and the xla backend over one step through
     ``build_metadata`` and ``forward`` (KV write, then attention): a 20-token prefill chunk
-    starting at position 5 and one decode at position 37 (capped by the 4-page table), plus
-    padding, over a random pool of ``kv_cache_dtype`` (default ``dtype``); with
-    ``decode_only``, the chunk's last token alone (a decode at position 24)."""
+    starting at position 5 and one decode at position 37, plus padding, over a random pool of
+    ``kv_cache_dtype`` (default ``dtype``); with ``decode_only``, the chunk's last token alone
+    (a decode at position 24). Each sequence's page-table row holds
+    :func:`self_check_pages` shuffled pages, enough for 38 tokens at any ``page_size``.
+
+    Raises:
+        ValueError: ``page_size`` < 1.
+    """
+    pages_per_seq = self_check_pages(page_size)
     rng = np.random.default_rng(0)
-    num_pages = 8
+    num_pages = 2 * pages_per_seq
     kv_cache_dtype = dtype if kv_cache_dtype is None else kv_cache_dtype
     pool = rng.normal(size=(2, num_pages, page_size, num_kv_heads, head_dim))
-    page_table = np.asarray([[3, 1, 6, 2], [5, 7, 4, 0]], np.int32)
-    decode_pos = min(37, 4 * page_size - 1)
+    page_table = rng.permutation(num_pages).astype(np.int32).reshape(2, pages_per_seq)
+    decode_pos = 37
     chunk = np.arange(24, 25) if decode_only else np.arange(5, 25)
     n = len(chunk) + 1                                  # real tokens
     t_pad = 4 if decode_only else 24
@@ -139,3 +145,15 @@ def self_check(backend: AttentionBackend, num_kv_heads: int, num_heads: int, hea
                               scale=head_dim ** -0.5)
         outs.append(np.asarray(out, np.float32)[:n])
     return float(np.abs(outs[0] - outs[1]).max())
+
+
+def self_check_pages(page_size: int) -> int:
+    """Pages per sequence in :func:`self_check`'s page table: at least 4, and enough for the
+    38 tokens (positions 0..37) of its longest sequence at ``page_size`` tokens a page.
+
+    Raises:
+        ValueError: ``page_size`` < 1.
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    return max(4, -(-38 // page_size))
