@@ -62,9 +62,11 @@ class EngineArgs:
             (``jaxpaged.runner.kv_sizing``) where no other budget is given; not a flag:
             ``--models-config`` sets it from a model's ``kv_cache_memory_share`` (which on
             a GPU scales ``gpu_memory_utilization`` and a given ``kv_cache_memory_bytes``).
-        kv_cache_dtype: ``auto`` (K/V in the model's dtype) or ``fp8`` / ``fp8_e4m3``
-            (float8_e4m3fn with per-layer scales: one byte an element, so a byte budget holds
-            twice the pages of a bfloat16 model's KV, four times a float32 model's).
+        kv_cache_dtype: ``auto`` (K/V in the model's dtype), ``float16`` (two bytes an
+            element, llama.cpp's default K/V type: half a float32 model's KV bytes) or
+            ``fp8`` / ``fp8_e4m3`` (float8_e4m3fn with per-layer scales: one byte an element,
+            so a byte budget holds twice the pages of a bfloat16 model's KV, four times a
+            float32 model's).
         calculate_kv_scales: derive each layer's fp8 ``k_scale`` / ``v_scale`` from a short
             calibration prefill at start-up (``jaxpaged.runner.kv_scales``) instead of
             using 1.0; needs an fp8 ``kv_cache_dtype``.

@@ -18,7 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "cpu")
 #: ``--kv-cache-dtype`` choices: ``auto`` (the model's dtype) or float8_e4m3fn under either of
 #: vLLM's names (``jaxpaged.layers.attention.base`` defines the pool).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "float16", "fp8", "fp8_e4m3")
 #: ``--scheduling-policy`` choices.
 SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")
 

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 
+import jax
 import numpy as np
 import openai
 import pytest
@@ -94,7 +95,9 @@ def test_served_packed_weights_take_one_step_argument_per_kind(gguf_path, answer
 
 @pytest.mark.slow
 def test_greedy_chat_answers_match_transformers(gguf_path, answers):
+    """With the packed model's default float16 KV pool (``--kv-cache-dtype auto``)."""
     llm = LLM(model=gguf_path, enforce_eager=True, max_model_len=256, max_num_seqs=8)
+    assert {a.dtype for a in jax.tree.leaves(llm.engine.runner._kv_caches)} == {np.dtype("float16")}
     outs = llm.chat([messages(a["question"]) for a in answers],
                     SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
     for out, ref in zip(outs, answers):

@@ -70,8 +70,8 @@ def test_kv_cache_dtype_flag_and_validation():
     for name in ("fp8", "fp8_e4m3"):                     # vLLM's two spellings of e4m3
         assert resolve_kv_cache_dtype(name, jnp.bfloat16) == FP8
     assert resolve_kv_cache_dtype("auto", jnp.bfloat16) == jnp.bfloat16
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', "
-                                         r"'fp8_e4m3'\), got 'fp8_e5m2'"):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'float16', "
+                                         r"'fp8', 'fp8_e4m3'\), got 'fp8_e5m2'"):
         EngineArgs(kv_cache_dtype="fp8_e5m2")
     with pytest.raises(ValueError, match="calculate_kv_scales needs an fp8 kv_cache_dtype") as e:
         EngineArgs(calculate_kv_scales=True)

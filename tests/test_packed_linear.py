@@ -24,7 +24,7 @@ from jaxpaged.layers.rotary import apply_rope, rope_inv_freq
 from jaxpaged.models.gguf_blocks import PACKABLE_TYPES, decode_blocks
 from jaxpaged.models.gguf_loader import GGUFCheckpoint, keeps_packed
 from jaxpaged.runner import worker
-from jaxpaged.runner.worker import gguf_auto_dtype, keeps_gguf_packed
+from jaxpaged.runner.worker import auto_kv_cache_dtype, gguf_auto_dtype, keeps_gguf_packed
 from tests.test_gguf_loader import HEADS, KV_HEADS, VOCAB, encode, write_random_llama
 from tests.test_model_logits import full_sequence_logits
 
@@ -176,6 +176,18 @@ def test_which_files_and_setups_stay_packed(tmp_path):
     assert not keeps_gguf_packed(EngineArgs(model=mixed), ModelConfig.from_pretrained(mixed),
                                  1, "cpu")
     assert not keeps_gguf_packed(args, cfg.with_quantization("int8"), 1, "cpu")
+
+
+def test_auto_kv_cache_dtype_rule():
+    """--kv-cache-dtype auto: float16 under a packed float32 GGUF model, else the model's
+    dtype; float16 asked for under a bfloat16 model is refused, naming the field."""
+    assert auto_kv_cache_dtype("auto", True, jnp.float32) == "float16"
+    assert auto_kv_cache_dtype("auto", False, jnp.float32) == "auto"
+    assert auto_kv_cache_dtype("auto", True, jnp.bfloat16) == "auto"
+    assert auto_kv_cache_dtype("fp8", True, jnp.float32) == "fp8"
+    assert auto_kv_cache_dtype("float16", False, jnp.float32) == "float16"
+    with pytest.raises(ValueError, match="kv_cache_dtype 'float16' needs a float32 model"):
+        auto_kv_cache_dtype("float16", False, jnp.bfloat16)
 
 
 def test_gguf_auto_dtype_rule(monkeypatch):

@@ -104,6 +104,25 @@ def gguf_auto_dtype(packed: bool, platform: str) -> str:
     return "float32"
 
 
+def auto_kv_cache_dtype(cache_dtype: str, packed: bool, dtype) -> str:
+    """What ``--kv-cache-dtype auto`` means: ``float16`` for a float32 model whose GGUF
+    projections stay packed (llama.cpp's default K/V type for the same file: half the pool's
+    bytes, and decode attention, which reads the pool from memory, ~10% of a 16-user SmolLM2
+    step faster, ``docs/measurements.md``, "CPU attention kernel"), else the model's dtype;
+    any other ``cache_dtype`` as given.
+
+    Raises:
+        ValueError: ``float16`` asked for under a model that is not float32 (the kernels read
+            a float16 pool only under float32 queries).
+    """
+    if cache_dtype == "auto" and packed and jnp.dtype(dtype) == jnp.float32:
+        return "float16"
+    if cache_dtype == "float16" and jnp.dtype(dtype) != jnp.float32:
+        raise ValueError(f"EngineArgs.kv_cache_dtype 'float16' needs a float32 model (--dtype "
+                         f"float32); this one is {jnp.dtype(dtype).name}")
+    return cache_dtype
+
+
 def keeps_gguf_packed(load: LoadConfig, cfg: ModelConfig, num_devices: int,
                       platform: str) -> bool:
     """Whether a GGUF model's projections, embedding and LM head stay packed as the file
@@ -163,7 +182,11 @@ def build_worker(config: EngineConfig, *, tokenizer: Callable[[], Any],
         logger.info("dtype auto: %s for this GGUF (%s)", checkpoint_dtype,
                     "packed projections" if packed else f"dequantized on load, {platform}")
     dtype = resolve_dtype(load.dtype, checkpoint_dtype)
-    kv_cache_dtype = resolve_kv_cache_dtype(cache.cache_dtype, dtype)
+    kv_cache_dtype = resolve_kv_cache_dtype(
+        auto_kv_cache_dtype(cache.cache_dtype, packed, dtype), dtype)
+    if kv_cache_dtype != jnp.dtype(dtype):
+        logger.info("KV cache dtype: %s (--kv-cache-dtype %s)", jnp.dtype(kv_cache_dtype).name,
+                    cache.cache_dtype)
     backend = get_attention_backend(
         config.attention_backend, num_kv_heads=cfg.num_kv_heads, num_heads=cfg.num_heads,
         head_dim=cfg.head_dim,

@@ -1,5 +1,6 @@
 """The C++ paged attention kernel (``cpu`` backend) against the ``xla`` backend, its oracle."""
 
+import dataclasses
 import logging
 import os
 
@@ -68,6 +69,32 @@ def test_mixed_step_matches_xla(dtype, num_heads, num_kv_heads, page_size, head_
     (ours, theirs), (pool, pool_xla) = forward_both(batch)
     np.testing.assert_allclose(ours, theirs, atol=TOLERANCE[dtype], rtol=0)
     assert all(jnp.array_equal(a, b) for a, b in zip(pool, pool_xla))      # same KV write
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,page_size,decode_only", [
+    (9, 3, 64, 16, True), (8, 2, 128, 16, True), (4, 4, 64, 16, True), (8, 2, 64, 16, False),
+    (12, 4, 32, 8, False)])
+def test_float16_pool_under_float32_queries_matches_xla(num_heads, num_kv_heads, head_dim,
+                                                         page_size, decode_only):
+    """``--kv-cache-dtype float16`` under a float32 model: the kernel widens the pool's
+    elements as it reads them, on every path (register accumulators, one query at a time, row
+    tiles), and equals the xla backend, which promotes the pool to float32; both write the
+    same float16 rows."""
+    rng = np.random.default_rng(num_heads * head_dim + page_size)
+    seqs = ([(c, 1) for c in (0, 15, 16, 17, 33, 100, 5 * page_size + 7)] if decode_only
+            else random_seqs(rng, 9, page_size) + [(0, 70)])
+    batch = make_batch(rng, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                       page_size=page_size, dtype=jnp.float32, seqs=seqs,
+                       pad_tokens=0 if decode_only else 3)
+    batch = dataclasses.replace(batch, k_pages=batch.k_pages.astype(jnp.float16),
+                                v_pages=batch.v_pages.astype(jnp.float16))
+    assert selection.get_attention_backend(
+        "auto", num_kv_heads=num_kv_heads, num_heads=num_heads, head_dim=head_dim,
+        page_size=page_size, dtype=jnp.float32, kv_cache_dtype=jnp.float16).name == "cpu"
+    (ours, theirs), (pool, pool_xla) = forward_both(batch)
+    np.testing.assert_allclose(ours, theirs, atol=1e-5, rtol=0)
+    assert pool[0].dtype == jnp.float16
+    assert all(jnp.array_equal(a, b) for a, b in zip(pool, pool_xla))
 
 
 @pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,page_size,window", [

@@ -155,14 +155,17 @@ class AttentionBackend(abc.ABC):
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
-    """The pool dtype for ``--kv-cache-dtype``: ``auto`` is the model's dtype; ``fp8`` and
-    ``fp8_e4m3`` (vLLM's two spellings of one format) are float8_e4m3fn.
+    """The pool dtype for ``--kv-cache-dtype``: ``auto`` is the model's dtype; ``float16``
+    (llama.cpp's default K/V type, ``-ctk f16``) stores half the bytes of a float32 model's;
+    ``fp8`` and ``fp8_e4m3`` (vLLM's two spellings of one format) are float8_e4m3fn.
 
     Raises:
         ValueError: any other name (vLLM's ``fp8_e5m2`` is not supported).
     """
     if kv_cache_dtype == "auto":
         return jnp.dtype(model_dtype)
+    if kv_cache_dtype == "float16":
+        return jnp.dtype(jnp.float16)
     if kv_cache_dtype in ("fp8", "fp8_e4m3"):
         return jnp.dtype(FP8_DTYPE)
     raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose from "

@@ -37,8 +37,10 @@ KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def kernel_supports(q_dtype, pool_dtype) -> bool:
-    """True when the kernel reads a pool of ``pool_dtype`` for queries of ``q_dtype``."""
-    return jnp.dtype(q_dtype) in KERNEL_DTYPES and jnp.dtype(pool_dtype) == jnp.dtype(q_dtype)
+    """True when the kernel reads a pool of ``pool_dtype`` for queries of ``q_dtype``: the
+    queries' own dtype, or float16 under float32 queries."""
+    q, pool = jnp.dtype(q_dtype), jnp.dtype(pool_dtype)
+    return q in KERNEL_DTYPES and (pool == q or (q == jnp.float32 and pool == jnp.float16))
 
 
 def paged_attention_cpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

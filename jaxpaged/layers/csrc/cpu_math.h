@@ -94,13 +94,26 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even (finite input
   return static_cast<uint16_t>(u >> 16);
 }
 
+// An IEEE half-precision pool element (a type of its own: bfloat16 elements are uint16_t).
+struct Half {
+  uint16_t bits;
+};
+
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
+#if defined(__F16C__)
+inline float load(const Half* p, int64_t i) { return _cvtsh_ss(p[i].bits); }
+#else
+inline float load(const Half* p, int64_t i) { return half_to_float(p[i].bits); }
+#endif
 inline void store(float* p, int64_t i, float x) { p[i] = x; }
 inline void store(uint16_t* p, int64_t i, float x) { p[i] = float_to_bf16(x); }
 // Softmax weights meet the values in the pool's dtype (as the xla backend's dots do).
 inline float round_weight(float p, const float*) { return p; }
 inline float round_weight(float p, const uint16_t*) { return bf16_to_float(float_to_bf16(p)); }
+// A float16 pool serves float32 queries: the weights stay float32 (the xla backend promotes
+// the pool's values to float32 before its dot).
+inline float round_weight(float p, const Half*) { return p; }
 
 // exp(x) for x <= 0 (arguments below -87 give ~0): x = n ln2 + r, |r| <= ln2 / 2, 2^n built
 // in the exponent bits and e^r by its degree-6 Taylor polynomial (relative error < 2e-7).

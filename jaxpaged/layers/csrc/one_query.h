@@ -52,9 +52,9 @@ inline void axpy(float* __restrict acc, float p, const T* __restrict v, int64_t 
 
 // q_rows / out_rows: the query's heads h0 * G .. (h0 + nh) * G, [nh * G, D] contiguous;
 // pages: the sequence's page-table row; qpos >= 0.
-template <typename T>
-void attend_one_query(const Shape& sh, const T* q_rows, int64_t qpos, const int32_t* pages,
-                      int64_t h0, int64_t nh, const T* k_pages, const T* v_pages, T* out_rows,
+template <typename TQ, typename T>
+void attend_one_query(const Shape& sh, const TQ* q_rows, int64_t qpos, const int32_t* pages,
+                      int64_t h0, int64_t nh, const T* k_pages, const T* v_pages, TQ* out_rows,
                       QueryScratch& w) {
   const int64_t d_len = sh.head_dim, ps = sh.page_size, group = sh.group();
   const int64_t rows = nh * group, row_stride = sh.row_stride();

@@ -28,6 +28,9 @@
 namespace jaxpaged_cpu {
 
 inline __m512 load_row16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_row16(const Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline __m512 load_row16(const uint16_t* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
@@ -71,6 +74,7 @@ inline __m512 exp_nonpositive16(__m512 x) {
 // Softmax weights as they meet the values: rounded to bfloat16 (nearest even) for a bfloat16
 // pool, as cpu_math.h's round_weight.
 inline __m512 round_weights(__m512 p, const float*) { return p; }
+inline __m512 round_weights(__m512 p, const Half*) { return p; }
 inline __m512 round_weights(__m512 p, const uint16_t*) {
   const __m512i u = _mm512_castps_si512(p);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -152,10 +156,10 @@ constexpr int64_t kMaxRegsHeads = 8;
 // are read whole, in memory order, while the next page is fetched into L2 (decode attention
 // was DRAM-latency bound with one head walking at a time: docs/measurements.md, "CPU
 // attention kernel").
-template <typename T, int G, int NC>
+template <typename TQ, typename T, int G, int NC>
 void attend_heads_regs(const Shape& sh, const float* q, int64_t lo, int64_t qpos,
                        const int32_t* pages, int64_t h0, int64_t nh, const T* k_pages,
-                       const T* v_pages, T* out) {
+                       const T* v_pages, TQ* out) {
   const int64_t ps = sh.page_size, stride = sh.row_stride();
   constexpr int64_t kHeadDim = 16 * NC;
   HeadState<G, NC> st[kMaxRegsHeads];
@@ -202,19 +206,19 @@ void attend_heads_regs(const Shape& sh, const float* q, int64_t lo, int64_t qpos
 // A query's KV heads [h0, h0 + nh) through attend_heads_regs (one_query_regs_shape(sh)),
 // kMaxRegsHeads at a time; q_rows / out_rows as one_query.h's attend_one_query; q_scratch:
 // nh * G * D floats.
-template <typename T>
-void attend_one_query_regs(const Shape& sh, const T* q_rows, int64_t qpos, const int32_t* pages,
+template <typename TQ, typename T>
+void attend_one_query_regs(const Shape& sh, const TQ* q_rows, int64_t qpos, const int32_t* pages,
                            int64_t h0, int64_t nh, const T* k_pages, const T* v_pages,
-                           T* out_rows, float* q_scratch) {
+                           TQ* out_rows, float* q_scratch) {
   const int64_t g = sh.group(), d_len = sh.head_dim, lo = sh.first_key(qpos);
   for (int64_t i = 0; i < nh * g * d_len; ++i) q_scratch[i] = load(q_rows, i);
   for (int64_t h = h0; h < h0 + nh; h += kMaxRegsHeads) {
     const int64_t n = std::min(kMaxRegsHeads, h0 + nh - h);
     const float* q = q_scratch + (h - h0) * g * d_len;
-    T* out = out_rows + (h - h0) * g * d_len;
+    TQ* out = out_rows + (h - h0) * g * d_len;
 #define JAXPAGED_HEAD_REGS(GG, NN)                                                         \
   if (g == GG && d_len == 16 * NN) {                                                       \
-    attend_heads_regs<T, GG, NN>(sh, q, lo, qpos, pages, h, n, k_pages, v_pages, out);     \
+    attend_heads_regs<TQ, T, GG, NN>(sh, q, lo, qpos, pages, h, n, k_pages, v_pages, out);     \
     continue;                                                                              \
   }
     JAXPAGED_HEAD_REGS(1, 4) JAXPAGED_HEAD_REGS(2, 4) JAXPAGED_HEAD_REGS(3, 4)

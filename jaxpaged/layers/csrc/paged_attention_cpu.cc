@@ -4,7 +4,7 @@
 //
 // Inputs: q [T, H, D] the step's query tokens; k_pages, v_pages [num_pages, page_size, KVH, D]
 // (the pool layout of jaxpaged.layers.attention.base, holding K / k_scale and V / v_scale) in
-// q's dtype; page_table [B, P]; block_tokens [NB, Bq] the token (row of q) of each block
+// q's dtype, or float16 under float32 queries (widened to float32 as read); page_table [B, P]; block_tokens [NB, Bq] the token (row of q) of each block
 // query; block_seq [NB] each block's page-table row; block_pos [NB, Bq] each query's
 // position, -1 for a padding query (skipped); sinks [H] float32 attention-sink logits
 // (gpt-oss), or [0] for none. Output [T, H, D]: each block query's attention in its token's
@@ -56,16 +56,18 @@ struct Scratch {
   explicit Scratch(const Shape& sh) : query(sh), tile(sh) {}
 };
 
-template <typename T>
+// TQ: the queries' and output's element type; T: the pools'.
+template <typename TQ, typename T>
 struct Operands {
-  const T *q, *k, *v;
+  const TQ* q;
+  const T *k, *v;
   const int32_t *page_table, *block_tokens, *block_seq, *block_pos;
-  T* out;
+  TQ* out;
 };
 
 // Work item `item`: block b's KV heads [h0, h0 + heads_per_item).
-template <typename T>
-void attend_item(const Shape& sh, int64_t item, const Operands<T>& x, Scratch& w) {
+template <typename TQ, typename T>
+void attend_item(const Shape& sh, int64_t item, const Operands<TQ, T>& x, Scratch& w) {
   const int64_t items_per_block = sh.num_kv_heads / sh.heads_per_item;
   const int64_t b = item / items_per_block, h0 = item % items_per_block * sh.heads_per_item;
   const int64_t d_len = sh.head_dim, group = sh.group(), nh = sh.heads_per_item;
@@ -94,7 +96,7 @@ void attend_item(const Shape& sh, int64_t item, const Operands<T>& x, Scratch& w
     return;
   }
   for (int64_t h = h0; h < h0 + nh; ++h) {
-    RowTile<T> tile;
+    RowTile<TQ> tile;
     for (int64_t i = 0; i < sh.block_q; ++i) {
       if (!sh.is_query(pos[i], tokens[i])) continue;
       for (int64_t g = 0; g < group; ++g) {           // row (i, g): query head h * G + g
@@ -114,20 +116,20 @@ void attend_item(const Shape& sh, int64_t item, const Operands<T>& x, Scratch& w
 }
 
 // Zeros in the output rows of tokens that are no block's query (padding tokens).
-template <typename T>
-void zero_other_tokens(const Shape& sh, const Operands<T>& x) {
+template <typename TQ, typename T>
+void zero_other_tokens(const Shape& sh, const Operands<TQ, T>& x) {
   std::vector<bool> named(sh.num_tokens, false);
   for (int64_t e = 0; e < sh.num_blocks * sh.block_q; ++e) {
     if (sh.is_query(x.block_pos[e], x.block_tokens[e])) named[x.block_tokens[e]] = true;
   }
   const int64_t row = sh.num_heads * sh.head_dim;
   for (int64_t t = 0; t < sh.num_tokens; ++t) {
-    if (!named[t]) std::fill(x.out + t * row, x.out + (t + 1) * row, T{0});
+    if (!named[t]) std::fill(x.out + t * row, x.out + (t + 1) * row, TQ{0});
   }
 }
 
-template <typename T>
-void launch(ffi::ThreadPool& pool, const Shape& sh, const Operands<T>& x) {
+template <typename TQ, typename T>
+void launch(ffi::ThreadPool& pool, const Shape& sh, const Operands<TQ, T>& x) {
   zero_other_tokens(sh, x);
   run_items(pool, sh.num_blocks * (sh.num_kv_heads / sh.heads_per_item), [sh, x] {
     return [sh, x, scratch = std::make_shared<Scratch>(sh)](int64_t i) {
@@ -136,11 +138,13 @@ void launch(ffi::ThreadPool& pool, const Shape& sh, const Operands<T>& x) {
   });
 }
 
-template <typename T, typename Ptr>
-Operands<T> operands(Ptr data, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                     const int32_t* pt, const int32_t* tokens, const int32_t* seq,
-                     const int32_t* pos, ffi::Result<ffi::AnyBuffer>& out) {
-  return {data(q), data(k), data(v), pt, tokens, seq, pos, data(*out)};
+template <typename TQ, typename T>
+Operands<TQ, T> operands(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         const int32_t* pt, const int32_t* tokens, const int32_t* seq,
+                         const int32_t* pos, ffi::Result<ffi::AnyBuffer>& out) {
+  return {static_cast<const TQ*>(q.untyped_data()), static_cast<const T*>(k.untyped_data()),
+          static_cast<const T*>(v.untyped_data()), pt, tokens, seq, pos,
+          static_cast<TQ*>(out->untyped_data())};
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
@@ -167,10 +171,11 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
       (sh.sinks != nullptr && static_cast<int64_t>(sinks.element_count()) != sh.num_heads)) {
     return ffi::Error::InvalidArgument("inconsistent shapes (sinks: [H] or [0])");
   }
-  const auto dtype = q.element_type();
-  if (k_pages.element_type() != dtype || v_pages.element_type() != dtype ||
-      out->element_type() != dtype) {
-    return ffi::Error::InvalidArgument("q, pools and output must share a dtype");
+  const auto dtype = q.element_type(), pool_dtype = k_pages.element_type();
+  if (v_pages.element_type() != pool_dtype || out->element_type() != dtype ||
+      (pool_dtype != dtype && !(dtype == ffi::DataType::F32 && pool_dtype == ffi::DataType::F16))) {
+    return ffi::Error::InvalidArgument(
+        "q and output share a dtype, the pools q's (or float16 pools for float32 q)");
   }
   // Whole blocks make the longest contiguous reads (a page's rows of every KV head); split a
   // block's KV heads only when there are too few blocks to keep the threads busy.
@@ -182,12 +187,13 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
   }
   const int32_t *pt = page_table.typed_data(), *tokens = block_tokens.typed_data(),
                 *seq = block_seq.typed_data(), *pos = block_pos.typed_data();
-  if (dtype == ffi::DataType::F32) {
-    auto data = [](auto buffer) { return buffer.template typed_data<float>(); };
-    launch(pool, sh, operands<float>(data, q, k_pages, v_pages, pt, tokens, seq, pos, out));
+  if (dtype == ffi::DataType::F32 && pool_dtype == ffi::DataType::F16) {
+    launch(pool, sh, operands<float, Half>(q, k_pages, v_pages, pt, tokens, seq, pos, out));
+  } else if (dtype == ffi::DataType::F32) {
+    launch(pool, sh, operands<float, float>(q, k_pages, v_pages, pt, tokens, seq, pos, out));
   } else if (dtype == ffi::DataType::BF16) {
-    auto data = [](auto buffer) { return buffer.template reinterpret_data<uint16_t>(); };
-    launch(pool, sh, operands<uint16_t>(data, q, k_pages, v_pages, pt, tokens, seq, pos, out));
+    launch(pool, sh,
+           operands<uint16_t, uint16_t>(q, k_pages, v_pages, pt, tokens, seq, pos, out));
   } else {
     return ffi::Error::InvalidArgument("dtype must be float32 or bfloat16");
   }

@@ -53,11 +53,28 @@ struct RowTile {
 inline const float* page_rows(const float* p, int64_t, int64_t, int64_t, float*, int64_t*) {
   return p;
 }
-inline const float* page_rows(const uint16_t* p, int64_t t0, int64_t t1, int64_t d_len,
+#if defined(__AVX512F__)
+inline const float* page_rows(const Half* p, int64_t t0, int64_t t1, int64_t d_len,
+                              float* scratch, int64_t* stride) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const Half* row = p + t * *stride;
+    int64_t d = 0;
+    for (; d + 16 <= d_len; d += 16) {
+      _mm512_storeu_ps(scratch + t * d_len + d, _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(row + d))));
+    }
+    for (; d < d_len; ++d) scratch[t * d_len + d] = load(row, d);
+  }
+  *stride = d_len;
+  return scratch;
+}
+#endif
+template <typename T>
+inline const float* page_rows(const T* p, int64_t t0, int64_t t1, int64_t d_len,
                               float* scratch, int64_t* stride) {
   for (int64_t t = t0; t < t1; ++t) {
 #pragma omp simd
-    for (int64_t d = 0; d < d_len; ++d) scratch[t * d_len + d] = bf16_to_float(p[t * *stride + d]);
+    for (int64_t d = 0; d < d_len; ++d) scratch[t * d_len + d] = load(p, t * *stride + d);
   }
   *stride = d_len;
   return scratch;
@@ -112,8 +129,8 @@ inline void tile_values(const float* v, int64_t stride, int64_t t0, int64_t t1, 
   }
 }
 
-template <typename T>
-void attend_row_tile(const Shape& sh, const RowTile<T>& tile, const int32_t* pages, int64_t h,
+template <typename TQ, typename T>
+void attend_row_tile(const Shape& sh, const RowTile<TQ>& tile, const int32_t* pages, int64_t h,
                      const T* k_pages, const T* v_pages, TileScratch& w) {
   const int64_t d_len = sh.head_dim, ps = sh.page_size;
   // Lanes past tile.n are idle: zero queries at position -1 (every key masked).
