@@ -185,10 +185,12 @@ inline __m512i lane_transpose() {
   return _mm512_load_si512(idx);
 }
 
-// How far ahead of its loads a block fetches each feature vector's weights into L2, in bytes
-// of that vector's blocks, and its scales and mins, in groups. A work item reads a few
-// columns of a few KiB each (a feature vector's blocks over K), too short for the hardware
-// prefetcher to get ahead: at one row the loads waited on memory (perf annotate).
+// How far ahead of its loads a block of fewer than 4 rows fetches each feature vector's
+// weights into L2, in bytes of that vector's blocks, and its scales and mins, in groups. A
+// work item reads a few columns of a few KiB each (a feature vector's blocks over K), too
+// short for the hardware prefetcher to get ahead: at one row the loads waited on memory
+// (perf annotate). Blocks of 4 rows do 4 times the arithmetic per byte and wait on it, not
+// on memory; they fetch nothing ahead.
 constexpr int64_t kWeightsAhead = 1024;
 constexpr int64_t kScalesAhead = 4;
 
@@ -211,7 +213,7 @@ void vnni_block(const uint8_t* blocks, const Scales& scale, const Scales& min, c
   const int32_t* quads[RB];
   for (int r = 0; r < RB; ++r) quads[r] = s.quads.data() + (r0 + r) * (k / 4) * 3;
   for (int64_t g = 0; g < groups; ++g) {
-    for (int j = 0; j < NB; ++j) {            // the scales and mins kScalesAhead groups on
+    for (int j = 0; RB < 4 && j < NB; ++j) {  // the scales and mins kScalesAhead groups on
       scale.prefetch(((v0 + j) * groups + g + kScalesAhead) * 16);
       min.prefetch(((v0 + j) * groups + g + kScalesAhead) * 16);
     }
@@ -224,7 +226,9 @@ void vnni_block(const uint8_t* blocks, const Scales& scale, const Scales& min, c
 #pragma GCC unroll 4
         for (int j = 0; j < NB; ++j) {
           const uint8_t* at = blocks + (v0 + j) * column + k0 / 2 * 16;
-          _mm_prefetch(reinterpret_cast<const char*>(at + kWeightsAhead), _MM_HINT_T1);
+          if constexpr (RB < 4) {
+            _mm_prefetch(reinterpret_cast<const char*>(at + kWeightsAhead), _MM_HINT_T1);
+          }
           const __m512i raw = _mm512_loadu_si512(at);
           const __m512i w = _mm512_permutexvar_epi8(perm, raw);
           const __m512i even = _mm512_and_si512(w, nibble);
@@ -245,7 +249,9 @@ void vnni_block(const uint8_t* blocks, const Scales& scale, const Scales& min, c
 #pragma GCC unroll 4
         for (int j = 0; j < NB; ++j) {
           const uint8_t* at = blocks + (v0 + j) * column + k0 * 16;
-          _mm_prefetch(reinterpret_cast<const char*>(at + kWeightsAhead), _MM_HINT_T1);
+          if constexpr (RB < 4) {
+            _mm_prefetch(reinterpret_cast<const char*>(at + kWeightsAhead), _MM_HINT_T1);
+          }
           const __m512i raw = _mm512_loadu_si512(at);
           const __m512i w = _mm512_xor_si512(_mm512_permutexvar_epi8(perm, raw), flip);
 #pragma GCC unroll 8
