@@ -24,13 +24,15 @@ FILES = {"gpt_oss.mxfp4.gguf": "gguf_2026/gpt_oss_gguf",
 
 
 def check_hybrid_generate(llm, ref):
-    """Qwen3-Next (no prefix caching for its recurrent layers): the greedy tokens alone and
-    three at once, the 24-page pool preempting."""
+    """Qwen3-Next: the greedy tokens alone and three at once, the later copies hitting the
+    prefix cache (the 9-token prompt's two full pages, with the recurrent state saved at
+    their end), the 24-page pool preempting."""
     prompt = fixture(ref, "greedy_prompt.npy").tolist()
     want = fixture(ref, "greedy_tokens.npy").tolist()
     assert llm.generate([prompt], GREEDY_32, use_tqdm=False)[0].outputs[0].token_ids == want
     outs = llm.generate([prompt] * 3, GREEDY_32, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [want] * 3
+    assert [o.num_cached_tokens for o in outs] == [8] * 3
     assert llm.engine.num_preemptions > 0
 
 
