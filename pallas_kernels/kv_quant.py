@@ -75,16 +75,22 @@ def dequantize_kv(stored: jax.Array, scale: float, dtype) -> jax.Array:
     return (stored.astype(jnp.float32) * scale).astype(dtype)
 
 
+def is_half_under_float32(q_dtype, pool_dtype) -> bool:
+    """A float16 pool under float32 queries (``--kv-cache-dtype float16``): read exactly into
+    float32, the one narrower float pool besides fp8."""
+    return jnp.dtype(q_dtype) == jnp.float32 and jnp.dtype(pool_dtype) == jnp.float16
+
+
 def check_pool_dtypes(q_dtype, k_dtype, v_dtype) -> None:
-    """A pool must be in q's dtype, fp8, or float16 under float32 queries (both read
-    exactly into the compute dtype), K and V alike.
+    """A pool must be in q's dtype, fp8, or float16 under float32 queries
+    (:func:`is_half_under_float32`), K and V alike.
 
     Raises:
         ValueError: naming the three dtypes.
     """
     k_dtype, v_dtype, q_dtype = jnp.dtype(k_dtype), jnp.dtype(v_dtype), jnp.dtype(q_dtype)
-    if k_dtype != v_dtype or not (k_dtype == q_dtype or is_fp8(k_dtype) or (
-            q_dtype == jnp.float32 and k_dtype == jnp.float16)):
+    if k_dtype != v_dtype or not (k_dtype == q_dtype or is_fp8(k_dtype)
+                                  or is_half_under_float32(q_dtype, k_dtype)):
         raise ValueError(f"k_pages and v_pages must share a dtype, q's, float8_e4m3fn (an fp8 "
                          f"KV cache) or float16 under float32 q; got q {q_dtype}, k_pages "
                          f"{k_dtype}, v_pages {v_dtype}")

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as T
 from jaxpaged.arg_utils import EngineArgs
 from jaxpaged.layers import packed_linear
 from jaxpaged.models import llama
+from jaxpaged.layers.attention.base import resolve_kv_cache_dtype
 from jaxpaged.layers.cpu_build import packed_int8_dots
 from jaxpaged.layers.packed_layout import (dequantize, integers, pack_weight, reference_product,
                                            split_activations)
@@ -186,8 +187,10 @@ def test_auto_kv_cache_dtype_rule():
     assert auto_kv_cache_dtype("auto", True, jnp.bfloat16) == "auto"
     assert auto_kv_cache_dtype("fp8", True, jnp.float32) == "fp8"
     assert auto_kv_cache_dtype("float16", False, jnp.float32) == "float16"
+    assert resolve_kv_cache_dtype("float16", jnp.float32) == jnp.float16
     with pytest.raises(ValueError, match="kv_cache_dtype 'float16' needs a float32 model"):
-        auto_kv_cache_dtype("float16", False, jnp.bfloat16)
+        resolve_kv_cache_dtype(auto_kv_cache_dtype("float16", False, jnp.bfloat16),
+                               jnp.bfloat16)
 
 
 def test_gguf_auto_dtype_rule(monkeypatch):

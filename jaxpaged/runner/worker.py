@@ -108,18 +108,10 @@ def auto_kv_cache_dtype(cache_dtype: str, packed: bool, dtype) -> str:
     """What ``--kv-cache-dtype auto`` means: ``float16`` for a float32 model whose GGUF
     projections stay packed (llama.cpp's default K/V type for the same file: half the pool's
     bytes, and decode attention, which reads the pool from memory, ~10% of a 16-user SmolLM2
-    step faster, ``docs/measurements.md``, "CPU attention kernel"), else the model's dtype;
-    any other ``cache_dtype`` as given.
-
-    Raises:
-        ValueError: ``float16`` asked for under a model that is not float32 (the kernels read
-            a float16 pool only under float32 queries).
-    """
+    step faster, ``docs/measurements.md``, "CPU attention kernel"), else the model's dtype
+    (``auto``); any other ``cache_dtype`` as given (``resolve_kv_cache_dtype`` checks it)."""
     if cache_dtype == "auto" and packed and jnp.dtype(dtype) == jnp.float32:
         return "float16"
-    if cache_dtype == "float16" and jnp.dtype(dtype) != jnp.float32:
-        raise ValueError(f"EngineArgs.kv_cache_dtype 'float16' needs a float32 model (--dtype "
-                         f"float32); this one is {jnp.dtype(dtype).name}")
     return cache_dtype
 
 

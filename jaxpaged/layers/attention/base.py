@@ -160,11 +160,16 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype) -> jnp.dtype:
     ``fp8`` and ``fp8_e4m3`` (vLLM's two spellings of one format) are float8_e4m3fn.
 
     Raises:
-        ValueError: any other name (vLLM's ``fp8_e5m2`` is not supported).
+        ValueError: any other name (vLLM's ``fp8_e5m2`` is not supported), or ``float16``
+            under a model that is not float32 (the kernels read a float16 pool only under
+            float32 queries: ``pallas_kernels.kv_quant.is_half_under_float32``).
     """
     if kv_cache_dtype == "auto":
         return jnp.dtype(model_dtype)
     if kv_cache_dtype == "float16":
+        if jnp.dtype(model_dtype) != jnp.float32:
+            raise ValueError(f"EngineArgs.kv_cache_dtype 'float16' needs a float32 model "
+                             f"(--dtype float32); this one is {jnp.dtype(model_dtype).name}")
         return jnp.dtype(jnp.float16)
     if kv_cache_dtype in ("fp8", "fp8_e4m3"):
         return jnp.dtype(FP8_DTYPE)

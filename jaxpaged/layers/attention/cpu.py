@@ -31,6 +31,7 @@ import numpy as np
 from jaxpaged.layers.cpu_build import (PAGED_ATTENTION_TARGET, PAGED_ATTENTION_WRITE_TARGET,
                                       load_cpu_kernels)
 from jaxpaged.layers.attention.xla import XlaAttentionBackend, paged_attention_chunked
+from pallas_kernels.kv_quant import is_half_under_float32
 
 #: Query and pool dtypes the kernel reads (the pool in the queries' dtype).
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -39,8 +40,9 @@ KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 def kernel_supports(q_dtype, pool_dtype) -> bool:
     """True when the kernel reads a pool of ``pool_dtype`` for queries of ``q_dtype``: the
     queries' own dtype, or float16 under float32 queries."""
-    q, pool = jnp.dtype(q_dtype), jnp.dtype(pool_dtype)
-    return q in KERNEL_DTYPES and (pool == q or (q == jnp.float32 and pool == jnp.float16))
+    q = jnp.dtype(q_dtype)
+    return q in KERNEL_DTYPES and (jnp.dtype(pool_dtype) == q
+                                   or is_half_under_float32(q, pool_dtype))
 
 
 def paged_attention_cpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

@@ -4,12 +4,13 @@
 //
 // one_query.h's loop does, per key and query head, a 64-wide dot ending in a horizontal sum
 // and an axpy that loads and stores its accumulator row, a large share of a SmolLM2 decode
-// step's thread time (docs/measurements.md, "CPU attention kernel"). Here one KV head
-// at a time walks the sequence's pages 16 keys at a time: each key row is loaded (and widened
-// from bfloat16) once for the G heads, whose 16 partial dot products a transposing add tree
-// turns into one vector of 16 scores (45 shuffles and adds instead of 16 horizontal sums); the
-// softmax runs on those vectors, and the values are added into G x D / 16 accumulators that
-// stay in registers for the whole sequence. Same arithmetic as one_query.h (float32 scores,
+// step's thread time (docs/measurements.md, "CPU attention kernel"). Here the item's KV
+// heads walk the sequence's pages together, 16 keys at a time (attend_heads_regs): each
+// head's part of a key row is loaded (and widened from bfloat16 or float16) once for its G
+// query heads, whose 16 partial dot products a transposing add tree turns into one vector of
+// 16 scores (45 shuffles and adds instead of 16 horizontal sums); the softmax runs on those
+// vectors, and the values are added into each head's G x D / 16 accumulators (HeadState),
+// kept in registers while a chunk is folded in. Same arithmetic as one_query.h (float32 scores,
 // statistics and accumulators; weights rounded to bfloat16 for a bfloat16 pool; its exp) in a
 // different summation order, sinks included (each row starts from its head's sink).
 #pragma once

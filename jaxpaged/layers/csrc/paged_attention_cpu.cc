@@ -4,9 +4,10 @@
 //
 // Inputs: q [T, H, D] the step's query tokens; k_pages, v_pages [num_pages, page_size, KVH, D]
 // (the pool layout of jaxpaged.layers.attention.base, holding K / k_scale and V / v_scale) in
-// q's dtype, or float16 under float32 queries (widened to float32 as read); page_table [B, P]; block_tokens [NB, Bq] the token (row of q) of each block
-// query; block_seq [NB] each block's page-table row; block_pos [NB, Bq] each query's
-// position, -1 for a padding query (skipped); sinks [H] float32 attention-sink logits
+// q's dtype, or float16 under float32 queries (widened to float32 as read); page_table
+// [B, P]; block_tokens [NB, Bq] the token (row of q) of each block query; block_seq [NB]
+// each block's page-table row; block_pos [NB, Bq] each query's position, -1 for a padding
+// query (skipped); sinks [H] float32 attention-sink logits
 // (gpt-oss), or [0] for none. Output [T, H, D]: each block query's attention in its token's
 // row, zeros in the rows of tokens no block query names. Reading q and writing the output by
 // token spares the step a gather into blocks and a scatter back.
