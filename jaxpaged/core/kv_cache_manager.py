@@ -90,6 +90,9 @@ class KVCacheManager:
         ValueError: fewer than 2 pages or a non-positive page size.
     """
 
+    #: A step carries only the page table: the scheduler copies it, not :meth:`step_tables`.
+    page_table_only = True
+
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -128,11 +131,9 @@ class KVCacheManager:
         return table.pages if table else []
 
     def step_tables(self, request_id: str) -> tuple[list[int], list[list[int]] | None, int]:
-        """What a scheduled step carries of the request, in one call (made for every
-        sequence of every step): a copy of its page table, the other KV cache groups' tables
-        and its state slot (here None and -1: :meth:`group_page_tables`, :meth:`state_slot`)."""
-        table = self._tables.get(request_id)
-        return table.pages.copy() if table else [], None, -1
+        """What a scheduled step carries of the request: a copy of its page table, the other
+        groups' tables and its state slot (None and -1 here)."""
+        return self.page_table(request_id).copy(), None, -1
 
     def group_page_tables(self, request_id: str) -> list[list[int]] | None:
         """None: one page table serves every layer here (``jaxpaged.core.kv_groups``)."""

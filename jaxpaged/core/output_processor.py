@@ -160,9 +160,14 @@ class OutputProcessor:
         """
         state = self.seqs[req.request_id]
         p = req.params
-        if (stop is None and state.logprobs is None and state.pending is None
-                and len(req.all_token_ids) - len(req.prompt_token_ids) >= p.min_tokens):
-            return state.detokenizer.add_token(token)    # (most tokens: the last branch below)
+        if stop is None and state.logprobs is None and (
+                not p.min_tokens or len(req.all_token_ids) - len(req.prompt_token_ids)
+                >= p.min_tokens):
+            pending = state.pending    # (most tokens: the last two branches below)
+            if pending is None:
+                return state.detokenizer.add_token(token)
+            pending.append(token)
+            return None
         if state.logprobs is not None:
             lp, rank, top_ids, top_logprobs = logprob
             k = p.logprobs
@@ -231,6 +236,8 @@ class OutputProcessor:
             return pooling_output(group.request_id, first.prompt_token_ids, first.pooling,
                                   group.error) if group.finished else None
         kind = first.params.output_kind
+        if kind is _FINAL_ONLY and first.status is not _FINISHED and group.error is None:
+            return None     # (a sequence still runs: not finished, without the property)
         finished = group.finished
         if kind is _FINAL_ONLY and not finished:
             return None

@@ -26,21 +26,21 @@ from __future__ import annotations
 import bisect
 
 from jaxpaged.core.kv_cache_manager import KVCacheManager
-from jaxpaged.core.output_processor import OutputProcessor, RequestGroup
+from jaxpaged.core.output_processor import OutputProcessor
 from jaxpaged.core.queue_policy import QueuePolicy
 from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.core.scheduler_config import SchedulerConfig
 from jaxpaged.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from jaxpaged.core.stop_check import check_stop
+from jaxpaged.core.step_results import StepResults
 from jaxpaged.lora.scheduling import LoRAScheduling
-from jaxpaged.core.runner_output import ModelRunnerOutput, TokenLogprob
 from jaxpaged.core.spec_decode.config import SpeculativeConfig
 from jaxpaged.core.spec_decode.scheduling import SpecDecodeScheduling
 
 
-class Scheduler:
+class Scheduler(StepResults):
     """Continuous-batching scheduler over a :class:`KVCacheManager`: decides each step
-    (:meth:`schedule`) and applies its result (:meth:`update_from_output`).
+    (:meth:`schedule`) and applies its result (``update_from_output``, from its base class
+    :class:`~jaxpaged.core.step_results.StepResults`).
 
     Args:
         config: the step's limits and policy.
@@ -76,6 +76,10 @@ class Scheduler:
         # (recurrent states cached at page boundaries: jaxpaged.core.state_slots)
         self._align = getattr(kv_cache_manager, "align_prefill", None)
         self._take_states = getattr(kv_cache_manager, "take_state_copies", None)
+        self._cuts_prefill = bool(config.long_prefill_token_threshold) or self._align is not None
+        kv, op = kv_cache_manager, output_processor    # (bound once: read for every sequence)
+        self._allocate, self._add_token = kv.allocate_slots, op.add_token
+        self._page_table = kv.page_table if getattr(kv, "page_table_only", False) else None
 
     def _enqueue(self, req: Request) -> None:
         """Insert into the waiting queue in policy order (arrival order for fcfs, so a
@@ -96,33 +100,31 @@ class Scheduler:
         counts its ``n``)."""
         return sum(r.n_samples for r in self.waiting)
 
-    # The three helpers below run once per running sequence per step: they read the
-    # request's fields directly rather than through its properties (host time per step).
-    def _chunk(self, req: Request, budget: int) -> int:
-        computed = req.num_computed_tokens
-        num_new = len(req.all_token_ids) + req.num_output_placeholders - computed
+    # Run for every sequence of every step: fields read directly, not through properties.
+    def _cut(self, req: Request, num_new: int, budget: int) -> int:
+        """The chunk of ``num_new`` uncomputed tokens that runs: at most ``budget``, the
+        long-prefill threshold, and (recurrent states) up to a page boundary."""
         if num_new > budget:    # (not min(): a builtin call costs more, once per sequence)
             num_new = budget
-        threshold = self.config.long_prefill_token_threshold
-        if (threshold or self._align) and computed < len(req.prompt_token_ids):
+        if self._cuts_prefill and req.num_computed_tokens < len(req.prompt_token_ids):
+            threshold = self.config.long_prefill_token_threshold
             num_new = min(num_new, threshold or num_new)
             if self._align:     # (recurrent states saved at page boundaries)
                 num_new = self._align(req, num_new)
         return num_new
 
-    def _allocate(self, req: Request, num_new: int) -> bool:
-        computed = req.num_computed_tokens
-        return self.kv.allocate_slots(req.request_id, computed + num_new, req.all_token_ids,
-                                      computed, req.extra_keys)
-
     def _scheduled(self, req: Request, num_new: int,
                    drafts: list[int] | None = None) -> ScheduledRequest:
+        """``num_new``: the tokens the step computes, ``drafts`` (proposals) included."""
         start = req.num_computed_tokens
-        samples = start + num_new == len(req.all_token_ids) + req.num_output_placeholders
+        end = start + num_new - len(drafts) if drafts else start + num_new
+        samples = end == len(req.all_token_ids) + req.num_output_placeholders
+        num_samples = req.n_samples if samples and req.pooling is None else 0
+        if self._page_table is not None:    # one table, no state slot: no tuple to build
+            return ScheduledRequest(req, start, num_new, self._page_table(req.request_id).copy(),
+                                    samples, num_samples, drafts)
         pages, group_pages, state_slot = self.kv.step_tables(req.request_id)
-        return ScheduledRequest(req, start, num_new + len(drafts) if drafts else num_new,
-                                pages, samples,
-                                req.n_samples if samples and req.pooling is None else 0, drafts,
+        return ScheduledRequest(req, start, num_new, pages, samples, num_samples, drafts,
                                 group_pages, state_slot)
 
     # ---- deciding a step -------------------------------------------------------------------
@@ -153,11 +155,15 @@ class Scheduler:
             if req.num_output_placeholders and not self._can_run_ahead(req):
                 i += 1
                 continue
-            num_new = self._chunk(req, budget)
+            computed = req.num_computed_tokens
+            num_new = len(req.all_token_ids) + req.num_output_placeholders - computed
+            if num_new != 1 or self._cuts_prefill:    # (a decode's one token needs no cut)
+                num_new = self._cut(req, num_new, budget)
             if spec is not None:    # proposals to verify ride along as extra tokens
                 drafts = spec.drafts(req, num_new, budget - num_new, self.running)
                 num_new += len(drafts) if drafts else 0
-            while not self._allocate(req, num_new):
+            while not self._allocate(req.request_id, computed + num_new, req.all_token_ids,
+                                     computed, req.extra_keys):
                 if drafts:     # speculation never costs another sequence its pages
                     num_new, drafts = num_new - len(drafts), None
                     continue
@@ -173,8 +179,7 @@ class Scheduler:
                     break
             if req.status is not running_status:
                 continue   # req itself was preempted; running[i] is now the next one
-            scheduled.append(self._scheduled(req, num_new - len(drafts), drafts) if drafts
-                             else self._scheduled(req, num_new))
+            scheduled.append(self._scheduled(req, num_new, drafts))
             budget -= num_new
             i += 1
         admitted = [] if preempted else self._admit_waiting(scheduled, budget)
@@ -227,10 +232,13 @@ class Scheduler:
                     and req.pooling is None:    # (a mean needs every token computed)
                 req.num_computed_tokens = self.kv.find_cached_prefix(
                     req.request_id, req.all_token_ids, req.extra_keys)
-            num_new = self._chunk(req, budget)
-            completes_prompt = req.num_computed_tokens + num_new >= req.num_prompt_tokens
+            computed = req.num_computed_tokens
+            num_new = self._cut(req, len(req.all_token_ids) + req.num_output_placeholders
+                                - computed, budget)
+            completes_prompt = computed + num_new >= req.num_prompt_tokens
             if (not completes_prompt and partial >= self.config.max_num_partial_prefills) \
-                    or not self._allocate(req, num_new):
+                    or not self._allocate(req.request_id, computed + num_new, req.all_token_ids,
+                                          computed, req.extra_keys):
                 self.kv.free(req.request_id)   # give back any cached pages it took
                 req.num_computed_tokens = 0
                 break
@@ -271,125 +279,6 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self._enqueue(req)
         self.num_preemptions += 1
-
-    # ---- applying a step's result ----------------------------------------------------------
-
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[RequestGroup]:
-        """Apply a finished step: resolve every sampling sequence's placeholder with its
-        token, fork parallel-sampling requests after their prompt, and append each token
-        (:meth:`append_token`, which finishes the sequences it stops). The one place that
-        moves tokens forward after a step (``num_computed_tokens`` moved at scheduling).
-
-        Under async scheduling the next step may have been scheduled in between: a sequence
-        finished since (a stop found in the step before, an abort) drops its token; one
-        preempted since keeps it (it recomputes with it, as if preempted after this step).
-
-        Returns:
-            The requests that got tokens (or prompt logprobs) this step, in batch order.
-        """
-        op, append = self.output_processor, self.append_token
-        touched: dict[str, None] = {}
-        logprobs, prompt_logprobs = runner_output.logprobs, runner_output.prompt_logprobs
-        finished = RequestStatus.FINISHED
-        num_generated = 0
-        for i, (s, tokens) in enumerate(zip(scheduler_output.scheduled,
-                                            runner_output.sampled_token_ids, strict=True)):
-            req = s.request
-            if req.status is finished:
-                continue
-            if prompt_logprobs is not None and prompt_logprobs[i] is not None:
-                op.add_prompt_logprobs(req.group_id, s.start, prompt_logprobs[i])
-            if req.pooling is not None:    # a pooling request ends with its prompt
-                if req.pooling.add_chunk(s.start, s.end, req.num_prompt_tokens,
-                                         runner_output.pooled[i]):
-                    req.num_output_placeholders = 0
-                    self.finish_request(req, "stop")
-                    touched[req.group_id] = None
-                continue
-            if not tokens:
-                continue
-            if req.num_output_placeholders:
-                req.num_output_placeholders -= 1
-            num_generated += len(tokens)
-            if s.draft_token_ids:    # a verified run: its tokens in order, up to a stop
-                num_generated -= self.spec.apply_verified(
-                    req, s.draft_token_ids, tokens, None if logprobs is None else logprobs[i],
-                    append)
-            elif len(tokens) == 1:     # the common case
-                if not append(req, tokens[0], None if logprobs is None else logprobs[i][0]) \
-                        and self.spec is not None:
-                    self.spec.observe(req)
-            else:   # (children forked before any token is applied: each copies the grammar)
-                for j, seq in enumerate([req] + self._fork(req, len(tokens) - 1)):
-                    append(seq, tokens[j], None if logprobs is None else logprobs[i][j])
-            touched[req.group_id] = None
-        self.num_generation_tokens += num_generated
-        if self.spec is not None:
-            self.spec.step_done(scheduler_output.scheduled, not self.running)
-        groups = op.groups
-        return [groups[g] for g in touched]
-
-    def append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> bool:
-        """Append one sampled token to sequence ``req`` and decide whether it stops (the one
-        place that does): advance its grammar, append the id, check the token-id rules
-        (:func:`~jaxpaged.core.stop_check.check_stop`: EOS, stop ids, length), have the
-        output processor add its logprob and text and match stop strings (which outrank the
-        length limit), and finish the sequence when a rule fired. Returns whether it did."""
-        if req.structured_output_request is not None:
-            req.structured_output_request.accept(token)
-        req.all_token_ids.append(token)
-        stop = check_stop(req, self.output_processor.eos_token_ids, self.config.max_model_len)
-        matched = self.output_processor.add_token(req, token, logprob, stop)
-        if matched is not None:
-            stop = ("stop", matched)
-        elif stop is None:
-            return False
-        self.finish_request(req, *stop)
-        return True
-
-    def _fork(self, leader: Request, count: int) -> list[Request]:
-        """Split a parallel-sampling request after its prompt into ``count`` more sequences
-        that share the leader's pages (copy-on-write for the partly filled last page), each
-        running right after the previous one."""
-        children, after = [], leader
-        for j in range(1, count + 1):
-            child = leader.fork(j)
-            self.kv.fork(leader.request_id, child.request_id)
-            child.status = RequestStatus.RUNNING
-            self.running.insert(self.running.index(after) + 1, child)
-            self.output_processor.add_sequence(child)
-            children.append(child)
-            after = child
-        leader.n_samples = 1
-        return children
-
-    def finish_request(self, req: Request, finish_reason: str,
-                       stop_reason: int | str | None = None) -> None:
-        """Finish a sequence (a stop rule, ``"abort"``, ``"error"``): the one place that sets
-        ``finish_reason``; removes it from its queue and frees its pages at once."""
-        req.finish_reason, req.stop_reason = finish_reason, stop_reason
-        if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-        elif req.status is RequestStatus.WAITING:
-            self.waiting.remove(req)
-        req.status = RequestStatus.FINISHED
-        self.kv.free(req.request_id)
-
-    def fail_step(self, scheduler_output: SchedulerOutput) -> list[RequestGroup]:
-        """Finish with ``"error"`` every request that a failed step ran (all its sequences),
-        after dropping from the prefix cache the pages the step was to fill; returns them.
-        Sequences finished since it was scheduled (async scheduling) are left alone."""
-        op = self.output_processor
-        live = [s for s in scheduler_output.scheduled if not s.request.is_finished]
-        groups = {s.request.group_id: op.groups[s.request.group_id] for s in live}
-        for s in live:    # the step did not (fully) write these pages
-            self.kv.uncache_from(s.request.request_id, s.start)
-        for group in groups.values():
-            for seq in group.seqs:
-                if not seq.request.is_finished:
-                    self.finish_request(seq.request, "error")
-        return list(groups.values())
 
     def reset_kv_cache(self) -> int:
         """The device lost the pool's contents: preempt every running sequence (they

@@ -104,6 +104,9 @@ class StateSlotKVCacheManager:
             Needs a plain ``KVCacheManager``.
     """
 
+    #: A step carries a state slot too (:meth:`step_tables`), whatever ``pages`` is.
+    page_table_only = False
+
     def __init__(self, pages, num_slots: int, num_cached: int = 0):
         self.pages = pages
         self.state_slots = StateSlots(num_slots)

@@ -148,13 +148,16 @@ class EngineSteps:
         """The outputs of the requests that got tokens; finished ones are retired.
         ``preempted``: preemptions since, by request id, left out of the counts reported."""
         outputs, now = [], time.monotonic()
+        note_tokens, make_output = self._stats.note_tokens, self.output_processor.make_output
+        version = self.weight_version    # (outputs carry 0 unless weights were updated)
         for group in groups:
-            self._stats.note_tokens(group, now)
+            note_tokens(group, now)
             since = preempted.get(group.request_id) if preempted else None
-            out = self.output_processor.make_output(group, None if since is None else sum(
+            out = make_output(group, None if since is None else sum(
                 seq.request.num_preemptions for seq in group.seqs) - since)
             if out is not None:
-                tag_version(out, self.weight_version)
+                if version:
+                    tag_version(out, version)
                 outputs.append(out)
             if out.finished if out is not None else group.finished:
                 self._retire(group, now, group.seqs[0].request.finish_reason)
