@@ -1,4 +1,4 @@
-"""``python -m benchmarks.host_core_steps``: the JAX-free step contract alone, per decode step.
+"""``python -m jaxpaged.benchmarks.host_core_steps``: the JAX-free step contract alone, per decode step.
 
 ``jaxpaged bench host-overhead`` times the host side of real engine steps; on a shared
 machine its medians move 10-30% between runs of one build, more than the changes it is
@@ -20,7 +20,7 @@ difference of the instruction totals by the difference of the step counts; OpenB
 threads (numpy) and hash randomization must be pinned for the count to repeat exactly::
 
     OPENBLAS_NUM_THREADS=1 PYTHONHASHSEED=0 valgrind --tool=callgrind \\
-        --callgrind-out-file=/dev/null python -m benchmarks.host_core_steps --steps 20
+        --callgrind-out-file=/dev/null python -m jaxpaged.benchmarks.host_core_steps --steps 20
 
 (``docs/benchmarks.md``, "Host step instructions", has the figures.)
 """
@@ -51,22 +51,24 @@ class _StandInTokenizer:
 
 
 def _no_transformers() -> None:
-    """Make ``jaxpaged.core.detokenizer.fast_backend``'s import of ``transformers`` cheap:
-    the stand-in tokenizer is no ``TokenizersBackend`` whatever the class is."""
+    """Make ``jaxpaged.core.detokenizer.fast_backend``'s import of ``transformers`` cheap
+    (an empty stand-in module): the stand-in tokenizer is no ``TokenizersBackend`` whatever
+    the class is."""
     if "transformers" not in sys.modules:
         module = types.ModuleType("transformers")
         module.TokenizersBackend = type("TokenizersBackend", (), {})
         sys.modules["transformers"] = module
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Run it; returns the tokens applied (``num_seqs * (steps + 1)``: the prefill step's
+    first tokens, then one per sequence per decode step)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="decode steps timed")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--output-kind", default="final_only",
                         choices=["final_only", "cumulative", "delta"])
     args = parser.parse_args(argv)
-    _no_transformers()
     from jaxpaged.core.kv_cache_manager import KVCacheManager
     from jaxpaged.core.output_processor import OutputProcessor
     from jaxpaged.core.request import Request
@@ -104,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
         step()
     ms = (time.perf_counter() - t0) / max(args.steps, 1) * 1e3
     print(f"{args.num_seqs} sequences, {args.output_kind}: {ms:.3f} ms per decode step")
+    return scheduler.num_generation_tokens
 
 
 if __name__ == "__main__":
+    _no_transformers()      # (only as a script: an importer may need the real package)
     main()

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxpaged.benchmarks import host_overhead, latency, throughput
+from jaxpaged.benchmarks import host_core_steps, host_overhead, latency, throughput
 from jaxpaged.benchmarks.datasets import (prefix_repetition_requests, random_requests,
                                           sharegpt_requests, w1_requests)
 from jaxpaged.cli import build_parser
@@ -72,6 +72,13 @@ def test_bench_latency_small(tmp_path):
     assert (tmp_path / "lat.png").read_bytes().startswith(b"\x89PNG")
     assert latency.plot_panels(result) == [
         ("latency (s)", ["iter 1", "iter 2", "iter 3"], {"jaxpaged": result["latencies"]})]
+
+
+@pytest.mark.parametrize("kind", ["final_only", "delta"])
+def test_host_core_steps_applies_one_token_per_sequence_per_step(kind, capsys):
+    assert host_core_steps.main(["--steps", "5", "--num-seqs", "8", "--output-kind", kind]) \
+        == 8 * (5 + 1)
+    assert capsys.readouterr().out.startswith(f"8 sequences, {kind}: ")
 
 
 def test_bench_host_overhead_small(tmp_path):
