@@ -131,8 +131,7 @@ class KVCacheManager:
         return table.pages if table else []
 
     def step_tables(self, request_id: str) -> tuple[list[int], list[list[int]] | None, int]:
-        """What a scheduled step carries of the request: a copy of its page table, the other
-        groups' tables and its state slot (None and -1 here)."""
+        """A scheduled step's copy of the page table, other groups' tables, state slot."""
         return self.page_table(request_id).copy(), None, -1
 
     def group_page_tables(self, request_id: str) -> list[list[int]] | None:
