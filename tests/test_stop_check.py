@@ -62,3 +62,36 @@ def test_stop_string_outranks_length_and_stop_id_skips_the_text():
     assert (b.finish_reason, b.stop_reason) == ("stop", word[0])
     assert s.output_processor.seqs["b"].detokenizer.visible_text(True) == ""
     assert s.running == [] and kv.page_table("a") == [] and kv.page_table("b") == []
+
+
+def test_append_token_finishes_exactly_where_check_stop_fires():
+    """append_token skips check_stop for tokens that cannot stop: over sequences with EOS,
+    stop ids, min_tokens, max_tokens and max_model_len, every sequence finishes at the token
+    and with the reason that check_stop, called on every token, gives."""
+    import random
+    tok = load_tokenizer(DEFAULT_MODEL)
+    rng = random.Random(0)
+    cases = [dict(), dict(ignore_eos=True), dict(stop_token_ids=[11, 12]), dict(min_tokens=4),
+             dict(min_tokens=3, stop_token_ids=[11]), dict(ignore_eos=True, min_tokens=8)]
+    for case_index, params in enumerate(cases * 4):
+        kv = KVCacheManager(num_pages=64, page_size=4, enable_prefix_caching=False)
+        max_model_len = rng.choice([12, 64])
+        s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                      max_model_len=max_model_len),
+                      kv, OutputProcessor(tok, frozenset({EOS}), max_model_len))
+        r = Request("r", None, [5, 6, 7], SamplingParams(**params), seed=0,
+                    max_tokens=rng.choice([5, 20]))
+        s.output_processor.add_request(r, 0.0)
+        s.add_request(r)
+        s.schedule()
+        shadow = req_with([], max_tokens=r.max_tokens, **params)
+        for step in range(40):
+            token = rng.choice([EOS, 11, 12, 20, 21, 22, 23])
+            shadow.all_token_ids.append(token)
+            expected = check_stop(shadow, frozenset({EOS}), max_model_len)
+            assert s.append_token(r, token, None) is (expected is not None), (case_index, step)
+            if expected is not None:
+                assert (r.finish_reason, r.stop_reason) == expected
+                break
+        else:
+            raise AssertionError(f"case {case_index} never stopped")

@@ -100,7 +100,8 @@ class Scheduler(StepResults):
         counts its ``n``)."""
         return sum(r.n_samples for r in self.waiting)
 
-    # Run for every sequence of every step: fields read directly, not through properties.
+    # Hot helpers (_cut for every prefill chunk, _scheduled for every sequence of every
+    # step): fields read directly, not through properties.
     def _cut(self, req: Request, num_new: int, budget: int) -> int:
         """The chunk of ``num_new`` uncomputed tokens that runs: at most ``budget``, the
         long-prefill threshold, and (recurrent states) up to a page boundary."""

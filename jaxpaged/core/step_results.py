@@ -93,7 +93,7 @@ class StepResults:
         ids.append(token)
         num_ids = len(ids)
         # check_stop's rules fire only on an EOS or stop id or at a length limit: a token
-        # meeting none of these (most tokens) skips the call.
+        # meeting none of these (most tokens) skips the call (kept in step with its rules).
         eos, max_model_len = self.output_processor.eos_token_ids, self.config.max_model_len
         stop = check_stop(req, eos, max_model_len) if (
             token in eos or req.params.stop_token_ids or num_ids >= max_model_len

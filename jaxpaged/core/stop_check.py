@@ -36,6 +36,10 @@ def check_stop(req: Request, eos_token_ids: frozenset[int], max_model_len: int) 
         :data:`STOP_LENGTH` when the output reached ``req.max_tokens`` or the sequence
         ``max_model_len``; None when it goes on (a stop string may still end it, found by the
         output processor). EOS and stop ids count only from the ``min_tokens``-th output token.
+
+    ``Scheduler.append_token`` (``jaxpaged.core.step_results``) calls this only for a token
+    that is an EOS or stop id or reaches a length limit, the conditions every rule here needs:
+    a new rule must widen that test too.
     """
     ids = req.all_token_ids
     num_ids = len(ids)
